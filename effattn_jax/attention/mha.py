@@ -1,0 +1,36 @@
+"""Multi-head attention with grouped KV heads (MHA, GQA, MQA) and RoPE."""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+from flax import nnx
+
+from effattn_jax.layers import Dense, apply_rope
+from effattn_jax.sharding import constrain
+
+
+class MHA(nnx.Module):
+    def __init__(self, cfg, *, core, rngs: nnx.Rngs):
+        m = cfg.model
+        h, kv, d = m.num_heads, cfg.num_kv_heads, cfg.head_dim
+        dtype = jnp.dtype(m.dtype)
+        out_std = m.init_std / math.sqrt(2 * m.num_layers)
+        self.q = Dense([m.d_model], [h, d], ("embed", "heads", "head_dim"), rngs=rngs, std=m.init_std, dtype=dtype)
+        self.k = Dense([m.d_model], [kv, d], ("embed", "kv_heads", "head_dim"), rngs=rngs, std=m.init_std, dtype=dtype)
+        self.v = Dense([m.d_model], [kv, d], ("embed", "kv_heads", "head_dim"), rngs=rngs, std=m.init_std, dtype=dtype)
+        self.o = Dense([h, d], [m.d_model], ("heads", "head_dim", "embed"), rngs=rngs, std=out_std, dtype=dtype)
+        self.core = core
+        self.rope_theta = m.rope_theta
+
+    def __call__(self, x, *, positions, segment_ids, token_ids=None, cache=None):
+        """x: [B, S, d_model] -> ([B, S, d_model], cache). `token_ids` is unused by MHA."""
+        if cache is not None:
+            raise NotImplementedError("KV-cache decoding lands with the generation issue")
+        q = apply_rope(self.q(x), positions, self.rope_theta)  # [B, S, H, D]
+        k = apply_rope(self.k(x), positions, self.rope_theta)  # [B, S, KV, D]
+        v = self.v(x)
+        q = constrain(q, ("batch", "length", "heads", "head_dim"))
+        out = self.core(q, k, v, segment_ids=segment_ids)
+        return self.o(out), None

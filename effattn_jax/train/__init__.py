@@ -1,0 +1,1 @@
+"""Training: state and shardings, the jitted step, the loop, metrics."""

@@ -1,0 +1,190 @@
+"""The training loop: resume, step, log, validate, checkpoint, handle preemption.
+
+The last line printed by a completed run is
+`val_loss=<float> unigram_loss=<float> run_dir=<path>`; a run stopped by
+SIGTERM/SIGINT finishes its step, checkpoints, prints
+`preempted step=<n> run_dir=<path>` and exits with status 143.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from effattn_jax import checkpoint
+from effattn_jax.config import Config, ConfigError, to_yaml
+from effattn_jax.data.pipeline import build_corpus, train_iterator, unigram_loss, val_batches
+from effattn_jax.flops import train_flops_per_token
+from effattn_jax.model import param_counts
+from effattn_jax.sharding import make_mesh
+from effattn_jax.train.metrics import ScalarWriter
+from effattn_jax.train.state import init_state, make_setup
+from effattn_jax.train.step import make_eval_step, make_train_step
+
+PREEMPTED_EXIT = 143
+PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "tensorboard", "numpy", "tokenizers")
+
+
+class Preempted(SystemExit):
+    pass
+
+
+def _git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True,
+                             timeout=10)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+
+
+def _versions() -> dict[str, str]:
+    out = {}
+    for p in PACKAGES:
+        try:
+            out[p] = metadata.version(p)
+        except metadata.PackageNotFoundError:
+            out[p] = "not installed"
+    return out
+
+
+def record_provenance(run_dir: Path, cfg: Config) -> None:
+    """Resolved config (config.yaml) and one line per launch in launches.jsonl."""
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "argv": sys.argv, "git_commit": _git_commit(),
+             "packages": _versions(), "devices": [str(d) for d in jax.devices()], "process_count": jax.process_count()}
+    with open(run_dir / "launches.jsonl", "a") as f:
+        f.write(json.dumps(entry) + "\n")
+
+
+class _StopFlag:
+    """Set by SIGTERM/SIGINT; the loop checks it after each step."""
+
+    def __init__(self):
+        self.signal = None
+
+    def __call__(self, signum, frame):
+        self.signal = signum
+
+    def install(self):
+        self.previous = {s: signal.signal(s, self) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def restore(self):
+        for s, h in self.previous.items():
+            signal.signal(s, h)
+
+
+def _to_global(batch: dict, sharding) -> dict:
+    return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
+
+
+def evaluate(eval_step, params, batches, sharding) -> float:
+    total, count = 0.0, 0.0
+    for b in batches:
+        s, n = eval_step(params, _to_global(b, sharding))
+        total, count = total + float(s), count + float(n)
+    return total / max(count, 1.0)
+
+
+def run(cfg: Config, *, stop_at: int | None = None) -> dict:
+    """Trains (or resumes) the run in `cfg.train.run_dir`; returns its final metrics.
+
+    `stop_at`: behave as if preempted after that step (for tests and external schedulers)."""
+    t, d = cfg.train, cfg.data
+    run_dir = Path(t.run_dir).absolute()
+    corpus = build_corpus(d)
+    if corpus.vocab_size > cfg.model.vocab_size:
+        raise ConfigError("model.vocab_size", cfg.model.vocab_size,
+                          f"must be >= the tokenizer's {corpus.vocab_size} tokens")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    record_provenance(run_dir, cfg)
+
+    mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    setup = make_setup(cfg, mesh)
+    pi, pc = jax.process_index(), jax.process_count()
+    data_iter = train_iterator(corpus.train, batch_size=d.batch_size, seed=d.seed, process_index=pi, process_count=pc)
+    val = list(val_batches(corpus.val, batch_size=d.batch_size, max_batches=cfg.eval.max_batches,
+                           process_index=pi, process_count=pc))
+    ck = cfg.checkpoint
+    mngr = checkpoint.manager(run_dir, keep_last=ck.keep_last, keep_every=ck.keep_every, async_save=ck.async_save)
+    step, state = checkpoint.restore_latest(mngr, setup.abstract_state, data_iter)
+    if state is None:
+        step, state = 0, init_state(setup)
+    else:
+        print(f"resumed from step {step} in {run_dir}", file=sys.stderr)
+
+    counts = param_counts(setup.model(state["params"]))
+    flops_tok = train_flops_per_token(cfg, counts["non_embedding"])
+    tokens_per_step = d.batch_size * d.seq_len
+    print(f"params: {counts['total']:,} ({counts['non_embedding']:,} non-embedding); "
+          f"{flops_tok / 1e6:.1f} MFLOP/token; mesh {dict(mesh.shape)}", file=sys.stderr)
+
+    train_step, eval_step = make_train_step(setup), make_eval_step(setup)
+    batch_sharding = setup.batch_sharding()
+    writer = ScalarWriter(run_dir)
+    stop = _StopFlag()
+    stop.install()
+    bar = tqdm(total=t.steps, initial=step, disable=not t.progress, dynamic_ncols=True, desc="train", file=sys.stderr)
+    last_saved = step
+    try:
+        tick, tick_step = time.perf_counter(), step
+        while step < t.steps:
+            if t.profile_steps and step == t.profile_steps[0]:
+                jax.profiler.start_trace(str(run_dir / "profile"))
+            state, metrics = train_step(state, _to_global(next(data_iter), batch_sharding))
+            step += 1
+            bar.update(1)
+            if t.profile_steps and step == t.profile_steps[1]:
+                jax.block_until_ready(state)
+                jax.profiler.stop_trace()
+            if step % t.log_every == 0 or step == t.steps:
+                m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                now = time.perf_counter()
+                tok_s = (step - tick_step) * tokens_per_step / (now - tick)
+                tick, tick_step = now, step
+                writer.scalars(step, {"loss": m["loss"], "learning_rate": m["lr"], "grad_norm": m["grad_norm"],
+                                      "tokens_per_sec": tok_s, "tokens_seen": step * tokens_per_step,
+                                      "model_flops_per_sec": tok_s * flops_tok})
+                bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{tok_s:,.0f}")
+                if not np.isfinite(m["loss"]):
+                    raise FloatingPointError(f"loss became {m['loss']} at step {step}")
+            if step % cfg.eval.every_steps == 0 and step < t.steps:
+                writer.scalars(step, {"val_loss": evaluate(eval_step, state["params"], val, batch_sharding)})
+                writer.flush()
+                tick = time.perf_counter()  # tokens/s counts training time only
+            preempt = stop.signal is not None or step == stop_at
+            if step % ck.every_steps == 0 or step == t.steps or preempt:
+                checkpoint.save(mngr, step, state, data_iter, cfg.to_dict(), force=True)
+                last_saved = step
+            if preempt:
+                mngr.wait_until_finished()
+                bar.close()
+                writer.close()
+                print(f"preempted step={step} run_dir={run_dir}", flush=True)
+                raise Preempted(PREEMPTED_EXIT)
+        if last_saved != step:
+            checkpoint.save(mngr, step, state, data_iter, cfg.to_dict(), force=True)
+        bar.close()
+        val_loss = evaluate(eval_step, state["params"], val, batch_sharding)
+        writer.scalars(step, {"val_loss": val_loss})
+        uni = unigram_loss(corpus.train_token_counts, val)
+        mngr.wait_until_finished()
+    finally:
+        stop.restore()
+        writer.close()
+        mngr.close()
+    return {"val_loss": val_loss, "unigram_loss": uni, "run_dir": str(run_dir), "step": step,
+            "flops_per_token": flops_tok}
+
+
+def final_line(result: dict) -> str:
+    return f"val_loss={result['val_loss']:.4f} unigram_loss={result['unigram_loss']:.4f} run_dir={result['run_dir']}"

@@ -1,0 +1,95 @@
+"""Train state (params, optimizer state, step) and its shardings over the mesh.
+
+Parameters live as a pure dict (the NNX model is rebuilt inside the step with
+`nnx.merge`); their shardings come from each Param's `logical_axes` through
+`mesh.rules`; the optimizer state mirrors its parameters' shardings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from flax.nnx import traversals
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from effattn_jax.config import Config
+from effattn_jax.model import Transformer
+from effattn_jax.sharding import logical_to_spec
+
+
+def make_optimizer(cfg: Config) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """AdamW with linear warmup + cosine decay and global-norm clipping; no decay on vectors (norm scales)."""
+    t = cfg.train
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=t.lr, warmup_steps=t.warmup_steps,
+        decay_steps=max(t.steps, t.warmup_steps + 1), end_value=t.lr * t.min_lr_ratio)
+    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim > 1, params)
+    parts = [optax.clip_by_global_norm(t.grad_clip)] if t.grad_clip > 0 else []
+    parts.append(optax.adamw(schedule, b1=t.b1, b2=t.b2, weight_decay=t.weight_decay, mask=decay_mask))
+    return optax.chain(*parts), schedule
+
+
+@dataclass
+class TrainSetup:
+    """Everything static about a run's state: model structure, optimizer, shardings."""
+
+    cfg: Config
+    mesh: Mesh
+    graphdef: Any
+    tx: optax.GradientTransformation
+    schedule: optax.Schedule
+    state_shardings: dict
+    abstract_state: dict  # ShapeDtypeStructs with shardings, for restore
+
+    @property
+    def rules(self) -> dict:
+        return self.cfg.mesh.rules
+
+    def batch_sharding(self) -> NamedSharding:
+        return NamedSharding(self.mesh, logical_to_spec(("batch", "length"), (self.cfg.data.batch_size, self.cfg.data.seq_len),
+                                                        self.mesh, self.rules))
+
+    def model(self, params) -> Transformer:
+        return nnx.merge(self.graphdef, params)
+
+
+def _new_model(cfg: Config) -> Transformer:
+    return Transformer(cfg, rngs=nnx.Rngs(params=cfg.train.seed))
+
+
+def param_specs(cfg: Config, mesh: Mesh) -> tuple[Any, dict]:
+    """(graphdef, pure dict of PartitionSpecs) from the Params' logical axes, without allocating."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: _new_model(cfg)))
+    flat = {path: logical_to_spec(var.get_metadata()["logical_axes"], var.shape, mesh, cfg.mesh.rules)
+            for path, var in state.flat_state()}
+    return graphdef, traversals.unflatten_mapping(flat)
+
+
+def make_setup(cfg: Config, mesh: Mesh) -> TrainSetup:
+    graphdef, pspecs = param_specs(cfg, mesh)
+    tx, schedule = make_optimizer(cfg)
+    params_shape = jax.eval_shape(lambda: nnx.split(_new_model(cfg))[1].to_pure_dict())
+    opt_shape = jax.eval_shape(tx.init, params_shape)
+    is_spec = lambda x: isinstance(x, PartitionSpec)
+    opt_specs = optax.tree_map_params(tx, lambda _, s: s, opt_shape, pspecs,
+                                      transform_non_params=lambda _: PartitionSpec(), is_leaf=is_spec)
+    specs = {"params": pspecs, "opt_state": opt_specs, "step": PartitionSpec()}
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=is_spec)
+    shapes = {"params": params_shape, "opt_state": opt_shape, "step": jax.ShapeDtypeStruct((), jnp.int32)}
+    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
+    return TrainSetup(cfg, mesh, graphdef, tx, schedule, shardings, abstract)
+
+
+def init_state(setup: TrainSetup) -> dict:
+    """Fresh, sharded train state (initialised directly into its shardings)."""
+
+    def init():
+        params = nnx.split(_new_model(setup.cfg))[1].to_pure_dict()
+        return {"params": params, "opt_state": setup.tx.init(params), "step": jnp.zeros((), jnp.int32)}
+
+    return jax.jit(init, out_shardings=setup.state_shardings)()

@@ -1,0 +1,90 @@
+"""Training throughput vs this machine's float32 matmul peak, measured in one run.
+
+    python -m eval.bench_train --config configs/cpu/default.yaml [key=value ...] [--repeats 5]
+
+Alternates timed train steps (synthetic tokens, the real step function and
+shardings) with timed large matmuls so that machine noise hits both; reports
+medians, tokens/s, model FLOP/s and its fraction of the matmul peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from effattn_jax.config import load_config
+from effattn_jax.flops import train_flops_per_token
+from effattn_jax.model import param_counts
+from effattn_jax.sharding import make_mesh
+from effattn_jax.train.state import init_state, make_setup
+from effattn_jax.train.step import make_train_step
+
+
+def matmul_peak(n: int = 2048):
+    a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n)), jnp.float32)
+    f = jax.jit(lambda x, y: x @ y)
+    f(a, a).block_until_ready()
+
+    def once(tries: int = 5):
+        best = 0.0
+        for _ in range(tries):
+            t = time.perf_counter()
+            f(a, a).block_until_ready()
+            best = max(best, 2 * n**3 / (time.perf_counter() - t))
+        return best
+
+    return once
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--config", default="configs/cpu/default.yaml")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--steps-per-repeat", type=int, default=3)
+    p.add_argument("overrides", nargs="*")
+    args = p.parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    setup = make_setup(cfg, mesh)
+    state = init_state(setup)
+    step = make_train_step(setup)
+    b, s = cfg.data.batch_size, cfg.data.seq_len
+    rng = np.random.default_rng(0)
+    batch = {"inputs": rng.integers(0, 50000, (b, s), dtype=np.int32),
+             "targets": rng.integers(0, 50000, (b, s), dtype=np.int32),
+             "segment_ids": np.ones((b, s), np.int32), "loss_mask": np.ones((b, s), np.float32)}
+    batch = jax.device_put(batch, setup.batch_sharding())
+    t0 = time.perf_counter()
+    state, m = step(state, batch)
+    jax.block_until_ready(m)
+    compile_s = time.perf_counter() - t0
+    peak_once = matmul_peak()
+    counts = param_counts(setup.model(state["params"]))
+    flops_tok = train_flops_per_token(cfg, counts["non_embedding"])
+
+    step_times, peaks = [], []
+    for _ in range(args.repeats):
+        t = time.perf_counter()
+        for _ in range(args.steps_per_repeat):
+            state, m = step(state, batch)
+        jax.block_until_ready(m)
+        step_times.append((time.perf_counter() - t) / args.steps_per_repeat)
+        peaks.append(peak_once())
+    st, peak = statistics.median(step_times), statistics.median(peaks)
+    tok_s = b * s / st
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind} x{jax.device_count()}")
+    print(f"model: {counts['total']:,} params ({counts['non_embedding']:,} non-embedding), "
+          f"{flops_tok / 1e6:.1f} MFLOP/token, batch {b}x{s}")
+    print(f"first step (compile+run): {compile_s:.1f} s")
+    print(f"train step median: {st * 1e3:.0f} ms  -> {tok_s:,.0f} tokens/s")
+    print(f"model FLOP/s: {tok_s * flops_tok / 1e9:.1f} GFLOP/s; float32 matmul peak (best of 5 2048^3 per repeat, median): {peak / 1e9:.1f} GFLOP/s")
+    print(f"fraction of peak: {tok_s * flops_tok / peak:.1%}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""Shared fixtures. Eight host CPU devices are simulated for the whole suite so the
+sharding tests can build a (data=2, fsdp=2, tensor=2) mesh; every other test pins
+its mesh to one device."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+WORDS = ("the of and to in a is that for it as was with be by on not he this are or his from at which but have an "
+         "they you were her she there been one all we their has would when if so no what up out who them some").split()
+
+
+def write_corpus(root, n_docs=8, words_per_doc=(40, 400), seed=0):
+    """Small deterministic text files: train/*.txt and val/*.txt."""
+    rng = np.random.default_rng(seed)
+    for split, n in (("train", n_docs), ("val", 2)):
+        d = root / split
+        d.mkdir(parents=True, exist_ok=True)
+        for i in range(n):
+            k = int(rng.integers(*words_per_doc))
+            # a repeating pattern plus noise, so a tiny model can learn something
+            text = " ".join(WORDS[(j * 7 + i) % len(WORDS)] if rng.random() < 0.8 else WORDS[int(rng.integers(len(WORDS)))]
+                            for j in range(k))
+            (d / f"doc{i}.txt").write_text(text + ".\n")
+    return root
+
+
+def tiny_overrides(root, run_dir, **extra):
+    """Overrides for a tiny model on the tiny corpus, one device, fast."""
+    o = {
+        "data.source": "files", "data.train_files": f"[{root}/train/*.txt]", "data.val_files": f"[{root}/val/*.txt]",
+        "data.seq_len": 32, "data.batch_size": 4,
+        "model.d_model": 32, "model.num_layers": 2, "model.num_heads": 4, "model.num_kv_heads": 2, "model.mlp_dim": 64,
+        "train.run_dir": str(run_dir), "train.steps": 6, "train.warmup_steps": 2, "train.lr": 1e-2, "train.log_every": 1,
+        "train.progress": False, "checkpoint.every_steps": 2, "checkpoint.async_save": False,
+        "eval.every_steps": 3, "eval.max_batches": 2, "mesh.data": 1,
+    }
+    o.update(extra)
+    return [f"{k}={v}" for k, v in o.items()]
+
+
+@pytest.fixture
+def corpus_dir(tmp_path):
+    return write_corpus(tmp_path / "corpus")

@@ -1,0 +1,35 @@
+"""Train a language model: `python train.py --config configs/<file>.yaml key.sub=value ...`
+
+Rerunning the same command resumes from the run directory's last checkpoint.
+Exit status: 0 done, 2 bad config or data, 143 preempted (SIGTERM/SIGINT).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="YAML config (may name a `base:` file)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=100")
+    args = parser.parse_args(argv)
+
+    from effattn_jax.config import ConfigError, load_config
+    from effattn_jax.data.corpus import DataError
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        from effattn_jax.train.loop import final_line, run
+
+        result = run(cfg)
+    except (ConfigError, DataError) as e:
+        print(str(e) if isinstance(e, ConfigError) else f"data error: {e}", file=sys.stderr)
+        return 2
+    print(final_line(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
