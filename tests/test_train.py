@@ -86,7 +86,7 @@ def test_sharded_step_matches_single_device(tmp_path, corpus_dir):
         results.append((float(metrics["loss"]), jax.device_get(new["params"]), new))
     (l1, p1, _), (l8, p8, sharded) = results
     q = sharded["params"]["blocks"][0]["attn"]["q"]["kernel"]
-    assert q.sharding.spec == ("fsdp", "tensor", None)  # really sharded, not replicated
+    assert tuple(q.sharding.spec) == ("fsdp", "tensor", None)  # really sharded, not replicated
     assert abs(l8 - l1) <= 1e-5 * abs(l1)
     for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p8)):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)

@@ -66,14 +66,14 @@ def param_specs(cfg: Config, mesh: Mesh) -> tuple[Any, dict]:
     """(graphdef, pure dict of PartitionSpecs) from the Params' logical axes, without allocating."""
     graphdef, state = nnx.split(nnx.eval_shape(lambda: _new_model(cfg)))
     flat = {path: logical_to_spec(var.get_metadata()["logical_axes"], var.shape, mesh, cfg.mesh.rules)
-            for path, var in state.flat_state()}
+            for path, var in nnx.to_flat_state(state)}
     return graphdef, traversals.unflatten_mapping(flat)
 
 
 def make_setup(cfg: Config, mesh: Mesh) -> TrainSetup:
     graphdef, pspecs = param_specs(cfg, mesh)
     tx, schedule = make_optimizer(cfg)
-    params_shape = jax.eval_shape(lambda: nnx.split(_new_model(cfg))[1].to_pure_dict())
+    params_shape = jax.eval_shape(lambda: nnx.to_pure_dict(nnx.split(_new_model(cfg))[1]))
     opt_shape = jax.eval_shape(tx.init, params_shape)
     is_spec = lambda x: isinstance(x, PartitionSpec)
     opt_specs = optax.tree_map_params(tx, lambda _, s: s, opt_shape, pspecs,
@@ -89,7 +89,7 @@ def init_state(setup: TrainSetup) -> dict:
     """Fresh, sharded train state (initialised directly into its shardings)."""
 
     def init():
-        params = nnx.split(_new_model(setup.cfg))[1].to_pure_dict()
+        params = nnx.to_pure_dict(nnx.split(_new_model(setup.cfg))[1])
         return {"params": params, "opt_state": setup.tx.init(params), "step": jnp.zeros((), jnp.int32)}
 
     return jax.jit(init, out_shardings=setup.state_shardings)()

@@ -51,7 +51,7 @@ def make_train_step(setup: TrainSetup):
         grads = jax.tree.map(lambda x: x / n, g)
         updates, opt_state = setup.tx.update(grads, state["opt_state"], params)
         new = {"params": optax.apply_updates(params, updates), "opt_state": opt_state, "step": state["step"] + 1}
-        metrics = {"loss": s / n, "grad_norm": optax.global_norm(grads), "lr": setup.schedule(state["step"]),
+        metrics = {"loss": s / n, "grad_norm": optax.tree.norm(grads), "lr": setup.schedule(state["step"]),
                    "tokens": n}
         return new, metrics
 
