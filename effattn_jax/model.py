@@ -25,7 +25,7 @@ class Block(nnx.Module):
         kind, core = layer_spec(cfg, layer)
         dtype = jnp.dtype(m.dtype)
         self.attn_norm = RMSNorm(m.d_model, eps=m.norm_eps)
-        self.attn = KINDS[kind](cfg, core=CORES[core], rngs=rngs)
+        self.attn = KINDS[kind](cfg, core=CORES[core](cfg), rngs=rngs)
         self.mlp_norm = RMSNorm(m.d_model, eps=m.norm_eps)
         self.mlp = SwiGLU(m.d_model, m.mlp_dim, rngs=rngs, std=m.init_std,
                           out_std=m.init_std / math.sqrt(2 * m.num_layers), dtype=dtype)

@@ -1,19 +1,32 @@
 """Attention registry: `attention.kind` picks the projections (a module class),
 `attention.core` the pattern (a parameter-free function), independently.
 
-Every kind is constructed as `KINDS[kind](cfg, core=CORES[core], rngs=rngs)` and
-called as `module(x, *, positions, segment_ids, token_ids, cache=None)`
-returning `(output, cache)`. Cores have no parameters, so switching the core
-never changes the parameter tree.
+Every kind is constructed as `KINDS[kind](cfg, core=CORES[core](cfg), rngs=rngs)`
+and called as `module(x, *, positions, segment_ids, token_ids, cache=None)`
+returning `(output, cache)`. A core is `fn(q, k, v, *, segment_ids, scale=None)`
+with q [B, S, Hq, D], k/v [B, S, Hkv, D]; cores have no parameters, so switching
+the core never changes the parameter tree.
 """
 
 from __future__ import annotations
 
+import functools
+
 from effattn_jax.attention.mha import MHA
 from effattn_jax.ops.dense import dense_attention
+from effattn_jax.ops.moba import moba_attention
 
 KINDS = {"mha": MHA}
-CORES = {"dense": dense_attention}
+
+
+def _moba_core(cfg):
+    m = cfg.moba
+    return functools.partial(moba_attention, block_size=m.block_size, top_k=m.top_k, impl=m.impl)
+
+
+CORES = {"dense": lambda cfg: dense_attention, "moba": _moba_core}
+# Which kinds each core supports so far (checked at config time).
+CORE_KINDS = {"dense": set(KINDS), "moba": {"mha"}}
 
 
 def layer_spec(cfg, layer: int) -> tuple[str, str]:

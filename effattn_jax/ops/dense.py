@@ -15,6 +15,19 @@ def causal_segment_mask(segment_ids: jax.Array | None, q_len: int, kv_len: int) 
     return causal & same
 
 
+def masked_attention(q, k, v, mask, scale):
+    """Plain softmax attention, float32 softmax. q [B, T, Hq, D], k [B, S, Hkv, D], v [B, S, Hkv, Dv],
+    mask broadcastable to [B, Hq, T, S] (True = attend) -> [B, T, Hq, Dv] in q's dtype."""
+    b, t, hq, d = q.shape
+    hkv = k.shape[2]
+    qg = q.reshape(b, t, hkv, hq // hkv, d)
+    logits = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    mask = jnp.broadcast_to(mask, (b, hq, t, k.shape[1])).reshape(b, hkv, hq // hkv, t, k.shape[1])
+    probs = jax.nn.softmax(jnp.where(mask, logits, -jnp.inf), axis=-1)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v.astype(jnp.float32))
+    return out.reshape(b, t, hq, v.shape[-1]).astype(q.dtype)
+
+
 def dense_attention(q, k, v, *, segment_ids=None, scale=None):
     """q: [B, S, Hq, D], k/v: [B, S, Hkv, D] (Hkv divides Hq) -> [B, S, Hq, Dv].
 
@@ -22,4 +35,6 @@ def dense_attention(q, k, v, *, segment_ids=None, scale=None):
     `jax.nn.dot_product_attention`, which handles GQA without copying K/V.
     """
     mask = causal_segment_mask(segment_ids, q.shape[1], k.shape[1])
+    if v.shape[-1] != q.shape[-1]:  # jax.nn.dot_product_attention needs equal head dims
+        return masked_attention(q, k, v, mask, q.shape[-1] ** -0.5 if scale is None else scale)
     return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation="xla").astype(q.dtype)

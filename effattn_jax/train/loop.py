@@ -129,6 +129,11 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict:
           f"{flops_tok / 1e6:.1f} MFLOP/token; mesh {dict(mesh.shape)}", file=sys.stderr)
 
     train_step, eval_step = make_train_step(setup), make_eval_step(setup)
+    switch_at = cfg.full_attention_from_step  # MoBA -> dense schedule hybrid (0 = none)
+    if switch_at:
+        full = make_setup(cfg.with_full_attention(), mesh)  # same parameter tree, dense cores
+        full_train_step, full_eval_step = make_train_step(full), make_eval_step(full)
+    steps_for = lambda s: (full_train_step, full_eval_step) if switch_at and s >= switch_at else (train_step, eval_step)
     batch_sharding = setup.batch_sharding()
     writer = ScalarWriter(run_dir)
     stop = _StopFlag()
@@ -140,7 +145,7 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict:
         while step < t.steps:
             if t.profile_steps and step == t.profile_steps[0]:
                 jax.profiler.start_trace(str(run_dir / "profile"))
-            state, metrics = train_step(state, _to_global(next(data_iter), batch_sharding))
+            state, metrics = steps_for(step)[0](state, _to_global(next(data_iter), batch_sharding))
             step += 1
             bar.update(1)
             if t.profile_steps and step == t.profile_steps[1]:
@@ -158,7 +163,7 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict:
                 if not np.isfinite(m["loss"]):
                     raise FloatingPointError(f"loss became {m['loss']} at step {step}")
             if step % cfg.eval.every_steps == 0 and step < t.steps:
-                writer.scalars(step, {"val_loss": evaluate(eval_step, state["params"], val, batch_sharding)})
+                writer.scalars(step, {"val_loss": evaluate(steps_for(step)[1], state["params"], val, batch_sharding)})
                 writer.flush()
                 tick = time.perf_counter()  # tokens/s counts training time only
             preempt = stop.signal is not None or step == stop_at
@@ -174,7 +179,7 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict:
         if last_saved != step:
             checkpoint.save(mngr, step, state, data_iter, cfg.to_dict(), force=True)
         bar.close()
-        val_loss = evaluate(eval_step, state["params"], val, batch_sharding)
+        val_loss = evaluate(steps_for(step)[1], state["params"], val, batch_sharding)
         writer.scalars(step, {"val_loss": val_loss})
         uni = unigram_loss(corpus.train_token_counts, val)
         mngr.wait_until_finished()

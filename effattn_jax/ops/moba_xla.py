@@ -1,0 +1,131 @@
+"""Sub-quadratic, exact, differentiable MoBA in plain XLA (the CPU path).
+
+Two parts, merged per query by log-sum-exp (PAPERS.md §1, item 6):
+
+* Own block: blocked local attention. The sequence is cut into chunks of
+  `block_size`; each query chunk attends to its own and the previous key chunk
+  (the own block always lies inside those 2 * block_size keys), masked to
+  "same block, not in the future". Without segment ids blocks are the chunks,
+  so the previous chunk is skipped.
+* Selected earlier blocks: the grouped-matmul trick. The (query, head, block)
+  pairs are sorted by block, each block's group is padded to a multiple of
+  `q_tile`, and one batched einsum runs every tile of q_tile queries against
+  the one K/V block it shares. Earlier blocks are always full and disjoint,
+  so a row has at most S // block_size of them and the tile count has a
+  static bound: ceil(pairs / q_tile) + batch * q_heads * (S // block_size).
+
+Cost: S * (top_k - 1) * block_size * D for the past part plus
+S * block_size * D (2x with segment ids) for the own part; no [S, S] array.
+K/V are gathered per tile from the KV head of the tile (GQA without copying
+K/V to every query head).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from effattn_jax.ops.moba import Routing, block_starts
+
+
+def _own_block_part(q, k, v, routing: Routing, *, block_size, segment_ids, scale):
+    """(m, l, o) of the causal own-block softmax: [B, S, Hq], [B, S, Hq], [B, S, Hq, Dv]."""
+    b, s, hq, d = q.shape
+    hkv, dv, c = k.shape[2], v.shape[3], block_size
+    g = hq // hkv
+    pad = -s % c
+    n = (s + pad) // c
+    padt = lambda x: jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
+    qc = padt(q).reshape(b, n, c, hkv, g, d)
+    kc, vc = padt(k).reshape(b, n, c, hkv, d), padt(v).reshape(b, n, c, hkv, dv)
+    bs = padt(block_starts(segment_ids, b, s, c)).reshape(b, n, c)
+    idx = jnp.arange(s + pad).reshape(n, c)
+    with_prev = segment_ids is not None
+    if with_prev:  # keys: previous chunk ++ this chunk
+        shift = lambda x, fill: jnp.concatenate([jnp.full_like(x[:, :1], fill), x[:, :-1]], axis=1)
+        kc = jnp.concatenate([shift(kc, 0), kc], axis=2)
+        vc = jnp.concatenate([shift(vc, 0), vc], axis=2)
+        kbs = jnp.concatenate([shift(bs, -1), bs], axis=2)
+        kidx = jnp.concatenate([jnp.concatenate([jnp.full((1, c), -1), idx[:-1]]), idx], axis=1)
+    else:
+        kbs, kidx = bs, idx
+    own = routing.own_start
+    own = padt(own).reshape(b, n, c)
+    mask = (kbs[:, :, None, :] == own[:, :, :, None]) & (kidx[None, :, None, :] <= idx[None, :, :, None])
+    mask &= (kidx >= 0)[None, :, None, :]
+    logits = jnp.einsum("bnqkgd,bnckd->bnkgqc", qc, kc, preferred_element_type=jnp.float32) * scale
+    logits = jnp.where(mask[:, :, None, None], logits, -jnp.inf)
+    m = jnp.max(logits, axis=-1)  # every real query sees itself, so m is finite there
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(logits - m[..., None])
+    l = jnp.sum(p, axis=-1)
+    o = jnp.einsum("bnkgqc,bnckd->bnqkgd", p, vc.astype(jnp.float32))
+    m = jnp.moveaxis(m, -1, 2).reshape(b, s + pad, hq)[:, :s]  # [B, n, Hkv, G, C] -> [B, S, Hq]
+    l = jnp.moveaxis(l, -1, 2).reshape(b, s + pad, hq)[:, :s]
+    o = o.reshape(b, s + pad, hq, dv)[:, :s]
+    return m, l, o
+
+
+def _past_blocks_part(q, k, v, routing: Routing, *, block_size, scale, q_tile):
+    """(m, l, o) per (query, head, selected block): [B, S, Hq, K'], ..., [B, S, Hq, K', Dv]."""
+    b, s, hq, d = q.shape
+    hkv, dv, c = k.shape[2], v.shape[3], block_size
+    kp = routing.past_start.shape[-1]
+    sel = routing.past_start.reshape(-1)  # pairs in (b, t, h, i) order
+    npairs = sel.shape[0]
+    pb = jnp.arange(npairs) // (s * hq * kp)
+    pt = (jnp.arange(npairs) // (hq * kp)) % s
+    ph = (jnp.arange(npairs) // kp) % hq
+    valid = sel >= 0
+    big = jnp.iinfo(jnp.int32).max
+    key = jnp.where(valid, (pb * hq + ph) * s + sel, big)
+
+    order = jnp.argsort(key, stable=True)
+    skey = key[order]
+    svalid = skey != big
+    new_group = svalid & jnp.concatenate([jnp.ones((1,), bool), skey[1:] != skey[:-1]])
+    gid = jnp.cumsum(new_group) - 1  # group of each sorted pair
+    rank = jnp.arange(npairs) - jax.lax.cummax(jnp.where(new_group, jnp.arange(npairs), 0))
+    max_groups = b * hq * (s // c)
+    gsize = jax.ops.segment_sum(svalid.astype(jnp.int32), jnp.where(svalid, gid, max_groups), max_groups + 1)[:-1]
+    gtiles = -(-gsize // q_tile)
+    goffset = jnp.cumsum(gtiles) - gtiles
+    ntiles = -(-npairs // q_tile) + max_groups
+    tile = jnp.where(svalid, goffset[jnp.clip(gid, 0, max_groups - 1)] + rank // q_tile, ntiles)
+    slot = rank % q_tile
+
+    # Tile table: which pair fills each (tile, slot); -1 = padding.
+    table = jnp.full((ntiles + 1, q_tile), -1, jnp.int32).at[tile, slot].set(order.astype(jnp.int32))[:-1]
+    first = jnp.max(table, axis=1)  # any real pair of the tile names its block
+    tb, th, ts = pb[jnp.maximum(first, 0)], ph[jnp.maximum(first, 0)], jnp.maximum(sel[jnp.maximum(first, 0)], 0)
+    rows = jnp.maximum(table, 0)
+    qt = q[pb[rows], pt[rows], ph[rows]]  # [T, Qt, D]
+    kpos = ts[:, None] + jnp.arange(c)[None]  # [T, C]
+    kt = k[tb[:, None], kpos, (th // (hq // hkv))[:, None]]  # [T, C, D]
+    vt = v[tb[:, None], kpos, (th // (hq // hkv))[:, None]]
+    logits = jnp.einsum("tqd,tcd->tqc", qt, kt, preferred_element_type=jnp.float32) * scale
+    m = jnp.max(logits, axis=-1)
+    p = jnp.exp(logits - m[..., None])
+    l = jnp.sum(p, axis=-1)
+    o = jnp.einsum("tqc,tcd->tqd", p, vt.astype(jnp.float32))
+
+    # Back to pair order: sorted position -> (tile, slot); invalid pairs contribute nothing.
+    inv = jnp.zeros((npairs,), jnp.int32).at[order].set(jnp.arange(npairs, dtype=jnp.int32))
+    pt_tile, pt_slot = jnp.clip(tile[inv], 0, ntiles - 1), slot[inv]
+    m_p = jnp.where(valid, m[pt_tile, pt_slot], -jnp.inf)
+    l_p = jnp.where(valid, l[pt_tile, pt_slot], 0.0)
+    o_p = jnp.where(valid[:, None], o[pt_tile, pt_slot], 0.0)
+    return m_p.reshape(b, s, hq, kp), l_p.reshape(b, s, hq, kp), o_p.reshape(b, s, hq, kp, dv)
+
+
+def moba_xla(q, k, v, routing: Routing, *, block_size: int, segment_ids=None, scale: float, q_tile: int = 128):
+    m0, l0, o0 = _own_block_part(q, k, v, routing, block_size=block_size, segment_ids=segment_ids, scale=scale)
+    if routing.past_start.shape[-1] == 0:
+        return (o0 / l0[..., None]).astype(q.dtype)
+    m1, l1, o1 = _past_blocks_part(q, k, v, routing, block_size=block_size, scale=scale, q_tile=q_tile)
+    m = jnp.maximum(m0, jnp.max(m1, axis=-1))  # [B, S, Hq]
+    m = jax.lax.stop_gradient(m)
+    w0, w1 = jnp.exp(m0 - m), jnp.exp(m1 - m[..., None])
+    l = l0 * w0 + jnp.sum(l1 * w1, axis=-1)
+    o = o0 * w0[..., None] + jnp.sum(o1 * w1[..., None], axis=-2)
+    return (o / l[..., None]).astype(q.dtype)
