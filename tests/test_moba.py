@@ -149,3 +149,32 @@ def test_bad_shapes():
         moba_attention(q, k, v, block_size=4, top_k=2, segment_ids=jnp.ones((1, 7), jnp.int32))
     with pytest.raises(ValueError, match="shapes do not match"):
         moba_attention(q, k[:, :6], v[:, :6], block_size=4, top_k=2)
+
+
+def _largest_intermediate(fn, *args) -> int:
+    """Elements of the largest array in fn's jaxpr, including scan/map bodies."""
+
+    def sizes(jx):
+        for eqn in jx.eqns:
+            yield from (np.prod(o.aval.shape, dtype=np.int64) for o in eqn.outvars if hasattr(o.aval, "shape"))
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, (list, tuple)) else [param]:
+                    sub = getattr(sub, "jaxpr", sub)
+                    if hasattr(sub, "eqns"):
+                        yield from sizes(sub)
+
+    return int(max(sizes(jax.make_jaxpr(fn)(*args).jaxpr)))
+
+
+@pytest.mark.parametrize("impl, growth", [("xla", (3, 5)), ("reference", (16, 17))])
+def test_memory_grows_linearly_not_quadratically(impl, growth):
+    """Forward + backward: 4x the sequence makes the largest intermediate ~4x larger for the
+    XLA path (no [S, S] array anywhere), 16x for the dense-mask reference."""
+    def largest(s):
+        q, k, v = rand_qkv(0, 1, s, 2, 1, 8)
+        seg = segments(1, [300, s - 300])
+        loss = lambda q, k, v: moba_attention(q, k, v, block_size=64, top_k=3, segment_ids=seg, impl=impl).sum()
+        return _largest_intermediate(jax.grad(loss, argnums=(0, 1, 2)), q, k, v)
+
+    ratio = largest(4096) / largest(1024)
+    assert growth[0] <= ratio <= growth[1]

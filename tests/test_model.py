@@ -68,3 +68,17 @@ def test_bf16_and_remat_match_float32():
     graphdef, params = nnx.split(mb)
     g = jax.grad(lambda p: nnx.merge(graphdef, p)(x).sum())(params)
     assert all(np.isfinite(v).all() for v in jax.tree.leaves(g))
+
+
+def test_flops_count_attended_keys():
+    from effattn_jax.flops import mean_attended_keys, train_flops_per_token
+
+    assert mean_attended_keys(4, "dense") == 2.5
+    # block 2, top_k 2: positions 0..5 see 1, 2, 1+2, 2+2, 1+2, 2+2 keys
+    assert mean_attended_keys(6, "moba", 2, 2) == pytest.approx(16 / 6)
+    # MoBA with top_k covering every block is dense
+    assert mean_attended_keys(64, "moba", 8, 8) == mean_attended_keys(64, "dense")
+    cfg = load_config(None, TINY + ["data.seq_len=16"])
+    n = 1000
+    want = 6 * (n + 32 * 128) + 6 * 2 * 4 * 8 * 8.5 * 2  # 2 layers, 4 heads x 8 dims, 8.5 keys
+    assert train_flops_per_token(cfg, n) == pytest.approx(want)
