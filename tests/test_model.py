@@ -75,7 +75,7 @@ def test_flops_count_attended_keys():
 
     assert mean_attended_keys(4, "dense") == 2.5
     # block 2, top_k 2: positions 0..5 see 1, 2, 1+2, 2+2, 1+2, 2+2 keys
-    assert mean_attended_keys(6, "moba", 2, 2) == pytest.approx(16 / 6)
+    assert mean_attended_keys(6, "moba", 2, 2) == pytest.approx(17 / 6)
     # MoBA with top_k covering every block is dense
     assert mean_attended_keys(64, "moba", 8, 8) == mean_attended_keys(64, "dense")
     cfg = load_config(None, TINY + ["data.seq_len=16"])
