@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from effattn_jax.layers import segment_positions
 from effattn_jax.ops.dense import masked_attention
 
-IMPLS = ("auto", "reference", "xla")
+IMPLS = ("auto", "reference", "xla", "pallas", "pallas_tpu", "pallas_gpu")
 
 
 class Routing(NamedTuple):
@@ -121,17 +121,43 @@ def moba_reference(q, k, v, routing: Routing, *, block_size: int, segment_ids=No
     return masked_attention(q, k, v, mask, scale)
 
 
-def moba_attention(q, k, v, *, block_size: int, top_k: int, segment_ids=None, scale=None, impl: str = "auto"):
+def resolve_impl(impl: str, backend: str | None = None) -> tuple[str, str | None, bool]:
+    """(path, kernel backend, interpret) for an impl name on a JAX backend.
+
+    auto: the Pallas kernels on TPU and GPU, xla elsewhere. pallas: the kernel
+    for this backend, interpreted on CPU (TPU kernel). pallas_tpu/pallas_gpu:
+    that kernel, interpreted unless running on its own hardware."""
+    backend = backend or jax.default_backend()
+    on = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}.get(backend)
+    if impl == "auto":
+        impl = "pallas" if on else "xla"
+    if impl in ("reference", "xla"):
+        return impl, None, False
+    kernel = impl.removeprefix("pallas_") if impl != "pallas" else (on or "tpu")
+    return "pallas", kernel, kernel != on
+
+
+def moba_attention(q, k, v, *, block_size: int, top_k: int, segment_ids=None, scale=None, impl: str = "auto",
+                   block_sizes=None):
     """MoBA attention. q [B, S, Hq, D], k [B, S, Hkv, D], v [B, S, Hkv, Dv] -> [B, S, Hq, Dv] in q's dtype.
 
     `scale` defaults to 1/sqrt(D). impl: "reference" (dense mask), "xla"
-    (sub-quadratic), "auto" (Pallas kernels where they exist, else xla).
+    (sub-quadratic), "pallas" / "pallas_tpu" / "pallas_gpu" (kernels; see
+    `resolve_impl`), "auto". `block_sizes`: kernel tile sizes
+    (pallas_kernels.moba.tpu.BlockSizes), Pallas paths only.
     """
     check_args(q, k, v, block_size, top_k, segment_ids, impl)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     routing = moba_routing(q, k, block_size=block_size, top_k=top_k, segment_ids=segment_ids)
-    if impl == "reference":
+    path, kernel, interpret = resolve_impl(impl)
+    if path == "reference":
         return moba_reference(q, k, v, routing, block_size=block_size, segment_ids=segment_ids, scale=scale)
-    from effattn_jax.ops.moba_xla import moba_xla
+    if path == "xla":
+        from effattn_jax.ops.moba_xla import moba_xla
 
-    return moba_xla(q, k, v, routing, block_size=block_size, segment_ids=segment_ids, scale=scale)
+        return moba_xla(q, k, v, routing, block_size=block_size, segment_ids=segment_ids, scale=scale)
+    from pallas_kernels.moba.attention import moba_pallas
+    from pallas_kernels.moba.tpu import BlockSizes
+
+    return moba_pallas(q, k, v, routing.own_start, routing.past_start, block_size, float(scale), kernel, interpret,
+                       block_sizes or BlockSizes())

@@ -8,11 +8,9 @@ Two parts, merged per query by log-sum-exp (PAPERS.md §1, item 6):
   "same block, not in the future". Without segment ids blocks are the chunks,
   so the previous chunk is skipped.
 * Selected earlier blocks: the grouped-matmul trick. The (query, head, block)
-  pairs are sorted by block, each block's group is padded to a multiple of
-  `q_tile`, and one batched einsum runs every tile of q_tile queries against
-  the one K/V block it shares. Earlier blocks are always full and disjoint,
-  so a row has at most S // block_size of them and the tile count has a
-  static bound: ceil(pairs / q_tile) + batch * q_heads * (S // block_size).
+  pairs are sorted by block and cut into tiles of q_tile queries sharing one
+  K/V block (`pallas_kernels.moba.schedule.past_tiles`, the same schedule
+  the Pallas kernels run), and one batched einsum runs every tile.
 
 Cost: S * (top_k - 1) * block_size * D for the past part plus
 S * block_size * D (2x with segment ids) for the own part; no [S, S] array.
@@ -26,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from effattn_jax.ops.moba import Routing, block_starts
+from pallas_kernels.moba.schedule import past_tiles
 
 
 def _own_block_part(q, k, v, routing: Routing, *, block_size, segment_ids, scale):
@@ -71,50 +70,22 @@ def _past_blocks_part(q, k, v, routing: Routing, *, block_size, scale, q_tile):
     b, s, hq, d = q.shape
     hkv, dv, c = k.shape[2], v.shape[3], block_size
     kp = routing.past_start.shape[-1]
-    sel = routing.past_start.reshape(-1)  # pairs in (b, t, h, i) order
-    npairs = sel.shape[0]
-    pb = jnp.arange(npairs) // (s * hq * kp)
-    pt = (jnp.arange(npairs) // (hq * kp)) % s
-    ph = (jnp.arange(npairs) // kp) % hq
-    valid = sel >= 0
-    big = jnp.iinfo(jnp.int32).max
-    key = jnp.where(valid, (pb * hq + ph) * s + sel, big)
-
-    order = jnp.argsort(key, stable=True)
-    skey = key[order]
-    svalid = skey != big
-    new_group = svalid & jnp.concatenate([jnp.ones((1,), bool), skey[1:] != skey[:-1]])
-    gid = jnp.cumsum(new_group) - 1  # group of each sorted pair
-    rank = jnp.arange(npairs) - jax.lax.cummax(jnp.where(new_group, jnp.arange(npairs), 0))
-    max_groups = b * hq * (s // c)
-    gsize = jax.ops.segment_sum(svalid.astype(jnp.int32), jnp.where(svalid, gid, max_groups), max_groups + 1)[:-1]
-    gtiles = -(-gsize // q_tile)
-    goffset = jnp.cumsum(gtiles) - gtiles
-    ntiles = -(-npairs // q_tile) + max_groups
-    tile = jnp.where(svalid, goffset[jnp.clip(gid, 0, max_groups - 1)] + rank // q_tile, ntiles)
-    slot = rank % q_tile
-
-    # Tile table: which pair fills each (tile, slot); -1 = padding.
-    table = jnp.full((ntiles + 1, q_tile), -1, jnp.int32).at[tile, slot].set(order.astype(jnp.int32))[:-1]
-    first = jnp.max(table, axis=1)  # any real pair of the tile names its block
-    tb, th, ts = pb[jnp.maximum(first, 0)], ph[jnp.maximum(first, 0)], jnp.maximum(sel[jnp.maximum(first, 0)], 0)
-    rows = jnp.maximum(table, 0)
-    qt = q[pb[rows], pt[rows], ph[rows]]  # [T, Qt, D]
-    kpos = ts[:, None] + jnp.arange(c)[None]  # [T, C]
-    kt = k[tb[:, None], kpos, (th // (hq // hkv))[:, None]]  # [T, C, D]
-    vt = v[tb[:, None], kpos, (th // (hq // hkv))[:, None]]
+    sched = past_tiles(routing.past_start, num_kv_heads=hkv, block_size=c, q_tile=q_tile)
+    t = sched.tiles
+    qt = q.reshape(-1, d)[jnp.maximum(t.rows, 0)]  # [T, Qt, D]
+    kpos = t.key_start[:, None] + jnp.arange(c)[None]  # [T, C]
+    kt = jnp.moveaxis(k, 2, 1).reshape(b * hkv, s, d)[t.kv_row[:, None], kpos]  # [T, C, D]
+    vt = jnp.moveaxis(v, 2, 1).reshape(b * hkv, s, dv)[t.kv_row[:, None], kpos]
     logits = jnp.einsum("tqd,tcd->tqc", qt, kt, preferred_element_type=jnp.float32) * scale
     m = jnp.max(logits, axis=-1)
     p = jnp.exp(logits - m[..., None])
     l = jnp.sum(p, axis=-1)
     o = jnp.einsum("tqc,tcd->tqd", p, vt.astype(jnp.float32))
-
-    # Back to pair order: sorted position -> (tile, slot); invalid pairs contribute nothing.
-    inv = jnp.zeros((npairs,), jnp.int32).at[order].set(jnp.arange(npairs, dtype=jnp.int32))
-    pt_tile, pt_slot = jnp.clip(tile[inv], 0, ntiles - 1), slot[inv]
-    m_p = jnp.where(valid, m[pt_tile, pt_slot], -jnp.inf)
-    l_p = jnp.where(valid, l[pt_tile, pt_slot], 0.0)
-    o_p = jnp.where(valid[:, None], o[pt_tile, pt_slot], 0.0)
+    # Back to pair order; unused selections contribute nothing.
+    valid, pt, ps = sched.valid, sched.pair_tile, sched.pair_slot
+    m_p = jnp.where(valid, m[pt, ps], -jnp.inf)
+    l_p = jnp.where(valid, l[pt, ps], 0.0)
+    o_p = jnp.where(valid[:, None], o[pt, ps], 0.0)
     return m_p.reshape(b, s, hq, kp), l_p.reshape(b, s, hq, kp), o_p.reshape(b, s, hq, kp, dv)
 
 

@@ -1,0 +1,133 @@
+"""MoBA with Pallas kernels: schedule -> tile kernels -> log-sum-exp merge, as a custom_vjp.
+
+Forward: the own-block tiles and the selected-block tiles (schedule.py) run
+through the backend's tile kernel, each giving (o, lse) per (query, part);
+the parts of a query are merged by log-sum-exp into the output O and the
+global LSE L. Backward (PAPERS.md §1, "Backward"): with delta = rowsum(dO * O),
+each part's gradient is an ordinary flash-attention backward against the
+global L, so the dq and dk/dv kernels run over the same tiles and the results
+are scattered back (summed) to q, k and v.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.moba.schedule import own_tiles, past_tiles
+from pallas_kernels.moba.tpu import BlockSizes
+
+BACKENDS = ("tpu", "gpu")
+
+
+def _kernels(backend: str):
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return importlib.import_module(f"pallas_kernels.moba.{backend}")
+
+
+def _layout(q, k, v, ck):
+    """Flat query rows [B*S*Hq, D]; K/V as [B*Hkv, S_pad, D] with S padded to the kv sub-block."""
+    b, s, hq, d = q.shape
+    pad = -s % ck
+    kv = lambda x: jnp.pad(jnp.moveaxis(x, 2, 1), ((0, 0), (0, 0), (0, pad), (0, 0))).reshape(-1, s + pad, x.shape[-1])
+    return q.reshape(b * s * hq, d), kv(k), kv(v)
+
+
+def _plans(own_start, past_start, *, hq, hkv, block_size, bs: BlockSizes, nkb):
+    """(tiles, nsub) for the own part and the past part (None when top_k = 1)."""
+    qt, ck, c = bs.q_tile, bs.kv_block, block_size
+    own = own_tiles(own_start, num_q_heads=hq, num_kv_heads=hkv, q_tile=qt)
+    plans = [(own, min(-(-(ck + qt + c - 2) // ck), nkb))]
+    past = None
+    if past_start.shape[-1]:
+        past = past_tiles(past_start, num_kv_heads=hkv, block_size=c, q_tile=qt)
+        plans.append((past.tiles, min(-(-(c + ck - 1) // ck), nkb)))
+    return plans, past
+
+
+def _tile_args(tiles, ck):
+    col = lambda x: x[..., None].astype(jnp.int32)
+    return col(tiles.lo), col(tiles.hi), tiles.kv_row.astype(jnp.int32), (tiles.key_start // ck).astype(jnp.int32)
+
+
+def _gather_rows(x_flat, rows):
+    return x_flat[jnp.maximum(rows, 0)]
+
+
+def _forward(q, k, v, own_start, past_start, *, block_size, scale, backend, interpret, block_sizes):
+    b, s, hq, _ = q.shape
+    hkv, ck = k.shape[2], block_sizes.kv_block
+    qf, kf, vf = _layout(q, k, v, ck)
+    plans, past = _plans(own_start, past_start, hq=hq, hkv=hkv, block_size=block_size, bs=block_sizes,
+                         nkb=kf.shape[1] // ck)
+    kern = _kernels(backend)
+    outs = []
+    for tiles, nsub in plans:
+        lo, hi, kv_row, first = _tile_args(tiles, ck)
+        outs.append(kern.tile_attention_fwd(_gather_rows(qf, tiles.rows), kf, vf, lo, hi, kv_row, first, scale=scale,
+                                            nsub=nsub, block_sizes=block_sizes, interpret=interpret))
+    # Own part: tiles are laid out (b, h, chunk, row) -> [B, S, Hq].
+    (o_own, lse_own) = outs[0]
+    dv = o_own.shape[-1]
+    to_bsh = lambda x: jnp.moveaxis(x.reshape(b, hq, -1, *x.shape[2:])[:, :, :s], 1, 2)
+    o_parts = [to_bsh(o_own.reshape(b * hq, -1, dv))[..., None, :]]  # [B, S, Hq, 1, Dv]
+    l_parts = [to_bsh(lse_own.reshape(b * hq, -1))[..., None]]  # [B, S, Hq, 1]
+    if past is not None:
+        o_p, lse_p = outs[1]
+        kp = past_start.shape[-1]
+        o_parts.append(jnp.where(past.valid[:, None], o_p[past.pair_tile, past.pair_slot], 0.0).reshape(b, s, hq, kp, dv))
+        l_parts.append(jnp.where(past.valid, lse_p[past.pair_tile, past.pair_slot, 0], -jnp.inf).reshape(b, s, hq, kp))
+    o_all, l_all = jnp.concatenate(o_parts, axis=3), jnp.concatenate(l_parts, axis=3)
+    lse = jax.nn.logsumexp(l_all, axis=-1)  # [B, S, Hq]; every query sees itself, so finite
+    out = jnp.sum(jnp.exp(l_all - lse[..., None])[..., None] * o_all, axis=3)
+    return out, lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+def moba_pallas(q, k, v, own_start, past_start, block_size, scale, backend, interpret, block_sizes):
+    """MoBA attention from a routing (own_start [B, S], past_start [B, S, Hq, K']) -> [B, S, Hq, Dv]."""
+    out, _ = _forward(q, k, v, own_start, past_start, block_size=block_size, scale=scale, backend=backend,
+                      interpret=interpret, block_sizes=block_sizes)
+    return out.astype(q.dtype)
+
+
+def _fwd(q, k, v, own_start, past_start, block_size, scale, backend, interpret, block_sizes):
+    out, lse = _forward(q, k, v, own_start, past_start, block_size=block_size, scale=scale, backend=backend,
+                        interpret=interpret, block_sizes=block_sizes)
+    return out.astype(q.dtype), (q, k, v, own_start, past_start, out, lse)
+
+
+def _bwd(block_size, scale, backend, interpret, block_sizes, res, d_out):
+    q, k, v, own_start, past_start, out, lse = res
+    b, s, hq, d = q.shape
+    hkv, ck = k.shape[2], block_sizes.kv_block
+    qf, kf, vf = _layout(q, k, v, ck)
+    plans, _ = _plans(own_start, past_start, hq=hq, hkv=hkv, block_size=block_size, bs=block_sizes,
+                      nkb=kf.shape[1] // ck)
+    do = d_out.astype(jnp.float32)
+    delta = jnp.sum(do * out, axis=-1).reshape(-1, 1)  # [B*S*Hq, 1]
+    do_f, lse_f = d_out.astype(v.dtype).reshape(-1, v.shape[-1]), lse.reshape(-1, 1)
+    dq = jnp.zeros((b * s * hq, d), jnp.float32)
+    dk, dv = jnp.zeros(kf.shape, jnp.float32), jnp.zeros(vf.shape, jnp.float32)
+    kern = _kernels(backend)
+    for tiles, nsub in plans:
+        lo, hi, kv_row, first = _tile_args(tiles, ck)
+        real = (tiles.rows >= 0)[..., None]
+        dq_t, dk_t, dv_t = kern.tile_attention_bwd(
+            _gather_rows(qf, tiles.rows), kf, vf, lo, hi, kv_row, first, _gather_rows(do_f, tiles.rows),
+            jnp.where(real, _gather_rows(lse_f, tiles.rows), 0.0), jnp.where(real, _gather_rows(delta, tiles.rows), 0.0),
+            scale=scale, nsub=nsub, block_sizes=block_sizes, interpret=interpret)
+        dq = dq.at[jnp.where(tiles.rows >= 0, tiles.rows, dq.shape[0])].add(dq_t, mode="drop")
+        kpos = (first[:, None] + jnp.arange(nsub)[None])[..., None] * ck + jnp.arange(ck)  # [T, nsub, Ck]
+        idx = (jnp.broadcast_to(kv_row[:, None, None], kpos.shape), kpos)
+        dk = dk.at[idx].add(dk_t, mode="drop")
+        dv = dv.at[idx].add(dv_t, mode="drop")
+    unlayout = lambda x, like: jnp.moveaxis(x.reshape(b, hkv, -1, x.shape[-1])[:, :, :s], 1, 2).astype(like.dtype)
+    return dq.reshape(q.shape).astype(q.dtype), unlayout(dk, k), unlayout(dv, v), None, None
+
+
+moba_pallas.defvjp(_fwd, _bwd)
