@@ -10,17 +10,18 @@ CONFIG ?= configs/cpu/default.yaml
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev,tpu]'
 	touch $(STAMP)
 
 data: $(STAMP)
 	$(PY) -m effattn_jax.data.fetch
 
+# CPU training; libtpu (installed for ahead-of-time TPU compiles in tests) must not probe for a TPU.
 train: data
-	$(PY) train.py --config $(CONFIG)
+	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) train.py --config $(CONFIG)
 
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=15 tests
+	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m pytest -q --durations=15 tests
 
 clean-venv:
 	rm -rf $(VENV)

@@ -66,7 +66,9 @@ class MobaConfig:
 
     block_size: int = 512
     top_k: int = 3  # counts the query's own block
-    impl: str = "auto"  # auto | xla | reference
+    impl: str = "auto"  # auto | xla | reference | pallas | pallas_tpu | pallas_gpu
+    q_tile: int = 128  # Pallas kernels: query rows per tile
+    kv_block: int = 128  # Pallas kernels: keys per fetched sub-block
     # Schedule hybrid: MoBA layers switch to dense attention from this step on
     # (0 = never); or from the step at which this many tokens have been seen.
     full_attention_from_step: int = 0
@@ -348,6 +350,9 @@ def validate(cfg: Config) -> None:
     _positive(mb, "moba", ["block_size", "top_k"])
     _positive(mb, "moba", ["full_attention_from_step", "full_attention_from_tokens"], allow_zero=True)
     _check(mb.impl in IMPLS, "moba.impl", mb.impl, f"allowed: {', '.join(IMPLS)}")
+    for name in ("q_tile", "kv_block"):
+        v = getattr(mb, name)
+        _check(v > 0 and v % 8 == 0, f"moba.{name}", v, "must be a positive multiple of 8")
     uses_moba = any(core == "moba" for _, core in specs)
     if uses_moba:
         _check(mb.block_size <= cfg.data.seq_len, "moba.block_size", mb.block_size,

@@ -67,3 +67,25 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
         return x
     mesh, rules = _ACTIVE[-1]
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(axes, x.shape, mesh, rules)))
+
+
+def shard_over_batch_heads(fn, q, k, v, segment_ids):
+    """Runs fn(q, k, v, segment_ids) per shard of the batch and head axes (shard_map).
+
+    Pallas kernels cannot be partitioned automatically (Mosaic refuses), so the
+    attention core is mapped over the mesh explicitly. The sequence axis stays
+    whole; heads are split only when q and kv heads split alike (else GQA
+    groups would be cut). Outside `use_rules` it just calls fn.
+    """
+    if not _ACTIVE:
+        return fn(q, k, v, segment_ids)
+    mesh, rules = _ACTIVE[-1]
+    qs = logical_to_spec(("batch", None, "heads", None), q.shape, mesh, rules)
+    ks = logical_to_spec(("batch", None, "kv_heads", None), k.shape, mesh, rules)
+    if qs[2] != ks[2]:
+        qs, ks = PartitionSpec(qs[0], None, None, None), PartitionSpec(ks[0], None, None, None)
+    seg_spec = PartitionSpec(qs[0], None)
+    if segment_ids is None:
+        segment_ids = jax.numpy.ones(q.shape[:2], jax.numpy.int32)
+    return jax.shard_map(fn, mesh=mesh, in_specs=(qs, ks, ks, seg_spec), out_specs=qs, check_vma=False)(
+        q, k, v, segment_ids)

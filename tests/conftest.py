@@ -5,6 +5,8 @@ its mesh to one device."""
 import os
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+# libtpu (the `tpu` extra, for ahead-of-time TPU compiles) must not probe for TPU hardware here.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

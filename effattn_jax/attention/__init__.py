@@ -20,8 +20,11 @@ KINDS = {"mha": MHA}
 
 
 def _moba_core(cfg):
+    from pallas_kernels.moba.tpu import BlockSizes
+
     m = cfg.moba
-    return functools.partial(moba_attention, block_size=m.block_size, top_k=m.top_k, impl=m.impl)
+    return functools.partial(moba_attention, block_size=m.block_size, top_k=m.top_k, impl=m.impl,
+                             block_sizes=BlockSizes(m.q_tile, m.kv_block))
 
 
 CORES = {"dense": lambda cfg: dense_attention, "moba": _moba_core}

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from effattn_jax.layers import segment_positions
 from effattn_jax.ops.dense import masked_attention
+from effattn_jax.sharding import shard_over_batch_heads
 
 IMPLS = ("auto", "reference", "xla", "pallas", "pallas_tpu", "pallas_gpu")
 
@@ -110,14 +111,19 @@ def moba_routing(q, k, *, block_size: int, top_k: int, segment_ids=None, query_c
     return Routing(own_start, past_start.astype(jnp.int32))
 
 
-def moba_reference(q, k, v, routing: Routing, *, block_size: int, segment_ids=None, scale=None):
-    """Dense-mask O(S^2) MoBA, written for clarity: the oracle for every other implementation."""
-    b, s, hq, _ = q.shape
+def moba_reference_mask(routing: Routing, *, block_size: int, segment_ids=None) -> jax.Array:
+    """[B, Hq, S, S] bool: which keys each query attends to under this routing (dense; for oracles)."""
+    b, s, hq, _ = routing.past_start.shape
     bs = block_starts(segment_ids, b, s, block_size)  # [B, S] block start of each key
     idx = jnp.arange(s)
     own = (bs[:, None, :] == routing.own_start[:, :, None]) & (idx[None, None, :] <= idx[None, :, None])  # [B, T, S]
     past = (bs[:, None, None, :, None] == jnp.moveaxis(routing.past_start, 2, 1)[:, :, :, None, :]).any(-1)
-    mask = own[:, None] | past  # [B, Hq, T, S]
+    return own[:, None] | past
+
+
+def moba_reference(q, k, v, routing: Routing, *, block_size: int, segment_ids=None, scale=None):
+    """Dense-mask O(S^2) MoBA, written for clarity: the oracle for every other implementation."""
+    mask = moba_reference_mask(routing, block_size=block_size, segment_ids=segment_ids)
     return masked_attention(q, k, v, mask, scale)
 
 
@@ -148,16 +154,20 @@ def moba_attention(q, k, v, *, block_size: int, top_k: int, segment_ids=None, sc
     """
     check_args(q, k, v, block_size, top_k, segment_ids, impl)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    routing = moba_routing(q, k, block_size=block_size, top_k=top_k, segment_ids=segment_ids)
     path, kernel, interpret = resolve_impl(impl)
+    if path == "pallas":
+        from pallas_kernels.moba.attention import moba_pallas
+        from pallas_kernels.moba.tpu import BlockSizes
+
+        def run(q, k, v, seg):  # per shard: routing is per batch row and head, so it shards too
+            r = moba_routing(q, k, block_size=block_size, top_k=top_k, segment_ids=seg)
+            return moba_pallas(q, k, v, r.own_start, r.past_start, block_size, float(scale), kernel, interpret,
+                               block_sizes or BlockSizes())
+
+        return shard_over_batch_heads(run, q, k, v, segment_ids)
+    routing = moba_routing(q, k, block_size=block_size, top_k=top_k, segment_ids=segment_ids)
     if path == "reference":
         return moba_reference(q, k, v, routing, block_size=block_size, segment_ids=segment_ids, scale=scale)
-    if path == "xla":
-        from effattn_jax.ops.moba_xla import moba_xla
+    from effattn_jax.ops.moba_xla import moba_xla
 
-        return moba_xla(q, k, v, routing, block_size=block_size, segment_ids=segment_ids, scale=scale)
-    from pallas_kernels.moba.attention import moba_pallas
-    from pallas_kernels.moba.tpu import BlockSizes
-
-    return moba_pallas(q, k, v, routing.own_start, routing.past_start, block_size, float(scale), kernel, interpret,
-                       block_sizes or BlockSizes())
+    return moba_xla(q, k, v, routing, block_size=block_size, segment_ids=segment_ids, scale=scale)
