@@ -7,6 +7,7 @@ import os
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 # libtpu (the `tpu` extra, for ahead-of-time TPU compiles) must not probe for TPU hardware here.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # AOT compiles only; no TPU is opened
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

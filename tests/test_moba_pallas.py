@@ -60,6 +60,13 @@ def test_kernels_interpreted_match_reference(kernel, name):
     check_against_reference(kernel, True, *CASES[name])
 
 
+def test_backward_in_several_tile_chunks(monkeypatch):
+    import pallas_kernels.moba.attention as attention
+
+    monkeypatch.setattr(attention, "BWD_TILE_CHUNK", 3)  # many chunks plus a padded last one
+    check_against_reference("tpu", True, *CASES["packed_documents"])
+
+
 @pytest.mark.parametrize("name", ["packed_documents"])
 def test_tpu_kernel_in_tpu_interpret_mode(name):
     check_against_reference("tpu", "tpu", *CASES[name])  # pltpu.InterpretParams(): TPU semantics on CPU

@@ -54,6 +54,20 @@ def _tile_args(tiles, ck):
     return col(tiles.lo), col(tiles.hi), tiles.kv_row.astype(jnp.int32), (tiles.key_start // ck).astype(jnp.int32)
 
 
+BWD_TILE_CHUNK = 1024  # tiles per backward chunk: bounds the per-tile dk/dv partials
+
+
+def _chunked(tiles, chunk):
+    """Tiles padded (empty rows) to a multiple of `chunk` and split: leaves [n_chunks, chunk, ...]."""
+    n = tiles.rows.shape[0]
+    chunk = min(chunk, n)
+    pad = -n % chunk
+    fill = {"rows": -1, "lo": 1, "hi": 0, "kv_row": 0, "key_start": 0}
+    padded = {k: jnp.pad(v, ((0, pad),) + ((0, 0),) * (v.ndim - 1), constant_values=fill[k])
+              for k, v in tiles._asdict().items()}
+    return type(tiles)(**{k: v.reshape(-1, chunk, *v.shape[1:]) for k, v in padded.items()})
+
+
 def _gather_rows(x_flat, rows):
     return x_flat[jnp.maximum(rows, 0)]
 
@@ -114,7 +128,10 @@ def _bwd(block_size, scale, backend, interpret, block_sizes, res, d_out):
     dq = jnp.zeros((b * s * hq, d), jnp.float32)
     dk, dv = jnp.zeros(kf.shape, jnp.float32), jnp.zeros(vf.shape, jnp.float32)
     kern = _kernels(backend)
-    for tiles, nsub in plans:
+
+    def chunk_grads(grads, tiles, nsub):
+        """Backward kernels over one chunk of tiles, summed into (dq, dk, dv)."""
+        dq, dk, dv = grads
         lo, hi, kv_row, first = _tile_args(tiles, ck)
         real = (tiles.rows >= 0)[..., None]
         dq_t, dk_t, dv_t = kern.tile_attention_bwd(
@@ -124,8 +141,14 @@ def _bwd(block_size, scale, backend, interpret, block_sizes, res, d_out):
         dq = dq.at[jnp.where(tiles.rows >= 0, tiles.rows, dq.shape[0])].add(dq_t, mode="drop")
         kpos = (first[:, None] + jnp.arange(nsub)[None])[..., None] * ck + jnp.arange(ck)  # [T, nsub, Ck]
         idx = (jnp.broadcast_to(kv_row[:, None, None], kpos.shape), kpos)
-        dk = dk.at[idx].add(dk_t, mode="drop")
-        dv = dv.at[idx].add(dv_t, mode="drop")
+        return dq, dk.at[idx].add(dk_t, mode="drop"), dv.at[idx].add(dv_t, mode="drop")
+
+    grads = (dq, dk, dv)
+    for tiles, nsub in plans:
+        # dk/dv come out per (tile, sub-block); running the tiles in chunks bounds that memory.
+        chunks = _chunked(tiles, BWD_TILE_CHUNK)
+        grads, _ = jax.lax.scan(lambda g, t, nsub=nsub: (chunk_grads(g, t, nsub), None), grads, chunks)
+    dq, dk, dv = grads
     unlayout = lambda x, like: jnp.moveaxis(x.reshape(b, hkv, -1, x.shape[-1])[:, :, :s], 1, 2).astype(like.dtype)
     return dq.reshape(q.shape).astype(q.dtype), unlayout(dk, k), unlayout(dv, v), None, None
 

@@ -1,0 +1,71 @@
+"""Compile the MoBA Pallas kernels for real hardware, on this CPU, at the benchmark shapes.
+
+    python -m eval.aot_compile [--seqs 8192,32768,131072] [--topology v5p:2x2x1]
+
+TPU: Mosaic lowering plus a libtpu ahead-of-time compile of forward+backward
+for a TPU topology (needs the `tpu` extra, no TPU). GPU: jax.export lowering for
+CUDA (Triton kernels). Batch 1, 16 heads, head dim 128, block 512, top_k 3,
+bf16. Prints compile time and the compiled HBM need (TPU memory_analysis).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from effattn_jax.ops.moba import moba_routing  # noqa: E402
+from pallas_kernels.moba.attention import moba_pallas  # noqa: E402
+from pallas_kernels.moba.tpu import BlockSizes  # noqa: E402
+
+
+def grad_fn(kernel, block_sizes, head_dim, block_size=512, top_k=3):
+    def loss(q, k, v):
+        r = moba_routing(q, k, block_size=block_size, top_k=top_k)
+        out = moba_pallas(q, k, v, r.own_start, r.past_start, block_size, head_dim**-0.5, kernel, False, block_sizes)
+        return out.astype(jnp.float32).sum()
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--seqs", default="8192,32768,131072")
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--topology", default="v5p:2x2x1")
+    args = p.parse_args(argv)
+    from jax.experimental import topologies
+
+    topo = topologies.get_topology_desc(platform="tpu", topology_name=args.topology)
+    mesh = jax.sharding.Mesh(np.array(topo.devices[:1]), ("x",))
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    print(f"jax {jax.__version__}; TPU topology {args.topology} ({topo.devices[0].device_kind}); batch 1, "
+          f"{args.heads} heads, head dim {args.head_dim}, block 512, top_k 3, bf16, forward+backward")
+    print("| seq | TPU compile s | TPU HBM needed GiB | CUDA export s | Triton kernels |")
+    print("|---|---|---|---|---|")
+    for seq in [int(s) for s in args.seqs.split(",")]:
+        shape = (1, seq, args.heads, args.head_dim)
+        t = time.perf_counter()
+        compiled = grad_fn("tpu", BlockSizes(), args.head_dim).lower(
+            *[jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=rep)] * 3).compile()
+        tpu_s = time.perf_counter() - t
+        mem = compiled.memory_analysis()
+        need = (mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes) / 2**30
+        t = time.perf_counter()
+        triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+        exported = jax.export.export(grad_fn("gpu", BlockSizes(64, 64), args.head_dim), platforms=["cuda"],
+                                     disabled_checks=[triton])(*[jax.ShapeDtypeStruct(shape, jnp.bfloat16)] * 3)
+        gpu_s = time.perf_counter() - t
+        n_triton = exported.mlir_module().count("xla.gpu.triton")
+        print(f"| {seq} | {tpu_s:.0f} | {need:.1f} | {gpu_s:.1f} | {n_triton} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
