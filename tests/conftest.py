@@ -45,6 +45,16 @@ def tiny_overrides(root, run_dir, **extra):
     return [f"{k}={v}" for k, v in o.items()]
 
 
+def random_batch(seed=0, batch=4, seq=32, mask_keep=1.0):
+    """A synthetic training batch: two packed documents per row (20 + 12 tokens at seq 32)."""
+    rng = np.random.default_rng(seed)
+    split = seq * 5 // 8
+    return {"inputs": rng.integers(0, 50000, (batch, seq), dtype=np.int32),
+            "targets": rng.integers(0, 50000, (batch, seq), dtype=np.int32),
+            "segment_ids": np.repeat(np.array([[1] * split + [2] * (seq - split)]), batch, 0).astype(np.int32),
+            "loss_mask": (rng.random((batch, seq)) < mask_keep).astype(np.float32)}
+
+
 @pytest.fixture
 def corpus_dir(tmp_path):
     return write_corpus(tmp_path / "corpus")

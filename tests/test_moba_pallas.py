@@ -17,7 +17,7 @@ from effattn_jax.train.step import make_train_step
 from pallas_kernels.moba.attention import _forward, moba_pallas
 from pallas_kernels.moba.tpu import BlockSizes
 
-from conftest import tiny_overrides
+from conftest import random_batch, tiny_overrides
 from test_moba import rand_qkv, segments
 
 SMALL = BlockSizes(q_tile=8, kv_block=8)
@@ -119,11 +119,7 @@ def test_gpu_kernels_lower_for_cuda():
 def test_kernels_inside_a_sharded_train_step(tmp_path, corpus_dir):
     """impl=pallas under a (data=2, fsdp=2, tensor=2) mesh runs through shard_map and matches
     the single-device XLA path."""
-    rng = np.random.default_rng(0)
-    batch = {"inputs": rng.integers(0, 50000, (4, 32), dtype=np.int32),
-             "targets": rng.integers(0, 50000, (4, 32), dtype=np.int32),
-             "segment_ids": np.repeat(np.array([[1] * 20 + [2] * 12]), 4, 0).astype(np.int32),
-             "loss_mask": np.ones((4, 32), np.float32)}
+    batch = random_batch(0)
     metrics = []
     for impl, mesh_shape in (("xla", (1, 1, 1)), ("pallas", (2, 2, 2))):
         cfg = load_config(None, tiny_overrides(corpus_dir, tmp_path / "r", **{

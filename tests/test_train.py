@@ -10,7 +10,7 @@ from effattn_jax.train.metrics import read_scalars
 from effattn_jax.train.state import init_state, make_setup
 from effattn_jax.train.step import make_train_step
 
-from conftest import tiny_overrides
+from conftest import random_batch, tiny_overrides
 
 TB_TAGS = {"loss", "learning_rate", "grad_norm", "tokens_per_sec", "tokens_seen", "val_loss"}
 
@@ -72,11 +72,7 @@ def test_checkpoint_round_trip_and_corruption(tmp_path, corpus_dir, capsys):
 
 def test_sharded_step_matches_single_device(tmp_path, corpus_dir):
     assert jax.device_count() == 8, "conftest simulates 8 CPU devices"
-    rng = np.random.default_rng(0)
-    batch = {"inputs": rng.integers(0, 50000, (4, 32), dtype=np.int32),
-             "targets": rng.integers(0, 50000, (4, 32), dtype=np.int32),
-             "segment_ids": np.repeat(np.array([[1] * 20 + [2] * 12]), 4, 0).astype(np.int32),
-             "loss_mask": np.ones((4, 32), np.float32)}
+    batch = random_batch(0)
     results = []
     for mesh_shape in ((1, 1, 1), (2, 2, 2)):
         cfg = tiny_cfg(corpus_dir, tmp_path / "r")
@@ -93,11 +89,7 @@ def test_sharded_step_matches_single_device(tmp_path, corpus_dir):
 
 
 def test_grad_accumulation_matches_one_batch(tmp_path, corpus_dir):
-    rng = np.random.default_rng(1)
-    batch = {"inputs": rng.integers(0, 50000, (4, 32), dtype=np.int32),
-             "targets": rng.integers(0, 50000, (4, 32), dtype=np.int32),
-             "segment_ids": np.ones((4, 32), np.int32),
-             "loss_mask": (rng.random((4, 32)) < 0.7).astype(np.float32)}  # uneven token counts per micro-batch
+    batch = random_batch(1, mask_keep=0.7)  # uneven token counts per micro-batch
     out = []
     for accum in (1, 2):
         setup = make_setup(tiny_cfg(corpus_dir, tmp_path / "r", **{"train.grad_accum": accum}), make_mesh(1, 1, 1))
