@@ -61,6 +61,25 @@ class AttentionConfig:
 
 
 @dataclass
+class MlaConfig:
+    """MLA projections (PAPERS.md §2); also used by eg_mla."""
+
+    kv_lora_rank: int = 64  # d_c: the cached latent
+    q_lora_rank: int = 0  # 0 = plain query projection
+    qk_nope_head_dim: int = 32
+    qk_rope_head_dim: int = 16  # decoupled RoPE key shared by all heads (cached)
+    v_head_dim: int = 32
+
+
+@dataclass
+class EgMlaConfig:
+    """EG-MLA embedding gate (PAPERS.md §3)."""
+
+    gate_dim: int = 64  # d_e: width of the per-layer [vocab, d_e] gate table ("emb size")
+    gate_at: str = "heads"  # heads (gate each head's key/value) | latent (gate a d_e-wide latent)
+
+
+@dataclass
 class MobaConfig:
     """MoBA core settings (PAPERS.md §1); used by layers with core=moba."""
 
@@ -145,6 +164,8 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     moba: MobaConfig = field(default_factory=MobaConfig)
+    mla: MlaConfig = field(default_factory=MlaConfig)
+    eg_mla: EgMlaConfig = field(default_factory=EgMlaConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
@@ -346,6 +367,12 @@ def validate(cfg: Config) -> None:
     for kind, core in set(specs):
         _check(kind in CORE_KINDS[core], "attention.core", core,
                f"not available with attention.kind={kind} yet (it supports kinds: {', '.join(sorted(CORE_KINDS[core]))})")
+    _positive(cfg.mla, "mla", ["kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"])
+    _positive(cfg.mla, "mla", ["q_lora_rank"], allow_zero=True)
+    _check(cfg.mla.qk_rope_head_dim % 2 == 0, "mla.qk_rope_head_dim", cfg.mla.qk_rope_head_dim,
+           "must be even (RoPE rotates pairs)")
+    _positive(cfg.eg_mla, "eg_mla", ["gate_dim"])
+    _check(cfg.eg_mla.gate_at in ("heads", "latent"), "eg_mla.gate_at", cfg.eg_mla.gate_at, "allowed: heads, latent")
     mb = cfg.moba
     _positive(mb, "moba", ["block_size", "top_k"])
     _positive(mb, "moba", ["full_attention_from_step", "full_attention_from_tokens"], allow_zero=True)

@@ -68,3 +68,19 @@ class SwiGLU(nnx.Module):
 
     def __call__(self, x):
         return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+
+
+class LayerNorm(nnx.Module):
+    """LayerNorm over the last axis (mean and variance), learnable scale and bias, float32 statistics."""
+
+    def __init__(self, dim: int, *, eps: float = 1e-6, axis_name: str = "norm"):
+        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), logical_axes=(axis_name,))
+        self.bias = nnx.Param(jnp.zeros((dim,), jnp.float32), logical_axes=(axis_name,))
+        self.eps = eps
+
+    def __call__(self, x):
+        xf = x.astype(jnp.float32)
+        mean = jnp.mean(xf, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+        y = (xf - mean) * jax.lax.rsqrt(var + self.eps)
+        return (y * self.scale[...] + self.bias[...]).astype(x.dtype)

@@ -68,9 +68,16 @@ class Transformer(nnx.Module):
         return constrain(logits, ("batch", "length", "vocab"))
 
 
+def init_cache(model: Transformer, batch: int, max_len: int, dtype=jnp.float32) -> list[dict]:
+    """One preallocated decode cache per layer, as each attention kind defines it."""
+    return [block.attn.init_cache(batch, max_len, dtype) for block in model.blocks]
+
+
 def param_counts(model: Transformer) -> dict[str, int]:
-    """Parameter counts: total, embedding (input table and untied output head), non-embedding."""
-    state = nnx.state(model, nnx.Param)
-    total = sum(x.size for x in jax.tree.leaves(state))
-    emb = model.embed[...].size + (0 if model.lm_head is None else model.lm_head[...].size)
-    return {"total": total, "embedding": emb, "non_embedding": total - emb}
+    """Parameter counts: total; embedding (input table and untied output head); embedding_gate
+    (EG-MLA's per-layer token tables, the x-axis of the paper's figure); non_embedding (the rest)."""
+    flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    total = sum(v.size for _, v in flat)
+    gate = sum(v.size for path, v in flat if path[-1] == "gate_table")
+    emb = sum(v.size for path, v in flat if path in (("embed",), ("lm_head",)))
+    return {"total": total, "embedding": emb, "embedding_gate": gate, "non_embedding": total - emb - gate}

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import functools
 
+from effattn_jax.attention.eg_mla import EGMLA
 from effattn_jax.attention.mha import MHA
+from effattn_jax.attention.mla import MLA
 from effattn_jax.ops.dense import dense_attention
 from effattn_jax.ops.moba import moba_attention
 
-KINDS = {"mha": MHA}
+KINDS = {"mha": MHA, "mla": MLA, "eg_mla": EGMLA}
 
 
 def _moba_core(cfg):
@@ -29,7 +31,7 @@ def _moba_core(cfg):
 
 CORES = {"dense": lambda cfg: dense_attention, "moba": _moba_core}
 # Which kinds each core supports so far (checked at config time).
-CORE_KINDS = {"dense": set(KINDS), "moba": {"mha"}}
+CORE_KINDS = {"dense": set(KINDS), "moba": set(KINDS)}
 
 
 def layer_spec(cfg, layer: int) -> tuple[str, str]:

@@ -24,6 +24,11 @@ class MHA(nnx.Module):
         self.core = core
         self.rope_theta = m.rope_theta
 
+    def init_cache(self, batch: int, max_len: int, dtype) -> dict:
+        """The preallocated decode cache: K and V per KV head, [B, L, KV, D] each."""
+        shape = (batch, max_len, self.k.kernel.shape[1], self.k.kernel.shape[2])
+        return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
     def __call__(self, x, *, positions, segment_ids, token_ids=None, cache=None):
         """x: [B, S, d_model] -> ([B, S, d_model], cache). `token_ids` is unused by MHA."""
         if cache is not None:

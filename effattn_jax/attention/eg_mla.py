@@ -1,0 +1,75 @@
+"""Embedding-Gated MLA (PAPERS.md §3). The cache is MLA's (c, k^R) plus the token ids.
+
+EG-MLA's paper text was not available; this follows the public description
+("latent ... up-projected; a dedicated token embedding (indexed by token ID)
+is up-projected to form the gating signal; combined multiplicatively,
+followed by layer normalization") — our reading, chosen with `eg_mla.gate_at`:
+
+* heads (default, the literal reading): e = E_l[x] (E_l: [vocab, d_e], one per
+  layer); g^K = W_GK e, g^V = W_GV e; per head
+  k_i = [LN(W_UK,i c * g^K_i) ; k^R], v_i = LN(W_UV,i c * g^V_i), LayerNorm over
+  each head's width (scale and bias shared by the heads). Weight absorption is
+  impossible here (gate and norm sit between c and the attention).
+* latent: c~ = LN(W_U c * E_l[x]) of width d_e, then k_i = [W_UK,i c~ ; k^R],
+  v_i = W_UV,i c~ (keeps MLA's weight absorption over c~).
+
+Gate tables are ordinary parameters (logical axes (vocab, gate), sharded over
+the vocabulary), initialised N(0, 1) with the gate projections at
+std 1/sqrt(d_e) so gates start at unit scale; they are counted as
+"embedding-gate params" (effattn_jax.model.param_counts).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from effattn_jax.attention.mla import MLA
+from effattn_jax.layers import Dense, LayerNorm
+
+
+class EGMLA(MLA):
+    def init_kv_up(self, cfg, rngs):
+        m, a, e = cfg.model, cfg.mla, cfg.eg_mla
+        dtype, h, std = jnp.dtype(m.dtype), m.num_heads, m.init_std
+        self.gate_at = e.gate_at
+        self.gate_table = nnx.Param(jax.random.normal(rngs.params(), (m.vocab_size, e.gate_dim), jnp.float32),
+                                    logical_axes=("vocab", "gate"))
+        gate_std = 1.0 / math.sqrt(e.gate_dim)
+        if e.gate_at == "heads":
+            self.uk = Dense([a.kv_lora_rank], [h, self.nope], ("kv_lora", "heads", "head_dim"), rngs=rngs, std=std,
+                            dtype=dtype)
+            self.uv = Dense([a.kv_lora_rank], [h, self.v_dim], ("kv_lora", "heads", "head_dim"), rngs=rngs, std=std,
+                            dtype=dtype)
+            self.gk = Dense([e.gate_dim], [h, self.nope], ("gate", "heads", "head_dim"), rngs=rngs, std=gate_std,
+                            dtype=dtype)
+            self.gv = Dense([e.gate_dim], [h, self.v_dim], ("gate", "heads", "head_dim"), rngs=rngs, std=gate_std,
+                            dtype=dtype)
+            self.k_ln, self.v_ln = LayerNorm(self.nope, eps=m.norm_eps), LayerNorm(self.v_dim, eps=m.norm_eps)
+        else:
+            self.u = Dense([a.kv_lora_rank], [e.gate_dim], ("kv_lora", "gate"), rngs=rngs, std=std, dtype=dtype)
+            self.c_ln = LayerNorm(e.gate_dim, eps=m.norm_eps)
+            self.uk = Dense([e.gate_dim], [h, self.nope], ("gate", "heads", "head_dim"), rngs=rngs, std=std,
+                            dtype=dtype)
+            self.uv = Dense([e.gate_dim], [h, self.v_dim], ("gate", "heads", "head_dim"), rngs=rngs, std=std,
+                            dtype=dtype)
+
+    def init_cache(self, batch: int, max_len: int, dtype) -> dict:
+        """MLA's cache plus the token ids (integers the model already has), never gated vectors."""
+        return super().init_cache(batch, max_len, dtype) | {"token_ids": jnp.zeros((batch, max_len), jnp.int32)}
+
+    def gate(self, token_ids):
+        """E_l[x]: [B, S, d_e]."""
+        if token_ids is None:
+            raise ValueError("eg_mla needs the token ids (the shared attention signature passes them)")
+        return jnp.take(self.gate_table[...], token_ids, axis=0)
+
+    def kv_heads(self, c, token_ids):
+        e = self.gate(token_ids).astype(c.dtype)
+        if self.gate_at == "heads":
+            return self.k_ln(self.uk(c) * self.gk(e)), self.v_ln(self.uv(c) * self.gv(e))
+        ct = self.c_ln(self.u(c) * e)
+        return self.uk(ct), self.uv(ct)

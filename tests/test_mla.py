@@ -1,0 +1,91 @@
+"""MLA and EG-MLA modules against the equations of PAPERS.md §2-3, written out by hand."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from effattn_jax.config import load_config
+from effattn_jax.layers import apply_rope, segment_positions
+from effattn_jax.model import Transformer, param_counts
+from effattn_jax.ops.dense import causal_segment_mask, masked_attention
+
+TINY = ["model.vocab_size=128", "model.d_model=32", "model.num_layers=2", "model.num_heads=4", "model.mlp_dim=64",
+        "mla.kv_lora_rank=16", "mla.qk_nope_head_dim=8", "mla.qk_rope_head_dim=4", "mla.v_head_dim=6",
+        "eg_mla.gate_dim=8"]
+VARIANTS = {
+    "mla": ["attention.kind=mla"],
+    "mla_q_lora": ["attention.kind=mla", "mla.q_lora_rank=12"],
+    "eg_mla_heads": ["attention.kind=eg_mla"],
+    "eg_mla_latent": ["attention.kind=eg_mla", "eg_mla.gate_at=latent"],
+}
+
+
+def rms(x, scale, eps=1e-6):
+    return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + eps) * scale
+
+
+def ln(x, scale, bias, eps=1e-6):
+    mu = x.mean(-1, keepdims=True)
+    return (x - mu) * jax.lax.rsqrt(((x - mu) ** 2).mean(-1, keepdims=True) + eps) * scale + bias
+
+
+def by_hand(attn, x, tokens, seg, kind, gate_at, q_lora):
+    """One attention layer from its weights, following PAPERS.md literally."""
+    W = lambda mod: mod.kernel[...]
+    pos = segment_positions(seg)
+    c = rms(jnp.einsum("bsd,dc->bsc", x, W(attn.dkv)), attn.kv_norm.scale[...])
+    kr = apply_rope(jnp.einsum("bsd,dr->bsr", x, W(attn.kr))[:, :, None], pos, 10000.0)
+    qin = rms(jnp.einsum("bsd,dq->bsq", x, W(attn.dq)), attn.q_norm.scale[...]) if q_lora else x
+    q = jnp.einsum("bsq,qhe->bshe", qin, W(attn.q))
+    q = jnp.concatenate([q[..., :8], apply_rope(q[..., 8:], pos, 10000.0)], -1)
+    if kind == "mla":
+        k_nope, v = jnp.einsum("bsc,che->bshe", c, W(attn.uk)), jnp.einsum("bsc,che->bshe", c, W(attn.uv))
+    elif gate_at == "heads":
+        e = attn.gate_table[...][tokens]
+        gk, gv = jnp.einsum("bsg,ghe->bshe", e, W(attn.gk)), jnp.einsum("bsg,ghe->bshe", e, W(attn.gv))
+        k_nope = ln(jnp.einsum("bsc,che->bshe", c, W(attn.uk)) * gk, attn.k_ln.scale[...], attn.k_ln.bias[...])
+        v = ln(jnp.einsum("bsc,che->bshe", c, W(attn.uv)) * gv, attn.v_ln.scale[...], attn.v_ln.bias[...])
+    else:
+        ct = ln(jnp.einsum("bsc,cg->bsg", c, W(attn.u)) * attn.gate_table[...][tokens], attn.c_ln.scale[...],
+                attn.c_ln.bias[...])
+        k_nope, v = jnp.einsum("bsg,ghe->bshe", ct, W(attn.uk)), jnp.einsum("bsg,ghe->bshe", ct, W(attn.uv))
+    k = jnp.concatenate([k_nope, jnp.broadcast_to(kr, k_nope.shape[:3] + (4,))], -1)
+    out = masked_attention(q, k, v, causal_segment_mask(seg, 12, 12), 1 / np.sqrt(8 + 4))  # scale: nope + rope
+    return jnp.einsum("bshe,hed->bsd", out, W(attn.o))
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_layer_follows_the_equations(name):
+    cfg = load_config(None, TINY + VARIANTS[name])
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    attn = model.blocks[0].attn
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((2, 12, 32)), jnp.float32)
+    tokens = jnp.asarray(rng.integers(0, 128, (2, 12)))
+    seg = jnp.asarray([[1] * 5 + [2] * 7, [1] * 12])
+    got, _ = attn(x, positions=segment_positions(seg), segment_ids=seg, token_ids=tokens)
+    want = by_hand(attn, x, tokens, seg, cfg.attention.kind, cfg.eg_mla.gate_at, cfg.mla.q_lora_rank > 0)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_packed_documents_and_core_switch(name):
+    cfg = load_config(None, TINY + VARIANTS[name])
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(1)
+    a, b = rng.integers(0, 128, 5), rng.integers(0, 128, 7)
+    packed = model(jnp.asarray(np.concatenate([a, b])[None]), jnp.asarray([[1] * 5 + [2] * 7]))
+    np.testing.assert_allclose(packed[0, 5:], model(jnp.asarray(b[None]))[0], atol=1e-5)
+    moba = load_config(None, TINY + VARIANTS[name] + ["attention.core=moba", "moba.block_size=4", "data.seq_len=16"])
+    paths = lambda c: [(p, v.shape) for p, v in nnx.to_flat_state(nnx.state(Transformer(c, rngs=nnx.Rngs(0)),
+                                                                            nnx.Param))]
+    assert paths(moba) == paths(cfg)
+
+
+def test_gate_tables_are_counted_apart():
+    cfg = load_config(None, TINY + VARIANTS["eg_mla_heads"])
+    counts = param_counts(Transformer(cfg, rngs=nnx.Rngs(0)))
+    assert counts["embedding_gate"] == 2 * 128 * 8  # layers x vocab x d_e
+    assert counts["total"] == counts["embedding"] + counts["embedding_gate"] + counts["non_embedding"]
