@@ -31,10 +31,14 @@ class Block(nnx.Module):
                           out_std=m.init_std / math.sqrt(2 * m.num_layers), dtype=dtype)
 
     def __call__(self, x, positions, segment_ids, token_ids):
-        h, _ = self.attn(self.attn_norm(x), positions=positions, segment_ids=segment_ids, token_ids=token_ids)
-        x = x + h
+        x = x + self.attn(self.attn_norm(x), positions=positions, segment_ids=segment_ids, token_ids=token_ids)
         x = x + self.mlp(self.mlp_norm(x))
         return constrain(x, ("batch", "length", "embed"))
+
+    def decode(self, x, positions, token_ids, cache, **kw):
+        h, cache = self.attn.decode(self.attn_norm(x), positions=positions, token_ids=token_ids, cache=cache, **kw)
+        x = x + h
+        return x + self.mlp(self.mlp_norm(x)), cache
 
 
 class Transformer(nnx.Module):
@@ -62,10 +66,23 @@ class Transformer(nnx.Module):
             run = nnx.remat(run)
         for block in self.blocks:
             x = run(block, x)
+        return constrain(self.logits(x), ("batch", "length", "vocab"))
+
+    def logits(self, x):
         x = self.final_norm(x)
         w = self.embed[...].T if self.lm_head is None else self.lm_head[...]
-        logits = jnp.dot(x, w.astype(self.dtype), preferred_element_type=jnp.float32)
-        return constrain(logits, ("batch", "length", "vocab"))
+        return jnp.dot(x, w.astype(self.dtype), preferred_element_type=jnp.float32)
+
+    def decode(self, tokens: jax.Array, positions: jax.Array, caches: list[dict], **kw):
+        """tokens, positions [B, T] (one document per row) -> (float32 logits [B, T, vocab], caches).
+        Writes the tokens' cache entries, then attends over everything cached so far. kw
+        (e.g. absorb=False for MLA) goes to the attention modules that take it."""
+        x = jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype)
+        new = []
+        for block, cache in zip(self.blocks, caches):
+            x, cache = block.decode(x, positions, tokens, cache, **kw)
+            new.append(cache)
+        return self.logits(x), new
 
 
 def init_cache(model: Transformer, batch: int, max_len: int, dtype=jnp.float32) -> list[dict]:

@@ -61,6 +61,16 @@ class EGMLA(MLA):
         """MLA's cache plus the token ids (integers the model already has), never gated vectors."""
         return super().init_cache(batch, max_len, dtype) | {"token_ids": jnp.zeros((batch, max_len), jnp.int32)}
 
+    def write_cache(self, cache, rows, positions, c, kr, token_ids):
+        return super().write_cache(cache, rows, positions, c, kr, token_ids) | {
+            "token_ids": cache["token_ids"].at[rows, positions].set(token_ids.astype(jnp.int32))}
+
+    def absorbed_latent(self, cache):
+        """gate_at=latent: c~ recomputed from (c, token id) for every cached token; heads: none."""
+        if self.gate_at != "latent":
+            return None
+        return self.c_ln(self.u(cache["c"]) * self.gate(cache["token_ids"]).astype(cache["c"].dtype))
+
     def gate(self, token_ids):
         """E_l[x]: [B, S, d_e]."""
         if token_ids is None:

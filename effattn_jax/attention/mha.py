@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from effattn_jax.layers import Dense, apply_rope
+from effattn_jax.ops.dense import masked_attention
 from effattn_jax.sharding import constrain
 
 
@@ -29,13 +30,24 @@ class MHA(nnx.Module):
         shape = (batch, max_len, self.k.kernel.shape[1], self.k.kernel.shape[2])
         return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
-    def __call__(self, x, *, positions, segment_ids, token_ids=None, cache=None):
-        """x: [B, S, d_model] -> ([B, S, d_model], cache). `token_ids` is unused by MHA."""
-        if cache is not None:
-            raise NotImplementedError("KV-cache decoding lands with the generation issue")
+    def qkv(self, x, positions):
         q = apply_rope(self.q(x), positions, self.rope_theta)  # [B, S, H, D]
         k = apply_rope(self.k(x), positions, self.rope_theta)  # [B, S, KV, D]
-        v = self.v(x)
+        return q, k, self.v(x)
+
+    def __call__(self, x, *, positions, segment_ids, token_ids=None):
+        """x: [B, S, d_model] -> [B, S, d_model]. `token_ids` is unused by MHA."""
+        q, k, v = self.qkv(x, positions)
         q = constrain(q, ("batch", "length", "heads", "head_dim"))
-        out = self.core(q, k, v, segment_ids=segment_ids)
-        return self.o(out), None
+        return self.o(self.core.attend(q, k, v, segment_ids=segment_ids))
+
+    def decode(self, x, *, positions, token_ids, cache, absorb: bool = True):
+        """New tokens x [B, T, d_model] at `positions` [B, T]: written into the cache, then
+        attended over it -> ([B, T, d_model], cache). (`absorb` concerns latent kinds only.)"""
+        q, k, v = self.qkv(x, positions)
+        rows = jnp.arange(x.shape[0])[:, None]
+        cache = {"k": cache["k"].at[rows, positions].set(k.astype(cache["k"].dtype)),
+                 "v": cache["v"].at[rows, positions].set(v.astype(cache["v"].dtype))}
+        mask = self.core.decode_mask(q, cache["k"], positions)
+        out = masked_attention(q, cache["k"], cache["v"], mask, q.shape[-1] ** -0.5)
+        return self.o(out), cache

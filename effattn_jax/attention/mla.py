@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from effattn_jax.layers import Dense, RMSNorm, apply_rope
+from effattn_jax.ops.dense import masked_attention
 from effattn_jax.sharding import constrain
 
 
@@ -70,14 +72,50 @@ class MLA(nnx.Module):
         q = self.q(self.q_norm(self.dq(x)) if self.q_lora else x)
         return q[..., : self.nope], apply_rope(q[..., self.nope:], positions, self.rope_theta)
 
-    def __call__(self, x, *, positions, segment_ids, token_ids=None, cache=None):
-        if cache is not None:
-            raise NotImplementedError("KV-cache decoding lands with the generation issue")
+    def __call__(self, x, *, positions, segment_ids, token_ids=None):
         q_nope, q_rope = self.query(x, positions)
         c, kr = self.latent(x, positions)
         k_nope, v = self.kv_heads(c, token_ids)
-        b, s, h, _ = k_nope.shape
         q = constrain(jnp.concatenate([q_nope, q_rope], axis=-1), ("batch", "length", "heads", "head_dim"))
-        k = jnp.concatenate([k_nope, jnp.broadcast_to(kr[:, :, None, :], (b, s, h, self.rope_dim))], axis=-1)
-        out = self.core(q, k, v, segment_ids=segment_ids, scale=self.scale)
-        return self.o(out), None
+        return self.o(self.core.attend(q, self.full_keys(k_nope, kr), v, segment_ids=segment_ids, scale=self.scale))
+
+    def full_keys(self, k_nope, kr):
+        """Per-head keys [k_nope ; k^R] with the shared RoPE key broadcast to every head."""
+        b, s, h, _ = k_nope.shape
+        return jnp.concatenate([k_nope, jnp.broadcast_to(kr[:, :, None, :], (b, s, h, self.rope_dim))], axis=-1)
+
+    def write_cache(self, cache, rows, positions, c, kr, token_ids):
+        return {"c": cache["c"].at[rows, positions].set(c.astype(cache["c"].dtype)),
+                "kr": cache["kr"].at[rows, positions].set(kr.astype(cache["kr"].dtype))}
+
+    def absorbed_latent(self, cache):
+        """The latent that attention can run over with absorbed weights [B, L, d]; None if impossible."""
+        return cache["c"]
+
+    def decode(self, x, *, positions, token_ids, cache, absorb: bool = True):
+        """New tokens x [B, T, d_model] at `positions` [B, T] -> ([B, T, d_model], cache).
+
+        absorb=True (dense core only): W_UK folds into the query and W_UV applies after
+        attention, so scores and values come straight from the cached latent:
+        q_i.k_s = (W_UK,i^T q_nope,i) . c_s + q_rope,i . k^R_s. Otherwise per-head K/V of
+        every cached token are rebuilt from the cache (the naive path, also MoBA's)."""
+        c, kr = self.latent(x, positions)
+        rows = jnp.arange(x.shape[0])[:, None]
+        cache = self.write_cache(cache, rows, positions, c, kr, token_ids)
+        q_nope, q_rope = self.query(x, positions)
+        lat = self.absorbed_latent(cache) if absorb and self.core.causal_only else None
+        if lat is not None:
+            w_uk, w_uv = self.uk.kernel[...].astype(lat.dtype), self.uv.kernel[...].astype(lat.dtype)
+            q_lat = jnp.einsum("bthn,dhn->bthd", q_nope, w_uk)
+            logits = (jnp.einsum("bthd,bsd->bhts", q_lat, lat, preferred_element_type=jnp.float32)
+                      + jnp.einsum("bthr,bsr->bhts", q_rope, cache["kr"], preferred_element_type=jnp.float32))
+            mask = jnp.arange(lat.shape[1])[None, None, None, :] <= positions[:, None, :, None]
+            probs = jax.nn.softmax(jnp.where(mask, logits * self.scale, -jnp.inf), axis=-1)
+            out = jnp.einsum("bthd,dhv->bthv", jnp.einsum("bhts,bsd->bthd", probs, lat.astype(jnp.float32)),
+                             w_uv.astype(jnp.float32)).astype(x.dtype)
+        else:
+            k_nope, v = self.kv_heads(cache["c"], cache.get("token_ids"))
+            q = jnp.concatenate([q_nope, q_rope], axis=-1)
+            k = self.full_keys(k_nope, cache["kr"])
+            out = masked_attention(q, k, v, self.core.decode_mask(q, k, positions), self.scale)
+        return self.o(out), cache

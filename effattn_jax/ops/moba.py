@@ -62,46 +62,53 @@ def block_starts(segment_ids, b: int, s: int, block_size: int) -> jax.Array:
     return jnp.arange(s, dtype=jnp.int32)[None] - pos % block_size
 
 
-def moba_routing(q, k, *, block_size: int, top_k: int, segment_ids=None, query_chunk: int = 512) -> Routing:
-    """The one MoBA gate. q [B, S, Hq, D], k [B, S, Hkv, D]; no gradient flows through it.
+def moba_routing(q, k, *, block_size: int, top_k: int, segment_ids=None, query_positions=None,
+                 query_chunk: int = 512) -> Routing:
+    """The one MoBA gate. q [B, T, Hq, D], k [B, S, Hkv, D]; no gradient flows through it.
 
-    Cost: S * blocks * D per head (the gate), computed in query chunks so memory
-    stays at chunk * blocks * D; no [S, S] array.
+    Training: T = S and blocks follow `segment_ids`. Decoding: `query_positions`
+    [B, T] gives the absolute position of each query in a single document whose
+    keys (the cache) are k; blocks past a query are never candidates.
+    Cost: T * blocks * D per head (the gate), computed in query chunks so memory
+    stays at chunk * blocks * D; no [T, S] array.
     """
     q, k = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
-    b, s, hq, d = q.shape
-    hkv = k.shape[2]
+    b, t, hq, d = q.shape
+    s, hkv = k.shape[1], k.shape[2]
     c = block_size
     n = -(-s // c)
     kk = min(top_k - 1, n - 1)
-    pos = _positions(segment_ids, b, s)
-    idx = jnp.arange(s, dtype=jnp.int32)[None]
-    doc_start = idx - pos  # [B, S]
+    if query_positions is None:
+        pos = _positions(segment_ids, b, s)
+        doc_start = jnp.arange(s, dtype=jnp.int32)[None] - pos  # [B, S]
+    else:
+        pos = query_positions.astype(jnp.int32)
+        doc_start = jnp.zeros_like(pos)
     own_block = pos // c  # index of the own block inside the document
     own_start = doc_start + own_block * c
     if kk <= 0:
-        return Routing(own_start, jnp.zeros((b, s, hq, 0), jnp.int32))
+        return Routing(own_start, jnp.zeros((b, t, hq, 0), jnp.int32))
 
     # Mean key of the full block starting at every position p: (K[p:p+c]).mean, in k's dtype.
     csum = jnp.cumsum(jnp.pad(k.astype(jnp.float32), ((0, 0), (1, 0), (0, 0), (0, 0))), axis=1)  # [B, S+1, Hkv, D]
     ends = jnp.minimum(jnp.arange(s) + c, s)
     kbar_at = ((csum[:, ends] - csum[:, :s]) / c).astype(k.dtype).astype(jnp.float32)  # [B, S, Hkv, D]
 
-    qg = q.astype(jnp.float32).reshape(b, s, hkv, hq // hkv, d)
+    qg = q.astype(jnp.float32).reshape(b, t, hkv, hq // hkv, d)
     j = jnp.arange(n, dtype=jnp.int32)
-    pad = -s % query_chunk if s > query_chunk else 0
-    chunk = min(query_chunk, s)
+    pad = -t % query_chunk if t > query_chunk else 0
+    chunk = min(query_chunk, t)
 
     def chunk_scores(args):
-        qc, dsc = args  # [B, T, Hkv, G, D], [B, T]
-        starts = jnp.clip(dsc[..., None] + j * c, 0, s - 1)  # [B, T, n]
-        kb = jnp.take_along_axis(kbar_at[:, None], starts[..., None, None], axis=2)  # [B, T, n, Hkv, D]
-        return jnp.einsum("btkgd,btnkd->btkgn", qc, kb)  # [B, T, Hkv, G, n]
+        qc, dsc = args  # [B, T', Hkv, G, D], [B, T']
+        starts = jnp.clip(dsc[..., None] + j * c, 0, s - 1)  # [B, T', n]
+        kb = jnp.take_along_axis(kbar_at[:, None], starts[..., None, None], axis=2)  # [B, T', n, Hkv, D]
+        return jnp.einsum("btkgd,btnkd->btkgn", qc, kb)  # [B, T', Hkv, G, n]
 
     qp = jnp.pad(qg, ((0, 0), (0, pad), (0, 0), (0, 0), (0, 0))).reshape(b, -1, chunk, hkv, hq // hkv, d)
     dp = jnp.pad(doc_start, ((0, 0), (0, pad))).reshape(b, -1, chunk)
-    scores = jax.lax.map(chunk_scores, (jnp.moveaxis(qp, 1, 0), jnp.moveaxis(dp, 1, 0)))  # [C#, B, T, Hkv, G, n]
-    scores = jnp.moveaxis(scores, 0, 1).reshape(b, -1, hq, n)[:, :s]  # [B, S, Hq, n]
+    scores = jax.lax.map(chunk_scores, (jnp.moveaxis(qp, 1, 0), jnp.moveaxis(dp, 1, 0)))  # [C#, B, T', Hkv, G, n]
+    scores = jnp.moveaxis(scores, 0, 1).reshape(b, -1, hq, n)[:, :t]  # [B, T, Hq, n]
 
     candidate = j[None, None, None, :] < own_block[:, :, None, None]  # strictly earlier blocks of the document
     scores = jnp.where(candidate, scores, -jnp.inf)
@@ -111,12 +118,15 @@ def moba_routing(q, k, *, block_size: int, top_k: int, segment_ids=None, query_c
     return Routing(own_start, past_start.astype(jnp.int32))
 
 
-def moba_reference_mask(routing: Routing, *, block_size: int, segment_ids=None) -> jax.Array:
-    """[B, Hq, S, S] bool: which keys each query attends to under this routing (dense; for oracles)."""
-    b, s, hq, _ = routing.past_start.shape
+def moba_reference_mask(routing: Routing, *, block_size: int, segment_ids=None, query_positions=None,
+                        num_keys: int | None = None) -> jax.Array:
+    """[B, Hq, T, S] bool: which keys each query attends to under this routing (dense: for the
+    oracle and for decoding over a cache, where `query_positions` [B, T] and `num_keys` are given)."""
+    b, t, hq, _ = routing.past_start.shape
+    s = t if num_keys is None else num_keys
     bs = block_starts(segment_ids, b, s, block_size)  # [B, S] block start of each key
-    idx = jnp.arange(s)
-    own = (bs[:, None, :] == routing.own_start[:, :, None]) & (idx[None, None, :] <= idx[None, :, None])  # [B, T, S]
+    qpos = jnp.arange(t)[None] if query_positions is None else query_positions  # [B or 1, T]
+    own = (bs[:, None, :] == routing.own_start[:, :, None]) & (jnp.arange(s)[None, None, :] <= qpos[:, :, None])
     past = (bs[:, None, None, :, None] == jnp.moveaxis(routing.past_start, 2, 1)[:, :, :, None, :]).any(-1)
     return own[:, None] | past
 
