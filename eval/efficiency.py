@@ -1,6 +1,8 @@
 """Efficiency measurements of the EG-MLA paper.
 
     python -m eval.efficiency kv-cache --config configs/egmla/paper/mla_base.yaml [--json]
+    python -m eval.efficiency decode-latency [--config a.yaml --config b.yaml ...] --context 1024,4096,16384
+    python -m eval.efficiency train-cost [--config ...] [key=value ...]
 
 kv-cache: elements and bytes per token of the decode cache, all layers,
 counted from the cache arrays the attention modules actually allocate
@@ -8,6 +10,17 @@ counted from the cache arrays the attention modules actually allocate
 Floating-point entries are the KV-cache figure; integer entries (EG-MLA's
 token ids) are reported on their own line. Also reports the parameter split,
 with EG-MLA's gate tables apart.
+
+decode-latency: ms per generated token, batch 1, greedy, at each context length:
+the decode step (compiled once per model) runs at position `context` over a
+cache filled synthetically with random entries (a real prefill of 16K tokens
+is far too slow on a CPU); median of repeated runs after a warm-up. Without
+--config it compares the paper models: MHA, MLA, EG-MLA emb256 with the gate at
+the heads and at the latent, plus MLA decoding naively (no weight absorption).
+
+train-cost: tokens/s and compiled memory of one train step for MHA, MLA and
+EG-MLA emb256 at the paper width, measured in one run (batch and sequence
+reduced for a CPU by the overrides, default data.batch_size=2 data.seq_len=256).
 """
 
 from __future__ import annotations
@@ -49,6 +62,78 @@ def kv_cache_report(cfg) -> dict:
     }
 
 
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+PAPER = os.path.join(os.path.dirname(__file__), "..", "configs", "egmla", "paper")
+# (label, config file, overrides, decode with absorbed weights)
+PAPER_DECODE = [
+    ("MHA", "mha_base.yaml", [], True),
+    ("MLA (absorbed)", "mla_base.yaml", [], True),
+    ("MLA (naive)", "mla_base.yaml", [], False),
+    ("EG-MLA emb256, gate at heads", "eg_mla_kv64_emb256.yaml", [], True),
+    ("EG-MLA emb256, gate at latent (absorbed)", "eg_mla_kv64_emb256.yaml", ["eg_mla.gate_at=latent"], True),
+]
+
+
+def _variants(configs, extra):
+    if configs:
+        return [(c, c, list(extra), True) for c in configs]
+    return [(label, os.path.join(PAPER, f), o + list(extra), absorb) for label, f, o, absorb in PAPER_DECODE]
+
+
+def decode_latency(cfg, contexts: list[int], *, absorb: bool, repeats: int = 5) -> dict[int, float]:
+    """Median ms per decode step at each context length (synthetic cache, batch 1)."""
+    from effattn_jax.model import Transformer, init_cache
+
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+    step = jax.jit(lambda p, t, pos, c: nnx.merge(graphdef, p).decode(t, pos, c, absorb=absorb)[0])
+    out = {}
+    for ctx in contexts:
+        caches = init_cache(model, 1, ctx + 1, jnp.dtype(cfg.model.dtype))
+        key = jax.random.key(ctx)
+        caches = [{k: (jax.random.normal(key, v.shape, v.dtype) if jnp.issubdtype(v.dtype, jnp.floating)
+                       else jax.random.randint(key, v.shape, 0, cfg.model.vocab_size, v.dtype)) for k, v in c.items()}
+                  for c in caches]
+        args = (params, jnp.ones((1, 1), jnp.int32), jnp.full((1, 1), ctx, jnp.int32), caches)
+        jax.block_until_ready(step(*args))  # compile + warm up
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            jax.block_until_ready(step(*args))
+            times.append(time.perf_counter() - t)
+        out[ctx] = statistics.median(times) * 1e3
+    return out
+
+
+def train_cost(cfg, steps: int = 3) -> dict:
+    """Median seconds per train step, tokens/s and compiled memory (synthetic batch)."""
+    from effattn_jax.sharding import make_mesh
+    from effattn_jax.train.state import init_state, make_setup
+    from effattn_jax.train.step import make_train_step
+
+    setup = make_setup(cfg, make_mesh(1, 1, 1))
+    state = init_state(setup)
+    b, s = cfg.data.batch_size, cfg.data.seq_len
+    rng = jax.random.key(0)
+    batch = {"inputs": jax.random.randint(rng, (b, s), 0, 50000), "targets": jax.random.randint(rng, (b, s), 0, 50000),
+             "segment_ids": jnp.ones((b, s), jnp.int32), "loss_mask": jnp.ones((b, s), jnp.float32)}
+    fn = make_train_step(setup)
+    mem = fn.lower(state, batch).compile().memory_analysis()
+    state, m = fn(state, batch)
+    jax.block_until_ready(m)
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        state, m = fn(state, batch)
+        jax.block_until_ready(m)
+        times.append(time.perf_counter() - t)
+    sec = statistics.median(times)
+    return {"step_s": sec, "tokens_per_s": b * s / sec,
+            "memory_gib": (mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes) / 2**30}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
@@ -56,8 +141,20 @@ def main(argv=None) -> int:
     kv.add_argument("--config", required=True)
     kv.add_argument("--json", action="store_true")
     kv.add_argument("overrides", nargs="*")
+    dl = sub.add_parser("decode-latency", help="ms/token of batch-1 greedy decoding per context length")
+    dl.add_argument("--config", action="append", default=[])
+    dl.add_argument("--context", default="1024,4096,16384")
+    dl.add_argument("--repeats", type=int, default=5)
+    dl.add_argument("overrides", nargs="*")
+    tc = sub.add_parser("train-cost", help="tokens/s and compiled memory of one train step")
+    tc.add_argument("--config", action="append", default=[])
+    tc.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
     try:
+        if args.command == "decode-latency":
+            return _print_decode_latency(args)
+        if args.command == "train-cost":
+            return _print_train_cost(args)
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
         print(e, file=sys.stderr)
@@ -71,6 +168,32 @@ def main(argv=None) -> int:
     print(f"integer cache entries (token ids): {r['integer_entries_per_token']:,}/token")
     print(f"params: {r['params_total']:,} total, {r['params_embedding']:,} embedding, "
           f"{r['params_embedding_gate']:,} embedding-gate, {r['params_non_embedding']:,} other")
+    return 0
+
+
+def _print_decode_latency(args) -> int:
+    contexts = [int(c) for c in args.context.split(",")]
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; batch 1, one decode step at each context; "
+          "the cache is filled synthetically (random entries), no prefill was run")
+    print("| model | " + " | ".join(f"{c:,} ctx ms/token" for c in contexts) + " |")
+    print("|---|" + "---|" * len(contexts))
+    for label, path, overrides, absorb in _variants(args.config, args.overrides):
+        ms = decode_latency(load_config(path, overrides), contexts, absorb=absorb, repeats=args.repeats)
+        print(f"| {label} | " + " | ".join(f"{ms[c]:.1f}" for c in contexts) + " |", flush=True)
+    return 0
+
+
+def _print_train_cost(args) -> int:
+    extra = args.overrides or ["data.batch_size=2", "data.seq_len=256"]
+    configs = args.config or [os.path.join(PAPER, f) for f in ("mha_base.yaml", "mla_base.yaml",
+                                                                "eg_mla_kv64_emb256.yaml")]
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; overrides {' '.join(extra)}; synthetic batch")
+    print("| config | step s | tokens/s | compiled memory GiB |")
+    print("|---|---|---|---|")
+    for path in configs:
+        r = train_cost(load_config(path, extra))
+        print(f"| {os.path.basename(path)} | {r['step_s']:.2f} | {r['tokens_per_s']:,.0f} | {r['memory_gib']:.2f} |",
+              flush=True)
     return 0
 
 

@@ -31,3 +31,17 @@ def test_cli(capsys):
     assert main(["kv-cache", "--config", str(PAPER / "mla_base.yaml")]) == 0
     assert "3,840 elements/token" in capsys.readouterr().out
     assert main(["kv-cache", "--config", str(PAPER / "mla_base.yaml"), "mla.bogus=1"]) == 2
+
+
+def test_latency_and_train_cost_run_on_a_tiny_model():
+    """Smoke test of the measuring code (numbers are benchmarks, not asserted)."""
+    from eval.efficiency import decode_latency, train_cost
+
+    tiny = ["model.vocab_size=128", "model.d_model=32", "model.num_layers=1", "model.num_heads=4",
+            "model.mlp_dim=64", "attention.kind=eg_mla", "eg_mla.gate_at=latent", "mla.kv_lora_rank=16",
+            "mla.qk_nope_head_dim=8", "mla.qk_rope_head_dim=4", "mla.v_head_dim=8", "data.seq_len=16",
+            "data.batch_size=2"]
+    ms = decode_latency(load_config(None, tiny), [8, 32], absorb=True, repeats=1)
+    assert set(ms) == {8, 32} and all(v > 0 for v in ms.values())
+    r = train_cost(load_config(None, tiny), steps=1)
+    assert r["tokens_per_s"] > 0 and r["memory_gib"] > 0

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from effattn_jax.config import load_config
-from effattn_jax.ops.moba import moba_attention, moba_reference_mask, moba_routing, resolve_impl
+from effattn_jax.ops.moba import (moba_attention, moba_reference, moba_reference_mask, moba_routing,
+                                  resolve_impl)
 from effattn_jax.sharding import make_mesh
 from effattn_jax.train.state import init_state, make_setup
 from effattn_jax.train.step import make_train_step
@@ -58,6 +59,21 @@ def check_against_reference(kernel, interpret, b, s, hq, hkv, c, top_k, lengths,
 @pytest.mark.parametrize("kernel", ["tpu", "gpu"])
 def test_kernels_interpreted_match_reference(kernel, name):
     check_against_reference(kernel, True, *CASES[name])
+
+
+@pytest.mark.parametrize("kernel", ["tpu", "gpu"])
+def test_kernels_take_bfloat16(kernel):
+    """bf16 inputs, float32 accumulation: within bf16 rounding of the float32 reference
+    (inputs to each matmul are rounded to 8 mantissa bits; outputs are O(1))."""
+    q, k, v = rand_qkv(6, 1, 40, 4, 2, 8, dtype=jnp.bfloat16)
+    seg = segments(1, [17, 23])
+    r = moba_routing(q, k, block_size=8, top_k=3, segment_ids=seg)
+    out = jax.jit(lambda q, k, v: moba_pallas(q, k, v, r.own_start, r.past_start, 8, 8**-0.5, kernel, True, SMALL))(
+        q, k, v)
+    ref = moba_reference(*(x.astype(jnp.float32) for x in (q, k, v)), r, block_size=8, segment_ids=seg,
+                         scale=8**-0.5)  # same routing
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_allclose(out.astype(jnp.float32), ref, atol=3e-2, rtol=2e-2)
 
 
 def test_backward_in_several_tile_chunks(monkeypatch):
