@@ -360,13 +360,10 @@ def validate(cfg: Config) -> None:
     _check(ll.core in ("", *CORES), "attention.last_layers.core", ll.core, f"allowed: '', {', '.join(CORES)}")
     _check(not (a.layers and ll.n), "attention.last_layers.n", ll.n, "cannot be combined with attention.layers")
 
-    from effattn_jax.attention import CORE_KINDS, layer_spec
+    from effattn_jax.attention import layer_spec
     from effattn_jax.ops.moba import IMPLS
 
     specs = [layer_spec(cfg, i) for i in range(m.num_layers)]
-    for kind, core in set(specs):
-        _check(kind in CORE_KINDS[core], "attention.core", core,
-               f"not available with attention.kind={kind} yet (it supports kinds: {', '.join(sorted(CORE_KINDS[core]))})")
     _positive(cfg.mla, "mla", ["kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"])
     _positive(cfg.mla, "mla", ["q_lora_rank"], allow_zero=True)
     _check(cfg.mla.qk_rope_head_dim % 2 == 0, "mla.qk_rope_head_dim", cfg.mla.qk_rope_head_dim,

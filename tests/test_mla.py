@@ -65,7 +65,7 @@ def test_layer_follows_the_equations(name):
     x = jnp.asarray(rng.standard_normal((2, 12, 32)), jnp.float32)
     tokens = jnp.asarray(rng.integers(0, 128, (2, 12)))
     seg = jnp.asarray([[1] * 5 + [2] * 7, [1] * 12])
-    got, _ = attn(x, positions=segment_positions(seg), segment_ids=seg, token_ids=tokens)
+    got = attn(x, positions=segment_positions(seg), segment_ids=seg, token_ids=tokens)
     want = by_hand(attn, x, tokens, seg, cfg.attention.kind, cfg.eg_mla.gate_at, cfg.mla.q_lora_rank > 0)
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 

@@ -1,5 +1,6 @@
 """Attention registry: `attention.kind` picks the projections (a module class),
-`attention.core` the pattern (a parameter-free function), independently.
+`attention.core` the pattern (a parameter-free `Core`), independently; any kind
+works with any core.
 
 Every kind is constructed as `KINDS[kind](cfg, core=CORES[core](cfg), rngs=rngs)`
 and called as `module(x, *, positions, segment_ids, token_ids)` for training and
@@ -61,8 +62,6 @@ def _moba_core(cfg) -> Core:
 
 
 CORES = {"dense": _dense_core, "moba": _moba_core}
-# Which kinds each core supports so far (checked at config time).
-CORE_KINDS = {"dense": set(KINDS), "moba": set(KINDS)}
 
 
 def layer_spec(cfg, layer: int) -> tuple[str, str]:
