@@ -20,13 +20,14 @@ def tiny_cfg(corpus_dir, run_dir, **extra):
 
 
 def test_tiny_run_learns_and_logs(tmp_path, corpus_dir):
-    res = run(tiny_cfg(corpus_dir, tmp_path / "run", **{"train.steps": 12}))
+    res = run(tiny_cfg(corpus_dir, tmp_path / "run", **{"train.steps": 12, "train.profile_steps": "[2,4]"}))
     scalars = read_scalars(tmp_path / "run")
     assert TB_TAGS <= set(scalars)
     loss = [v for _, v in scalars["loss"]]
     assert len(loss) == 12 and np.mean(loss[-3:]) < np.mean(loss[:3]) - 1.0
     assert res["step"] == 12 and np.isfinite(res["val_loss"]) and res["unigram_loss"] > 0
     assert (tmp_path / "run" / "config.yaml").exists() and (tmp_path / "run" / "launches.jsonl").exists()
+    assert any(p.is_file() for p in (tmp_path / "run" / "profile").rglob("*"))  # the profiler window wrote a trace
 
 
 def test_resume_is_bitwise_identical(tmp_path, corpus_dir):
