@@ -48,8 +48,7 @@ def _own_block_part(q, k, v, routing: Routing, *, block_size, segment_ids, scale
         kidx = jnp.concatenate([jnp.concatenate([jnp.full((1, c), -1), idx[:-1]]), idx], axis=1)
     else:
         kbs, kidx = bs, idx
-    own = routing.own_start
-    own = padt(own).reshape(b, n, c)
+    own = padt(routing.own_start).reshape(b, n, c)
     mask = (kbs[:, :, None, :] == own[:, :, :, None]) & (kidx[None, :, None, :] <= idx[None, :, :, None])
     mask &= (kidx >= 0)[None, :, None, :]
     logits = jnp.einsum("bnqkgd,bnckd->bnkgqc", qc, kc, preferred_element_type=jnp.float32) * scale
