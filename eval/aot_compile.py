@@ -21,6 +21,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from effattn_jax.ops.moba import moba_routing  # noqa: E402
+from eval.common import compiled_bytes  # noqa: E402
 from pallas_kernels.moba.attention import moba_pallas  # noqa: E402
 from pallas_kernels.moba.tpu import BlockSizes  # noqa: E402
 
@@ -56,8 +57,7 @@ def main(argv=None):
         compiled = grad_fn("tpu", BlockSizes(), args.head_dim).lower(
             *[jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=rep)] * 3).compile()
         tpu_s = time.perf_counter() - t
-        mem = compiled.memory_analysis()
-        need = (mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes) / 2**30
+        need = compiled_bytes(compiled) / 2**30
         t = time.perf_counter()
         triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
         exported = jax.export.export(grad_fn("gpu", BlockSizes(64, 64), args.head_dim), platforms=["cuda"],

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from effattn_jax.ops.moba import moba_attention
+from eval.common import compiled_bytes, time_once
 
 
 def make_fns(block_size, top_k, impl):
@@ -45,17 +46,6 @@ def inputs(seq, heads, head_dim, dtype, seed=0):
     rng = np.random.default_rng(seed)
     shape = (1, seq, heads, head_dim)
     return tuple(jnp.asarray(rng.standard_normal(shape), dtype) for _ in range(3))
-
-
-def memory_bytes(fn, args) -> int:
-    m = fn.lower(*args).compile().memory_analysis()
-    return int(m.temp_size_in_bytes + m.output_size_in_bytes + m.argument_size_in_bytes)
-
-
-def time_once(fn, args) -> float:
-    t = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    return time.perf_counter() - t
 
 
 def structured_inputs(seq, heads, head_dim, dtype, seed=0, strength=2.0):
@@ -141,13 +131,14 @@ def main(argv=None):
     print("|---|---|---|---|---|---|---|")
     for seq in [int(s) for s in args.seqs.split(",")]:
         x = inputs(seq, args.heads, args.head_dim, jnp.dtype(args.dtype))
-        mem = {name: memory_bytes(fn, x) for name, fn in fns.items()}
-        for fn in fns.values():
-            time_once(fn, x)  # compile + warm up
+        compiled = {name: fn.lower(*x).compile() for name, fn in fns.items()}  # compiled once, measured and run
+        mem = {name: compiled_bytes(c) for name, c in compiled.items()}
+        for c in compiled.values():
+            time_once(c, x)  # warm up
         times = {name: [] for name in fns}
         for _ in range(args.repeats):
-            for name, fn in fns.items():
-                times[name].append(time_once(fn, x))
+            for name, c in compiled.items():
+                times[name].append(time_once(c, x))
         td, tm = statistics.median(times["dense"]), statistics.median(times["moba"])
         print(f"| {seq} | {td * 1e3:,.0f} | {tm * 1e3:,.0f} | {td / tm:.2f}x | {mem['dense'] / 2**20:,.0f} | "
               f"{mem['moba'] / 2**20:,.0f} | {mem['dense'] / mem['moba']:.1f}x |", flush=True)

@@ -23,6 +23,7 @@ from effattn_jax.model import param_counts
 from effattn_jax.sharding import make_mesh
 from effattn_jax.train.state import init_state, make_setup
 from effattn_jax.train.step import make_train_step
+from eval.common import synthetic_batch
 
 
 def matmul_peak(n: int = 2048):
@@ -76,11 +77,7 @@ def main(argv=None):
     state = init_state(setup)
     step = make_train_step(setup)
     b, s = cfg.data.batch_size, cfg.data.seq_len
-    rng = np.random.default_rng(0)
-    batch = {"inputs": rng.integers(0, 50000, (b, s), dtype=np.int32),
-             "targets": rng.integers(0, 50000, (b, s), dtype=np.int32),
-             "segment_ids": np.ones((b, s), np.int32), "loss_mask": np.ones((b, s), np.float32)}
-    batch = jax.device_put(batch, setup.batch_sharding())
+    batch = jax.device_put(synthetic_batch(b, s), setup.batch_sharding())
     t0 = time.perf_counter()
     state, m = step(state, batch)
     jax.block_until_ready(m)
