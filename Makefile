@@ -1,11 +1,11 @@
-# Two commands: `make train` (default small model on CPU) and `make test`.
+# `make train` (default small model on CPU), `make test` (lint + tests); `make format` fixes style.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CONFIG ?= configs/cpu/default.yaml
 
-.PHONY: train test data clean-venv
+.PHONY: train test lint format data clean-venv
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,8 +20,18 @@ data: $(STAMP)
 train: data
 	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) train.py --config $(CONFIG)
 
-test: $(STAMP)
+# Lint and format check first (cheap), then the suite; `data` fetches the corpus and tokenizer once.
+test: data lint
 	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m pytest -q --durations=15 tests
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+# Rewrites files: ruff's safe fixes and formatting.
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
 
 clean-venv:
 	rm -rf $(VENV)

@@ -11,7 +11,9 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--config", help="YAML config (may name a `base:` file)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=100")
     args = parser.parse_args(argv)

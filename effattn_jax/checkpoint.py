@@ -20,15 +20,27 @@ class CheckpointError(RuntimeError):
     pass
 
 
-def manager(run_dir: str | Path, *, keep_last: int = 2, keep_every: int = 0, async_save: bool = True,
-            read_only: bool = False) -> ocp.CheckpointManager:
+def manager(
+    run_dir: str | Path,
+    *,
+    keep_last: int = 2,
+    keep_every: int = 0,
+    async_save: bool = True,
+    read_only: bool = False,
+) -> ocp.CheckpointManager:
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=keep_last, keep_period=keep_every or None, enable_async_checkpointing=async_save,
-        create=not read_only, read_only=read_only)
+        max_to_keep=keep_last,
+        keep_period=keep_every or None,
+        enable_async_checkpointing=async_save,
+        create=not read_only,
+        read_only=read_only,
+    )
     return ocp.CheckpointManager(Path(run_dir).absolute() / "checkpoints", options=options)
 
 
-def save(mngr: ocp.CheckpointManager, step: int, state, data_iter, config: dict, *, force: bool = False) -> None:
+def save(
+    mngr: ocp.CheckpointManager, step: int, state, data_iter, config: dict, *, force: bool = False
+) -> None:
     args = {"state": ocp.args.StandardSave(state), "config": ocp.args.JsonSave(config)}
     if data_iter is not None:
         args["data"] = grain.checkpoint.CheckpointSave(data_iter)
@@ -47,7 +59,10 @@ def restore_latest(mngr: ocp.CheckpointManager, abstract_state, data_iter=None):
         try:
             restored = mngr.restore(step, args=ocp.args.Composite(**args))
         except Exception as e:  # noqa: BLE001 - any failure means this step is unusable
-            msg = f"checkpoint step {step} in {mngr.directory} is corrupt or incomplete, skipped: {type(e).__name__}: {e}"
+            msg = (
+                f"checkpoint step {step} in {mngr.directory} is corrupt or incomplete, skipped: "
+                f"{type(e).__name__}: {e}"
+            )
             print(msg.splitlines()[0][:300], file=sys.stderr)
             errors.append(step)
             continue

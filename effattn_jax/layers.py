@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +11,11 @@ from flax import nnx
 
 def param(rngs: nnx.Rngs, shape: Sequence[int], axes: Sequence[str | None], std: float) -> nnx.Param:
     """A float32 parameter with logical axis names (see effattn_jax.sharding)."""
-    value = std * jax.random.normal(rngs.params(), tuple(shape), jnp.float32) if std else jnp.ones(shape, jnp.float32)
+    value = (
+        std * jax.random.normal(rngs.params(), tuple(shape), jnp.float32)
+        if std
+        else jnp.ones(shape, jnp.float32)
+    )
     return nnx.Param(value, logical_axes=tuple(axes))
 
 
@@ -27,7 +31,9 @@ class Dense(nnx.Module):
     def __call__(self, x):
         w = self.kernel[...].astype(self.dtype)
         n = self.n_in
-        return jax.lax.dot_general(x.astype(self.dtype), w, ((tuple(range(x.ndim - n, x.ndim)), tuple(range(n))), ((), ())))
+        return jax.lax.dot_general(
+            x.astype(self.dtype), w, ((tuple(range(x.ndim - n, x.ndim)), tuple(range(n))), ((), ()))
+        )
 
 
 class RMSNorm(nnx.Module):

@@ -27,16 +27,26 @@ class Block(nnx.Module):
         self.attn_norm = RMSNorm(m.d_model, eps=m.norm_eps)
         self.attn = KINDS[kind](cfg, core=CORES[core](cfg), rngs=rngs)
         self.mlp_norm = RMSNorm(m.d_model, eps=m.norm_eps)
-        self.mlp = SwiGLU(m.d_model, m.mlp_dim, rngs=rngs, std=m.init_std,
-                          out_std=m.init_std / math.sqrt(2 * m.num_layers), dtype=dtype)
+        self.mlp = SwiGLU(
+            m.d_model,
+            m.mlp_dim,
+            rngs=rngs,
+            std=m.init_std,
+            out_std=m.init_std / math.sqrt(2 * m.num_layers),
+            dtype=dtype,
+        )
 
     def __call__(self, x, positions, segment_ids, token_ids):
-        x = x + self.attn(self.attn_norm(x), positions=positions, segment_ids=segment_ids, token_ids=token_ids)
+        x = x + self.attn(
+            self.attn_norm(x), positions=positions, segment_ids=segment_ids, token_ids=token_ids
+        )
         x = x + self.mlp(self.mlp_norm(x))
         return constrain(x, ("batch", "length", "embed"))
 
     def decode(self, x, positions, token_ids, cache, **kw):
-        h, cache = self.attn.decode(self.attn_norm(x), positions=positions, token_ids=token_ids, cache=cache, **kw)
+        h, cache = self.attn.decode(
+            self.attn_norm(x), positions=positions, token_ids=token_ids, cache=cache, **kw
+        )
         x = x + h
         return x + self.mlp(self.mlp_norm(x)), cache
 
@@ -47,7 +57,11 @@ class Transformer(nnx.Module):
         self.embed = param(rngs, (m.vocab_size, m.d_model), ("vocab", "embed"), m.init_std)
         self.blocks = nnx.List([Block(cfg, i, rngs=rngs) for i in range(m.num_layers)])
         self.final_norm = RMSNorm(m.d_model, eps=m.norm_eps)
-        self.lm_head = None if m.tie_embeddings else param(rngs, (m.d_model, m.vocab_size), ("embed", "vocab"), m.init_std)
+        self.lm_head = (
+            None
+            if m.tie_embeddings
+            else param(rngs, (m.d_model, m.vocab_size), ("embed", "vocab"), m.init_std)
+        )
         self.dtype = jnp.dtype(m.dtype)
         self.remat = m.remat
 
@@ -79,7 +93,7 @@ class Transformer(nnx.Module):
         (e.g. absorb=False for MLA) goes to the attention modules that take it."""
         x = jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype)
         new = []
-        for block, cache in zip(self.blocks, caches):
+        for block, cache in zip(self.blocks, caches, strict=True):
             x, cache = block.decode(x, positions, tokens, cache, **kw)
             new.append(cache)
         return self.logits(x), new

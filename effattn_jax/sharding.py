@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -26,7 +26,9 @@ def make_mesh(data: int, fsdp: int, tensor: int, devices=None) -> Mesh:
     known = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
         if len(devices) % known:
-            raise ValueError(f"mesh: {len(devices)} devices are not divisible by the fixed axes product {known}")
+            raise ValueError(
+                f"mesh: {len(devices)} devices are not divisible by the fixed axes product {known}"
+            )
         sizes[sizes.index(-1)] = len(devices) // known
     n = math.prod(sizes)
     if n > len(devices):
@@ -34,12 +36,14 @@ def make_mesh(data: int, fsdp: int, tensor: int, devices=None) -> Mesh:
     return Mesh(np.array(devices[:n]).reshape(sizes), MESH_AXES)
 
 
-def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh, rules: dict) -> PartitionSpec:
+def logical_to_spec(
+    axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh, rules: dict
+) -> PartitionSpec:
     """PartitionSpec for a value with these logical axes; a mesh axis is used at most
     once, and only where it divides the dimension (otherwise that dim stays replicated)."""
     used: set[str] = set()
     out = []
-    for name, dim in zip(axes, shape):
+    for name, dim in zip(axes, shape, strict=True):
         chosen = []
         size = 1
         for ax in rules.get(name, []) if name else []:
@@ -66,7 +70,9 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
     if not _ACTIVE:
         return x
     mesh, rules = _ACTIVE[-1]
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(axes, x.shape, mesh, rules)))
+    return jax.lax.with_sharding_constraint(
+        x, NamedSharding(mesh, logical_to_spec(axes, x.shape, mesh, rules))
+    )
 
 
 def shard_over_batch_heads(fn, q, k, v, segment_ids):
@@ -88,4 +94,5 @@ def shard_over_batch_heads(fn, q, k, v, segment_ids):
     if segment_ids is None:
         segment_ids = jax.numpy.ones(q.shape[:2], jax.numpy.int32)
     return jax.shard_map(fn, mesh=mesh, in_specs=(qs, ks, ks, seg_spec), out_specs=qs, check_vma=False)(
-        q, k, v, segment_ids)
+        q, k, v, segment_ids
+    )

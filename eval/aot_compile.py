@@ -29,7 +29,9 @@ from pallas_kernels.moba.tpu import BlockSizes  # noqa: E402
 def grad_fn(kernel, block_sizes, head_dim, block_size=512, top_k=3):
     def loss(q, k, v):
         r = moba_routing(q, k, block_size=block_size, top_k=top_k)
-        out = moba_pallas(q, k, v, r.own_start, r.past_start, block_size, head_dim**-0.5, kernel, False, block_sizes)
+        out = moba_pallas(
+            q, k, v, r.own_start, r.past_start, block_size, head_dim**-0.5, kernel, False, block_sizes
+        )
         return out.astype(jnp.float32).sum()
 
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
@@ -47,21 +49,27 @@ def main(argv=None):
     topo = topologies.get_topology_desc(platform="tpu", topology_name=args.topology)
     mesh = jax.sharding.Mesh(np.array(topo.devices[:1]), ("x",))
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    print(f"jax {jax.__version__}; TPU topology {args.topology} ({topo.devices[0].device_kind}); batch 1, "
-          f"{args.heads} heads, head dim {args.head_dim}, block 512, top_k 3, bf16, forward+backward")
+    print(
+        f"jax {jax.__version__}; TPU topology {args.topology} ({topo.devices[0].device_kind}); batch 1, "
+        f"{args.heads} heads, head dim {args.head_dim}, block 512, top_k 3, bf16, forward+backward"
+    )
     print("| seq | TPU compile s | TPU HBM needed GiB | CUDA export s | Triton kernels |")
     print("|---|---|---|---|---|")
     for seq in [int(s) for s in args.seqs.split(",")]:
         shape = (1, seq, args.heads, args.head_dim)
         t = time.perf_counter()
-        compiled = grad_fn("tpu", BlockSizes(), args.head_dim).lower(
-            *[jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=rep)] * 3).compile()
+        compiled = (
+            grad_fn("tpu", BlockSizes(), args.head_dim)
+            .lower(*[jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=rep)] * 3)
+            .compile()
+        )
         tpu_s = time.perf_counter() - t
         need = compiled_bytes(compiled) / 2**30
         t = time.perf_counter()
         triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
-        exported = jax.export.export(grad_fn("gpu", BlockSizes(64, 64), args.head_dim), platforms=["cuda"],
-                                     disabled_checks=[triton])(*[jax.ShapeDtypeStruct(shape, jnp.bfloat16)] * 3)
+        exported = jax.export.export(
+            grad_fn("gpu", BlockSizes(64, 64), args.head_dim), platforms=["cuda"], disabled_checks=[triton]
+        )(*[jax.ShapeDtypeStruct(shape, jnp.bfloat16)] * 3)
         gpu_s = time.perf_counter() - t
         n_triton = exported.mlir_module().count("xla.gpu.triton")
         print(f"| {seq} | {tpu_s:.0f} | {need:.1f} | {gpu_s:.1f} | {n_triton} |", flush=True)

@@ -32,7 +32,9 @@ from eval.common import compiled_bytes, time_once
 
 def make_fns(block_size, top_k, impl):
     def moba_loss(q, k, v):
-        return jnp.sum(moba_attention(q, k, v, block_size=block_size, top_k=top_k, impl=impl).astype(jnp.float32))
+        return jnp.sum(
+            moba_attention(q, k, v, block_size=block_size, top_k=top_k, impl=impl).astype(jnp.float32)
+        )
 
     def dense_loss(q, k, v):
         out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
@@ -56,7 +58,9 @@ def structured_inputs(seq, heads, head_dim, dtype, seed=0, strength=2.0):
     freqs = np.exp(-np.arange(head_dim // 2) / (head_dim // 2) * np.log(64.0))[None]
     signal = np.concatenate([np.sin(pos * freqs), np.cos(pos * freqs)], axis=-1)[None, :, None, :]
     make = lambda: rng.standard_normal((1, seq, heads, head_dim)) + strength * signal
-    return tuple(jnp.asarray(x, dtype) for x in (make(), make(), rng.standard_normal((1, seq, heads, head_dim))))
+    return tuple(
+        jnp.asarray(x, dtype) for x in (make(), make(), rng.standard_normal((1, seq, heads, head_dim)))
+    )
 
 
 def gpu_main(args):
@@ -66,19 +70,31 @@ def gpu_main(args):
     dtype = jnp.bfloat16
 
     def loss(attn):
-        return jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(attn(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2)))
+        return jax.jit(
+            jax.value_and_grad(lambda q, k, v: jnp.sum(attn(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2))
+        )
 
-    moba = lambda impl: loss(lambda q, k, v: moba_attention(q, k, v, block_size=args.block_size, top_k=args.top_k,
-                                                            impl=impl))
-    fns = {"pallas": moba("pallas_gpu"), "xla": moba("xla"),
-           "cudnn": loss(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                                                      implementation=args.dense_impl))}
+    moba = lambda impl: loss(
+        lambda q, k, v: moba_attention(q, k, v, block_size=args.block_size, top_k=args.top_k, impl=impl)
+    )
+    fns = {
+        "pallas": moba("pallas_gpu"),
+        "xla": moba("xla"),
+        "cudnn": loss(
+            lambda q, k, v: jax.nn.dot_product_attention(
+                q, k, v, is_causal=True, implementation=args.dense_impl
+            )
+        ),
+    }
     small = structured_inputs(args.warmup_seq, args.heads, args.head_dim, dtype)
     for name, fn in fns.items():  # compile every kernel once, small: fail fast
         t = time.perf_counter()
         jax.block_until_ready(fn(*small))
         print(f"warm-up {name} at {args.warmup_seq}: {time.perf_counter() - t:.1f} s", flush=True)
-    rows = ["| seq | routing | cuDNN ms | Pallas MoBA ms | MoBA xla ms | Pallas vs cuDNN |", "|---|---|---|---|---|---|"]
+    rows = [
+        "| seq | routing | cuDNN ms | Pallas MoBA ms | MoBA xla ms | Pallas vs cuDNN |",
+        "|---|---|---|---|---|---|",
+    ]
     print(rows[0] + "\n" + rows[1], flush=True)
     for seq in [int(s) for s in args.seqs.split(",")]:
         for routing, strength in (("block-local", 2.0), ("uniform", 0.0)):
@@ -93,13 +109,18 @@ def gpu_main(args):
                 while len(times) < args.repeats and time.perf_counter() - start < args.case_timeout:
                     times.append(time_once(fn, x))
                 ms[name] = statistics.median(times) * 1e3 if times else float("nan")
-            row = (f"| {seq} | {routing} | {ms['cudnn']:,.1f} | {ms['pallas']:,.1f} | {ms.get('xla', float('nan')):,.1f} "
-                   f"| {ms['cudnn'] / ms['pallas']:.2f}x |")
+            xla_ms = ms.get("xla", float("nan"))
+            row = (
+                f"| {seq} | {routing} | {ms['cudnn']:,.1f} | {ms['pallas']:,.1f} | {xla_ms:,.1f} "
+                f"| {ms['cudnn'] / ms['pallas']:.2f}x |"
+            )
             rows.append(row)
             print(row, flush=True)
             if args.out:
                 with open(args.out, "w") as f:
-                    f.write(f"jax {jax.__version__}, {jax.devices()[0].device_kind}\n\n" + "\n".join(rows) + "\n")
+                    f.write(
+                        f"jax {jax.__version__}, {jax.devices()[0].device_kind}\n\n" + "\n".join(rows) + "\n"
+                    )
 
 
 def main(argv=None):
@@ -125,13 +146,20 @@ def main(argv=None):
                 setattr(args, k, v)
         return gpu_main(args)
     fns = make_fns(args.block_size, args.top_k, args.impl)
-    print(f"jax {jax.__version__}, backend {jax.default_backend()}, batch 1, heads {args.heads}, head_dim "
-          f"{args.head_dim}, block {args.block_size}, top_k {args.top_k}, {args.dtype}, moba impl {args.impl}")
-    print("| seq | dense fwd+bwd ms | MoBA fwd+bwd ms | speed-up | dense memory MiB | MoBA memory MiB | memory ratio |")
+    print(
+        f"jax {jax.__version__}, backend {jax.default_backend()}, batch 1, heads {args.heads}, head_dim "
+        f"{args.head_dim}, block {args.block_size}, top_k {args.top_k}, {args.dtype}, moba impl {args.impl}"
+    )
+    print(
+        "| seq | dense fwd+bwd ms | MoBA fwd+bwd ms | speed-up "
+        "| dense memory MiB | MoBA memory MiB | memory ratio |"
+    )
     print("|---|---|---|---|---|---|---|")
     for seq in [int(s) for s in args.seqs.split(",")]:
         x = inputs(seq, args.heads, args.head_dim, jnp.dtype(args.dtype))
-        compiled = {name: fn.lower(*x).compile() for name, fn in fns.items()}  # compiled once, measured and run
+        compiled = {
+            name: fn.lower(*x).compile() for name, fn in fns.items()
+        }  # compiled once, measured and run
         mem = {name: compiled_bytes(c) for name, c in compiled.items()}
         for c in compiled.values():
             time_once(c, x)  # warm up
@@ -140,8 +168,11 @@ def main(argv=None):
             for name, c in compiled.items():
                 times[name].append(time_once(c, x))
         td, tm = statistics.median(times["dense"]), statistics.median(times["moba"])
-        print(f"| {seq} | {td * 1e3:,.0f} | {tm * 1e3:,.0f} | {td / tm:.2f}x | {mem['dense'] / 2**20:,.0f} | "
-              f"{mem['moba'] / 2**20:,.0f} | {mem['dense'] / mem['moba']:.1f}x |", flush=True)
+        print(
+            f"| {seq} | {td * 1e3:,.0f} | {tm * 1e3:,.0f} | {td / tm:.2f}x | {mem['dense'] / 2**20:,.0f} | "
+            f"{mem['moba'] / 2**20:,.0f} | {mem['dense'] / mem['moba']:.1f}x |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

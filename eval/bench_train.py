@@ -47,7 +47,9 @@ def head_loss_timer(cfg, embed, batch):
     with a 50K vocabulary it is most of a small model's step."""
     import optax
 
-    x = jnp.asarray(np.random.default_rng(1).standard_normal((*batch["inputs"].shape, cfg.model.d_model)), jnp.float32)
+    x = jnp.asarray(
+        np.random.default_rng(1).standard_normal((*batch["inputs"].shape, cfg.model.d_model)), jnp.float32
+    )
 
     def loss(x, w):
         logits = jnp.dot(x, w.T, preferred_element_type=jnp.float32)
@@ -99,11 +101,16 @@ def main(argv=None):
     st, peak, ht = statistics.median(step_times), statistics.median(peaks), statistics.median(head_times)
     tok_s = b * s / st
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind} x{jax.device_count()}")
-    print(f"model: {counts['total']:,} params ({counts['non_embedding']:,} non-embedding), "
-          f"{flops_tok / 1e6:.1f} MFLOP/token, batch {b}x{s}")
+    print(
+        f"model: {counts['total']:,} params ({counts['non_embedding']:,} non-embedding), "
+        f"{flops_tok / 1e6:.1f} MFLOP/token, batch {b}x{s}"
+    )
     print(f"first step (compile+run): {compile_s:.1f} s")
     print(f"train step median: {st * 1e3:.0f} ms  -> {tok_s:,.0f} tokens/s")
-    print(f"model FLOP/s: {tok_s * flops_tok / 1e9:.1f} GFLOP/s; float32 matmul peak (best of 5 2048^3 per repeat, median): {peak / 1e9:.1f} GFLOP/s")
+    print(
+        f"model FLOP/s: {tok_s * flops_tok / 1e9:.1f} GFLOP/s; "
+        f"float32 matmul peak (best of 5 2048^3 per repeat, median): {peak / 1e9:.1f} GFLOP/s"
+    )
     print(f"fraction of peak: {tok_s * flops_tok / peak:.1%}")
     print(f"output head + cross-entropy alone (fwd+bwd): {ht * 1e3:.0f} ms = {ht / st:.0%} of the step")
 

@@ -11,9 +11,12 @@ import numpy as np
 def synthetic_batch(batch: int, seq: int, vocab: int = 50_000, seed: int = 0) -> dict[str, np.ndarray]:
     """A training batch of random tokens, one document per row, every target trained."""
     rng = np.random.default_rng(seed)
-    return {"inputs": rng.integers(0, vocab, (batch, seq), dtype=np.int32),
-            "targets": rng.integers(0, vocab, (batch, seq), dtype=np.int32),
-            "segment_ids": np.ones((batch, seq), np.int32), "loss_mask": np.ones((batch, seq), np.float32)}
+    return {
+        "inputs": rng.integers(0, vocab, (batch, seq), dtype=np.int32),
+        "targets": rng.integers(0, vocab, (batch, seq), dtype=np.int32),
+        "segment_ids": np.ones((batch, seq), np.int32),
+        "loss_mask": np.ones((batch, seq), np.float32),
+    }
 
 
 def compiled_bytes(compiled) -> int:

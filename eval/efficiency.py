@@ -94,9 +94,17 @@ def decode_latency(cfg, contexts: list[int], *, absorb: bool, repeats: int = 5) 
     for ctx in contexts:
         caches = init_cache(model, 1, ctx + 1, jnp.dtype(cfg.model.dtype))
         key = jax.random.key(ctx)
-        caches = [{k: (jax.random.normal(key, v.shape, v.dtype) if jnp.issubdtype(v.dtype, jnp.floating)
-                       else jax.random.randint(key, v.shape, 0, cfg.model.vocab_size, v.dtype)) for k, v in c.items()}
-                  for c in caches]
+        caches = [
+            {
+                k: (
+                    jax.random.normal(key, v.shape, v.dtype)
+                    if jnp.issubdtype(v.dtype, jnp.floating)
+                    else jax.random.randint(key, v.shape, 0, cfg.model.vocab_size, v.dtype)
+                )
+                for k, v in c.items()
+            }
+            for c in caches
+        ]
         args = (params, jnp.ones((1, 1), jnp.int32), jnp.full((1, 1), ctx, jnp.int32), caches)
         jax.block_until_ready(step(*args))  # compile + warm up
         times = []
@@ -160,18 +168,27 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(r))
         return 0
-    print(f"{args.config}: attention.kind={r['attention_kind']}, {r['layers']} layers, cache dtype {r['cache_dtype']}")
-    print(f"KV cache: {r['kv_elements_per_token']:,} elements/token = {r['kv_bytes_per_token']:,} bytes/token")
+    print(
+        f"{args.config}: attention.kind={r['attention_kind']}, {r['layers']} layers, "
+        f"cache dtype {r['cache_dtype']}"
+    )
+    print(
+        f"KV cache: {r['kv_elements_per_token']:,} elements/token = {r['kv_bytes_per_token']:,} bytes/token"
+    )
     print(f"integer cache entries (token ids): {r['integer_entries_per_token']:,}/token")
-    print(f"params: {r['params_total']:,} total, {r['params_embedding']:,} embedding, "
-          f"{r['params_embedding_gate']:,} embedding-gate, {r['params_non_embedding']:,} other")
+    print(
+        f"params: {r['params_total']:,} total, {r['params_embedding']:,} embedding, "
+        f"{r['params_embedding_gate']:,} embedding-gate, {r['params_non_embedding']:,} other"
+    )
     return 0
 
 
 def _print_decode_latency(args) -> int:
     contexts = [int(c) for c in args.context.split(",")]
-    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; batch 1, one decode step at each context; "
-          "the cache is filled synthetically (random entries), no prefill was run")
+    print(
+        f"jax {jax.__version__} on {jax.devices()[0].device_kind}; batch 1, one decode step at each context; "
+        "the cache is filled synthetically (random entries), no prefill was run"
+    )
     print("| model | " + " | ".join(f"{c:,} ctx ms/token" for c in contexts) + " |")
     print("|---|" + "---|" * len(contexts))
     for label, path, overrides, absorb in _variants(args.config, args.overrides):
@@ -182,15 +199,21 @@ def _print_decode_latency(args) -> int:
 
 def _print_train_cost(args) -> int:
     extra = args.overrides or ["data.batch_size=2", "data.seq_len=256"]
-    configs = args.config or [os.path.join(PAPER, f) for f in ("mha_base.yaml", "mla_base.yaml",
-                                                                "eg_mla_kv64_emb256.yaml")]
-    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; overrides {' '.join(extra)}; synthetic batch")
+    configs = args.config or [
+        os.path.join(PAPER, f) for f in ("mha_base.yaml", "mla_base.yaml", "eg_mla_kv64_emb256.yaml")
+    ]
+    print(
+        f"jax {jax.__version__} on {jax.devices()[0].device_kind}; overrides {' '.join(extra)}; "
+        "synthetic batch"
+    )
     print("| config | step s | tokens/s | compiled memory GiB |")
     print("|---|---|---|---|")
     for path in configs:
         r = train_cost(load_config(path, extra))
-        print(f"| {os.path.basename(path)} | {r['step_s']:.2f} | {r['tokens_per_s']:,.0f} | {r['memory_gib']:.2f} |",
-              flush=True)
+        name = os.path.basename(path)
+        print(
+            f"| {name} | {r['step_s']:.2f} | {r['tokens_per_s']:,.0f} | {r['memory_gib']:.2f} |", flush=True
+        )
     return 0
 
 

@@ -4,7 +4,9 @@ its mesh to one device."""
 
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
 # libtpu (the `tpu` extra, for ahead-of-time TPU compiles) must not probe for TPU hardware here.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # AOT compiles only; no TPU is opened
@@ -12,8 +14,10 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # AOT compiles only; n
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-WORDS = ("the of and to in a is that for it as was with be by on not he this are or his from at which but have an "
-         "they you were her she there been one all we their has would when if so no what up out who them some").split()
+WORDS = (
+    "the of and to in a is that for it as was with be by on not he this are or his from at which but have an "
+    "they you were her she there been one all we their has would when if so no what up out who them some"
+).split()
 
 
 def write_corpus(root, n_docs=8, words_per_doc=(40, 400), seed=0):
@@ -25,8 +29,12 @@ def write_corpus(root, n_docs=8, words_per_doc=(40, 400), seed=0):
         for i in range(n):
             k = int(rng.integers(*words_per_doc))
             # a repeating pattern plus noise, so a tiny model can learn something
-            text = " ".join(WORDS[(j * 7 + i) % len(WORDS)] if rng.random() < 0.8 else WORDS[int(rng.integers(len(WORDS)))]
-                            for j in range(k))
+            text = " ".join(
+                WORDS[(j * 7 + i) % len(WORDS)]
+                if rng.random() < 0.8
+                else WORDS[int(rng.integers(len(WORDS)))]
+                for j in range(k)
+            )
             (d / f"doc{i}.txt").write_text(text + ".\n")
     return root
 
@@ -34,12 +42,27 @@ def write_corpus(root, n_docs=8, words_per_doc=(40, 400), seed=0):
 def tiny_overrides(root, run_dir, **extra):
     """Overrides for a tiny model on the tiny corpus, one device, fast."""
     o = {
-        "data.source": "files", "data.train_files": f"[{root}/train/*.txt]", "data.val_files": f"[{root}/val/*.txt]",
-        "data.seq_len": 32, "data.batch_size": 4,
-        "model.d_model": 32, "model.num_layers": 2, "model.num_heads": 4, "model.num_kv_heads": 2, "model.mlp_dim": 64,
-        "train.run_dir": str(run_dir), "train.steps": 6, "train.warmup_steps": 2, "train.lr": 1e-2, "train.log_every": 1,
-        "train.progress": False, "checkpoint.every_steps": 2, "checkpoint.async_save": False,
-        "eval.every_steps": 3, "eval.max_batches": 2, "mesh.data": 1,
+        "data.source": "files",
+        "data.train_files": f"[{root}/train/*.txt]",
+        "data.val_files": f"[{root}/val/*.txt]",
+        "data.seq_len": 32,
+        "data.batch_size": 4,
+        "model.d_model": 32,
+        "model.num_layers": 2,
+        "model.num_heads": 4,
+        "model.num_kv_heads": 2,
+        "model.mlp_dim": 64,
+        "train.run_dir": str(run_dir),
+        "train.steps": 6,
+        "train.warmup_steps": 2,
+        "train.lr": 1e-2,
+        "train.log_every": 1,
+        "train.progress": False,
+        "checkpoint.every_steps": 2,
+        "checkpoint.async_save": False,
+        "eval.every_steps": 3,
+        "eval.max_batches": 2,
+        "mesh.data": 1,
     }
     o.update(extra)
     return [f"{k}={v}" for k, v in o.items()]
@@ -49,10 +72,12 @@ def random_batch(seed=0, batch=4, seq=32, mask_keep=1.0):
     """A synthetic training batch: two packed documents per row (20 + 12 tokens at seq 32)."""
     rng = np.random.default_rng(seed)
     split = seq * 5 // 8
-    return {"inputs": rng.integers(0, 50000, (batch, seq), dtype=np.int32),
-            "targets": rng.integers(0, 50000, (batch, seq), dtype=np.int32),
-            "segment_ids": np.repeat(np.array([[1] * split + [2] * (seq - split)]), batch, 0).astype(np.int32),
-            "loss_mask": (rng.random((batch, seq)) < mask_keep).astype(np.float32)}
+    return {
+        "inputs": rng.integers(0, 50000, (batch, seq), dtype=np.int32),
+        "targets": rng.integers(0, 50000, (batch, seq), dtype=np.int32),
+        "segment_ids": np.repeat(np.array([[1] * split + [2] * (seq - split)]), batch, 0).astype(np.int32),
+        "loss_mask": (rng.random((batch, seq)) < mask_keep).astype(np.float32),
+    }
 
 
 @pytest.fixture

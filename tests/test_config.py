@@ -9,21 +9,24 @@ from effattn_jax.config import ConfigError, load_config, to_yaml
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("override, key", [
-    ("model.bogus=1", "model.bogus"),
-    ("nosection.x=1", "nosection"),
-    ("model.d_model=abc", "model.d_model"),
-    ("model.num_layers=-2", "model.num_layers"),
-    ("model.num_heads=3", "model.num_heads"),  # does not divide d_model=128
-    ("model.num_kv_heads=3", "model.num_kv_heads"),  # does not divide num_heads=4
-    ("attention.kind=gqa", "attention.kind"),
-    ("attention.core=sparse", "attention.core"),
-    ("train.grad_accum=3", "train.grad_accum"),  # does not divide batch 16
-    ("train.tie=true", "train.tie"),
-    ("data.seq_len=0", "data.seq_len"),
-    ("mesh.data=0", "mesh.data"),
-    ("model.remat=yes please", "model.remat"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("model.bogus=1", "model.bogus"),
+        ("nosection.x=1", "nosection"),
+        ("model.d_model=abc", "model.d_model"),
+        ("model.num_layers=-2", "model.num_layers"),
+        ("model.num_heads=3", "model.num_heads"),  # does not divide d_model=128
+        ("model.num_kv_heads=3", "model.num_kv_heads"),  # does not divide num_heads=4
+        ("attention.kind=gqa", "attention.kind"),
+        ("attention.core=sparse", "attention.core"),
+        ("train.grad_accum=3", "train.grad_accum"),  # does not divide batch 16
+        ("train.tie=true", "train.tie"),
+        ("data.seq_len=0", "data.seq_len"),
+        ("mesh.data=0", "mesh.data"),
+        ("model.remat=yes please", "model.remat"),
+    ],
+)
 def test_bad_values_name_the_key(override, key):
     with pytest.raises(ConfigError) as e:
         load_config(ROOT / "configs/cpu/default.yaml", [override])
@@ -34,7 +37,9 @@ def test_bad_values_name_the_key(override, key):
 
 def test_inheritance_and_overrides(tmp_path):
     (tmp_path / "child.yaml").write_text(f"base: {ROOT}/configs/base.yaml\nmodel:\n  num_layers: 3\n")
-    cfg = load_config(tmp_path / "child.yaml", ["train.steps=7", "attention.layers=[mha:dense, mha:dense, mha:dense]"])
+    cfg = load_config(
+        tmp_path / "child.yaml", ["train.steps=7", "attention.layers=[mha:dense, mha:dense, mha:dense]"]
+    )
     assert cfg.model.num_layers == 3 and cfg.model.d_model == 128  # child wins, base fills in
     assert cfg.train.steps == 7 and len(cfg.attention.layers) == 3
     assert load_config(None, [f"train.run_dir={tmp_path}"]).train.run_dir == str(tmp_path)
@@ -44,9 +49,19 @@ def test_inheritance_and_overrides(tmp_path):
 
 
 def test_cli_exits_2_with_one_line(tmp_path):
-    res = subprocess.run([sys.executable, str(ROOT / "train.py"), "--config", str(ROOT / "configs/cpu/default.yaml"),
-                          "model.num_kv_heads=3", f"train.run_dir={tmp_path}/run"], capture_output=True, text=True,
-                         timeout=120)
+    res = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "train.py"),
+            "--config",
+            str(ROOT / "configs/cpu/default.yaml"),
+            "model.num_kv_heads=3",
+            f"train.run_dir={tmp_path}/run",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 2
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "model.num_kv_heads=3" in lines[0] and "must divide" in lines[0]

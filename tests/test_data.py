@@ -1,12 +1,18 @@
 import numpy as np
 import pytest
+from conftest import tiny_overrides
 
 from effattn_jax.config import load_config
 from effattn_jax.data.corpus import SOTU_VALIDATION, DataError, load_splits, read_file
-from effattn_jax.data.pipeline import (PackedRows, build_corpus, pack_documents, row_to_example, train_iterator,
-                                       unigram_loss, val_batches)
-
-from conftest import tiny_overrides
+from effattn_jax.data.pipeline import (
+    PackedRows,
+    build_corpus,
+    pack_documents,
+    row_to_example,
+    train_iterator,
+    unigram_loss,
+    val_batches,
+)
 
 
 def test_packing_never_crosses_documents():
@@ -14,10 +20,10 @@ def test_packing_never_crosses_documents():
     tokens, segs = pack_documents(docs, seq_len=4)
     stream = np.concatenate(docs)
     assert tokens.shape == (4, 5) and (tokens[:, 0] == stream[0:16:4]).all()
-    for t, s in zip(tokens, segs):
+    for t, s in zip(tokens, segs, strict=True):
         ex = row_to_example(t, s)
         assert ex["segment_ids"][0] == 1 and (np.diff(ex["segment_ids"]) >= 0).all()
-        for inp, tgt, m in zip(ex["inputs"], ex["targets"], ex["loss_mask"]):
+        for inp, tgt, m in zip(ex["inputs"], ex["targets"], ex["loss_mask"], strict=True):
             same_doc = any(inp in d and tgt in d for d in docs)
             assert bool(m) == same_doc  # trained exactly on within-document targets
 

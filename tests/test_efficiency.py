@@ -11,10 +11,15 @@ PAPER = Path(__file__).resolve().parents[1] / "configs" / "egmla" / "paper"
 
 
 def test_paper_kv_cache_sizes():
-    mha, mla, eg = (kv_cache_report(load_config(PAPER / f"{n}.yaml"))
-                    for n in ("mha_base", "mla_base", "eg_mla_kv64_emb256"))
+    mha, mla, eg = (
+        kv_cache_report(load_config(PAPER / f"{n}.yaml"))
+        for n in ("mha_base", "mla_base", "eg_mla_kv64_emb256")
+    )
     assert (mha["kv_elements_per_token"], mla["kv_elements_per_token"], eg["kv_elements_per_token"]) == (
-        18_432, 3_840, 1_536)
+        18_432,
+        3_840,
+        1_536,
+    )
     assert 1 - eg["kv_elements_per_token"] / mha["kv_elements_per_token"] == pytest.approx(0.9167, abs=1e-4)
     assert 1 - eg["kv_elements_per_token"] / mla["kv_elements_per_token"] == pytest.approx(0.600, abs=1e-4)
     assert eg["integer_entries_per_token"] > 0 and mla["integer_entries_per_token"] == 0
@@ -37,10 +42,21 @@ def test_latency_and_train_cost_run_on_a_tiny_model():
     """Smoke test of the measuring code (numbers are benchmarks, not asserted)."""
     from eval.efficiency import decode_latency, train_cost
 
-    tiny = ["model.vocab_size=128", "model.d_model=32", "model.num_layers=1", "model.num_heads=4",
-            "model.mlp_dim=64", "attention.kind=eg_mla", "eg_mla.gate_at=latent", "mla.kv_lora_rank=16",
-            "mla.qk_nope_head_dim=8", "mla.qk_rope_head_dim=4", "mla.v_head_dim=8", "data.seq_len=16",
-            "data.batch_size=2"]
+    tiny = [
+        "model.vocab_size=128",
+        "model.d_model=32",
+        "model.num_layers=1",
+        "model.num_heads=4",
+        "model.mlp_dim=64",
+        "attention.kind=eg_mla",
+        "eg_mla.gate_at=latent",
+        "mla.kv_lora_rank=16",
+        "mla.qk_nope_head_dim=8",
+        "mla.qk_rope_head_dim=4",
+        "mla.v_head_dim=8",
+        "data.seq_len=16",
+        "data.batch_size=2",
+    ]
     ms = decode_latency(load_config(None, tiny), [8, 32], absorb=True, repeats=1)
     assert set(ms) == {8, 32} and all(v > 0 for v in ms.values())
     r = train_cost(load_config(None, tiny), steps=1)

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import tiny_overrides
 from flax import nnx
 
 from effattn_jax.config import load_config
@@ -12,17 +13,30 @@ from effattn_jax.generate import Generator, main, sample
 from effattn_jax.model import Transformer, init_cache
 from effattn_jax.train.loop import run
 
-from conftest import tiny_overrides
-
-TINY = ["model.vocab_size=128", "model.d_model=32", "model.num_layers=2", "model.num_heads=4", "model.mlp_dim=64",
-        "mla.kv_lora_rank=16", "mla.qk_nope_head_dim=8", "mla.qk_rope_head_dim=4", "mla.v_head_dim=6",
-        "eg_mla.gate_dim=8", "data.seq_len=16"]
+TINY = [
+    "model.vocab_size=128",
+    "model.d_model=32",
+    "model.num_layers=2",
+    "model.num_heads=4",
+    "model.mlp_dim=64",
+    "mla.kv_lora_rank=16",
+    "mla.qk_nope_head_dim=8",
+    "mla.qk_rope_head_dim=4",
+    "mla.v_head_dim=6",
+    "eg_mla.gate_dim=8",
+    "data.seq_len=16",
+]
 MOBA = ["attention.core=moba", "moba.block_size=4", "moba.top_k=2"]
 KINDS = {
-    "mha": [], "gqa": ["model.num_kv_heads=2"], "mqa": ["model.num_kv_heads=1"],
-    "mla": ["attention.kind=mla"], "mla_q_lora": ["attention.kind=mla", "mla.q_lora_rank=12"],
-    "eg_mla_heads": ["attention.kind=eg_mla"], "eg_mla_latent": ["attention.kind=eg_mla", "eg_mla.gate_at=latent"],
-    "mha_moba": MOBA, "mla_moba": ["attention.kind=mla"] + MOBA,
+    "mha": [],
+    "gqa": ["model.num_kv_heads=2"],
+    "mqa": ["model.num_kv_heads=1"],
+    "mla": ["attention.kind=mla"],
+    "mla_q_lora": ["attention.kind=mla", "mla.q_lora_rank=12"],
+    "eg_mla_heads": ["attention.kind=eg_mla"],
+    "eg_mla_latent": ["attention.kind=eg_mla", "eg_mla.gate_at=latent"],
+    "mha_moba": MOBA,
+    "mla_moba": ["attention.kind=mla"] + MOBA,
 }
 
 
@@ -37,10 +51,12 @@ def test_decode_equals_full_forward(name):
     full = model(tokens)
     for absorb in (True, False):  # absorbed (where the kind allows it) and naive
         caches = init_cache(model, 2, 16)
-        logits, caches = model.decode(tokens[:, :6], jnp.broadcast_to(jnp.arange(6), (2, 6)), caches, absorb=absorb)
+        logits, caches = model.decode(
+            tokens[:, :6], jnp.broadcast_to(jnp.arange(6), (2, 6)), caches, absorb=absorb
+        )
         steps = [logits]
         for t in range(6, 14):
-            logits, caches = model.decode(tokens[:, t:t + 1], jnp.full((2, 1), t), caches, absorb=absorb)
+            logits, caches = model.decode(tokens[:, t : t + 1], jnp.full((2, 1), t), caches, absorb=absorb)
             steps.append(logits)
         np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, atol=1e-4, rtol=1e-4)
     if name == "mha_moba":  # the routing is really sparse here, so this is not dense attention
@@ -56,7 +72,7 @@ def uncached_greedy(model, prompt, n, width=16):
     for _ in range(n):
         logits = forward(params, jnp.asarray([seq + [0] * (width - len(seq))]))
         seq.append(int(jnp.argmax(logits[0, len(seq) - 1])))
-    return seq[len(prompt):]
+    return seq[len(prompt) :]
 
 
 @pytest.mark.parametrize("name", ["gqa", "eg_mla_latent", "mha_moba"])
@@ -79,7 +95,24 @@ def test_sampling():
 def test_cli_on_a_trained_run(tmp_path, corpus_dir, capsys):
     run(load_config(None, tiny_overrides(corpus_dir, tmp_path / "run", **{"train.steps": 2})))
     capsys.readouterr()
-    assert main(["--run", str(tmp_path / "run"), "--prompt", "the of", "--prompt", "and", "--max-new-tokens", "3",
-                 "--temperature", "0.7", "--top-p", "0.9"]) == 0
+    assert (
+        main(
+            [
+                "--run",
+                str(tmp_path / "run"),
+                "--prompt",
+                "the of",
+                "--prompt",
+                "and",
+                "--max-new-tokens",
+                "3",
+                "--temperature",
+                "0.7",
+                "--top-p",
+                "0.9",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out.split("---\n")
     assert out[0].startswith("the of") and out[1].startswith("and")

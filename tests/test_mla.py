@@ -11,9 +11,18 @@ from effattn_jax.layers import apply_rope, segment_positions
 from effattn_jax.model import Transformer, param_counts
 from effattn_jax.ops.dense import causal_segment_mask, masked_attention
 
-TINY = ["model.vocab_size=128", "model.d_model=32", "model.num_layers=2", "model.num_heads=4", "model.mlp_dim=64",
-        "mla.kv_lora_rank=16", "mla.qk_nope_head_dim=8", "mla.qk_rope_head_dim=4", "mla.v_head_dim=6",
-        "eg_mla.gate_dim=8"]
+TINY = [
+    "model.vocab_size=128",
+    "model.d_model=32",
+    "model.num_layers=2",
+    "model.num_heads=4",
+    "model.mlp_dim=64",
+    "mla.kv_lora_rank=16",
+    "mla.qk_nope_head_dim=8",
+    "mla.qk_rope_head_dim=4",
+    "mla.v_head_dim=6",
+    "eg_mla.gate_dim=8",
+]
 VARIANTS = {
     "mla": ["attention.kind=mla"],
     "mla_q_lora": ["attention.kind=mla", "mla.q_lora_rank=12"],
@@ -45,14 +54,21 @@ def by_hand(attn, x, tokens, seg, kind, gate_at, q_lora):
     elif gate_at == "heads":
         e = attn.gate_table[...][tokens]
         gk, gv = jnp.einsum("bsg,ghe->bshe", e, W(attn.gk)), jnp.einsum("bsg,ghe->bshe", e, W(attn.gv))
-        k_nope = ln(jnp.einsum("bsc,che->bshe", c, W(attn.uk)) * gk, attn.k_ln.scale[...], attn.k_ln.bias[...])
+        k_nope = ln(
+            jnp.einsum("bsc,che->bshe", c, W(attn.uk)) * gk, attn.k_ln.scale[...], attn.k_ln.bias[...]
+        )
         v = ln(jnp.einsum("bsc,che->bshe", c, W(attn.uv)) * gv, attn.v_ln.scale[...], attn.v_ln.bias[...])
     else:
-        ct = ln(jnp.einsum("bsc,cg->bsg", c, W(attn.u)) * attn.gate_table[...][tokens], attn.c_ln.scale[...],
-                attn.c_ln.bias[...])
+        ct = ln(
+            jnp.einsum("bsc,cg->bsg", c, W(attn.u)) * attn.gate_table[...][tokens],
+            attn.c_ln.scale[...],
+            attn.c_ln.bias[...],
+        )
         k_nope, v = jnp.einsum("bsg,ghe->bshe", ct, W(attn.uk)), jnp.einsum("bsg,ghe->bshe", ct, W(attn.uv))
     k = jnp.concatenate([k_nope, jnp.broadcast_to(kr, k_nope.shape[:3] + (4,))], -1)
-    out = masked_attention(q, k, v, causal_segment_mask(seg, 12, 12), 1 / np.sqrt(8 + 4))  # scale: nope + rope
+    out = masked_attention(
+        q, k, v, causal_segment_mask(seg, 12, 12), 1 / np.sqrt(8 + 4)
+    )  # scale: nope + rope
     return jnp.einsum("bshe,hed->bsd", out, W(attn.o))
 
 
@@ -78,9 +94,12 @@ def test_packed_documents_and_core_switch(name):
     a, b = rng.integers(0, 128, 5), rng.integers(0, 128, 7)
     packed = model(jnp.asarray(np.concatenate([a, b])[None]), jnp.asarray([[1] * 5 + [2] * 7]))
     np.testing.assert_allclose(packed[0, 5:], model(jnp.asarray(b[None]))[0], atol=1e-5)
-    moba = load_config(None, TINY + VARIANTS[name] + ["attention.core=moba", "moba.block_size=4", "data.seq_len=16"])
-    paths = lambda c: [(p, v.shape) for p, v in nnx.to_flat_state(nnx.state(Transformer(c, rngs=nnx.Rngs(0)),
-                                                                            nnx.Param))]
+    moba = load_config(
+        None, TINY + VARIANTS[name] + ["attention.core=moba", "moba.block_size=4", "data.seq_len=16"]
+    )
+    paths = lambda c: [
+        (p, v.shape) for p, v in nnx.to_flat_state(nnx.state(Transformer(c, rngs=nnx.Rngs(0)), nnx.Param))
+    ]
     assert paths(moba) == paths(cfg)
 
 

@@ -51,7 +51,7 @@ def test_xla_matches_reference_float32(name):
     kw = dict(block_size=c, top_k=k_top, segment_ids=seg)
     (ro, rg), (xo, xg) = run("reference", q, k, v, **kw), run("xla", q, k, v, **kw)
     np.testing.assert_allclose(xo, ro, atol=1e-5, rtol=1e-5)
-    for a, r in zip(xg, rg):
+    for a, r in zip(xg, rg, strict=True):
         np.testing.assert_allclose(a, r, atol=1e-5, rtol=1e-5)
     if name == "top_k_covers_all":  # every query sees its whole past: plain causal attention
         np.testing.assert_allclose(xo, dense_attention(q, k, v, segment_ids=seg), atol=1e-5)
@@ -70,7 +70,7 @@ def test_xla_matches_reference_bfloat16():
     (ro, rg), (xo, xg) = run("reference", q, k, v, **kw), run("xla", q, k, v, **kw)
     assert xo.dtype == jnp.bfloat16
     np.testing.assert_allclose(xo.astype(np.float32), ro.astype(np.float32), atol=2e-2, rtol=1e-2)
-    for a, r in zip(xg, rg):
+    for a, r in zip(xg, rg, strict=True):
         a, r = np.asarray(a, np.float32), np.asarray(r, np.float32)
         assert np.abs(a - r).max() <= 3e-2 * np.abs(r).max()
 
@@ -127,12 +127,19 @@ def test_property_random_shapes(data):
     q, k, v = rand_qkv(data.draw(st.integers(0, 99)), b, s, hq=hkv * g, hkv=hkv, d=4)
     f = jax.jit(moba_attention, static_argnames=("block_size", "top_k", "impl"))
     kw = dict(block_size=c, top_k=top_k, segment_ids=segments(b, lengths))
-    np.testing.assert_allclose(f(q, k, v, impl="xla", **kw), f(q, k, v, impl="reference", **kw), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(
+        f(q, k, v, impl="xla", **kw), f(q, k, v, impl="reference", **kw), atol=1e-5, rtol=1e-5
+    )
 
 
-@pytest.mark.parametrize("kw, arg", [
-    (dict(block_size=0), "block_size"), (dict(top_k=0), "top_k"), (dict(impl="cuda"), "impl"),
-])
+@pytest.mark.parametrize(
+    "kw, arg",
+    [
+        (dict(block_size=0), "block_size"),
+        (dict(top_k=0), "top_k"),
+        (dict(impl="cuda"), "impl"),
+    ],
+)
 def test_bad_arguments_name_the_argument(kw, arg):
     q, k, v = rand_qkv(0, 1, 8, 2, 2, 4)
     args = dict(block_size=4, top_k=2) | kw
@@ -156,7 +163,9 @@ def _largest_intermediate(fn, *args) -> int:
 
     def sizes(jx):
         for eqn in jx.eqns:
-            yield from (np.prod(o.aval.shape, dtype=np.int64) for o in eqn.outvars if hasattr(o.aval, "shape"))
+            yield from (
+                np.prod(o.aval.shape, dtype=np.int64) for o in eqn.outvars if hasattr(o.aval, "shape")
+            )
             for param in eqn.params.values():
                 for sub in param if isinstance(param, (list, tuple)) else [param]:
                     sub = getattr(sub, "jaxpr", sub)
@@ -170,10 +179,13 @@ def _largest_intermediate(fn, *args) -> int:
 def test_memory_grows_linearly_not_quadratically(impl, growth):
     """Forward + backward: 4x the sequence makes the largest intermediate ~4x larger for the
     XLA path (no [S, S] array anywhere), 16x for the dense-mask reference."""
+
     def largest(s):
         q, k, v = rand_qkv(0, 1, s, 2, 1, 8)
         seg = segments(1, [300, s - 300])
-        loss = lambda q, k, v: moba_attention(q, k, v, block_size=64, top_k=3, segment_ids=seg, impl=impl).sum()
+        loss = lambda q, k, v: moba_attention(
+            q, k, v, block_size=64, top_k=3, segment_ids=seg, impl=impl
+        ).sum()
         return _largest_intermediate(jax.grad(loss, argnums=(0, 1, 2)), q, k, v)
 
     ratio = largest(4096) / largest(1024)

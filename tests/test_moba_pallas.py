@@ -8,18 +8,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import random_batch, tiny_overrides
+from test_moba import rand_qkv, segments
 
 from effattn_jax.config import load_config
-from effattn_jax.ops.moba import (moba_attention, moba_reference, moba_reference_mask, moba_routing,
-                                  resolve_impl)
+from effattn_jax.ops.moba import (
+    moba_attention,
+    moba_reference,
+    moba_reference_mask,
+    moba_routing,
+    resolve_impl,
+)
 from effattn_jax.sharding import make_mesh
 from effattn_jax.train.state import init_state, make_setup
 from effattn_jax.train.step import make_train_step
 from pallas_kernels.moba.attention import _forward, moba_pallas
 from pallas_kernels.moba.tpu import BlockSizes
-
-from conftest import random_batch, tiny_overrides
-from test_moba import rand_qkv, segments
 
 SMALL = BlockSizes(q_tile=8, kv_block=8)
 CASES = {
@@ -39,10 +43,24 @@ def check_against_reference(kernel, interpret, b, s, hq, hkv, c, top_k, lengths,
     r = moba_routing(q, k, block_size=c, top_k=top_k, segment_ids=seg)
     args = (c, d**-0.5, kernel, interpret, block_sizes)
     pallas = lambda q, k, v: moba_pallas(q, k, v, r.own_start, r.past_start, *args)
-    ref = lambda q, k, v: moba_attention(q, k, v, block_size=c, top_k=top_k, segment_ids=seg, impl="reference")
+    ref = lambda q, k, v: moba_attention(
+        q, k, v, block_size=c, top_k=top_k, segment_ids=seg, impl="reference"
+    )
     # forward output and log-sum-exp
-    out, lse = jax.jit(lambda q, k, v: _forward(q, k, v, r.own_start, r.past_start, block_size=c, scale=d**-0.5,
-                                                backend=kernel, interpret=interpret, block_sizes=block_sizes))(q, k, v)
+    out, lse = jax.jit(
+        lambda q, k, v: _forward(
+            q,
+            k,
+            v,
+            r.own_start,
+            r.past_start,
+            block_size=c,
+            scale=d**-0.5,
+            backend=kernel,
+            interpret=interpret,
+            block_sizes=block_sizes,
+        )
+    )(q, k, v)
     mask = moba_reference_mask(r, block_size=c, segment_ids=seg)
     logits = jnp.einsum("bthd,bshd->bhts", q, jnp.repeat(k, hq // hkv, axis=2)) * d**-0.5
     ref_lse = jnp.moveaxis(jax.nn.logsumexp(jnp.where(mask, logits, -jnp.inf), axis=-1), 1, 2)
@@ -51,7 +69,7 @@ def check_against_reference(kernel, interpret, b, s, hq, hkv, c, top_k, lengths,
     # gradients
     w = jnp.asarray(np.random.default_rng(5).standard_normal(out.shape), jnp.float32)
     grad = lambda f: jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v) * w), argnums=(0, 1, 2)))(q, k, v)
-    for a, e in zip(grad(pallas), grad(ref)):
+    for a, e in zip(grad(pallas), grad(ref), strict=True):
         np.testing.assert_allclose(a, e, atol=1e-4, rtol=1e-4)
 
 
@@ -68,10 +86,12 @@ def test_kernels_take_bfloat16(kernel):
     q, k, v = rand_qkv(6, 1, 40, 4, 2, 8, dtype=jnp.bfloat16)
     seg = segments(1, [17, 23])
     r = moba_routing(q, k, block_size=8, top_k=3, segment_ids=seg)
-    out = jax.jit(lambda q, k, v: moba_pallas(q, k, v, r.own_start, r.past_start, 8, 8**-0.5, kernel, True, SMALL))(
-        q, k, v)
-    ref = moba_reference(*(x.astype(jnp.float32) for x in (q, k, v)), r, block_size=8, segment_ids=seg,
-                         scale=8**-0.5)  # same routing
+    out = jax.jit(
+        lambda q, k, v: moba_pallas(q, k, v, r.own_start, r.past_start, 8, 8**-0.5, kernel, True, SMALL)
+    )(q, k, v)
+    ref = moba_reference(
+        *(x.astype(jnp.float32) for x in (q, k, v)), r, block_size=8, segment_ids=seg, scale=8**-0.5
+    )  # same routing
     assert out.dtype == jnp.bfloat16
     np.testing.assert_allclose(out.astype(jnp.float32), ref, atol=3e-2, rtol=2e-2)
 
@@ -116,8 +136,11 @@ def test_tpu_kernels_compile_for_a_real_tpu():
     pytest.importorskip("libtpu", reason="libtpu (the `tpu` extra) is not installed")
     topo = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2")
     mesh = jax.sharding.Mesh(np.array(topo.devices[:1]), ("x",))
-    x = jax.ShapeDtypeStruct((1, 1024, 2, 128), jnp.bfloat16,
-                             sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    x = jax.ShapeDtypeStruct(
+        (1, 1024, 2, 128),
+        jnp.bfloat16,
+        sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()),
+    )
     lowered = _moba_grad_fn("tpu", BlockSizes(), 1024, 128).lower(x, x, x)
     assert lowered.as_text().count("tpu_custom_call") == 6  # fwd, dq, dkv for the own and the past tiles
     lowered.compile()
@@ -126,8 +149,9 @@ def test_tpu_kernels_compile_for_a_real_tpu():
 def test_gpu_kernels_lower_for_cuda():
     x = jax.ShapeDtypeStruct((1, 1024, 2, 128), jnp.bfloat16)
     triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")  # not a stable-ABI call
-    exported = jax.export.export(_moba_grad_fn("gpu", BlockSizes(64, 64), 1024, 128), platforms=["cuda"],
-                                 disabled_checks=[triton])(x, x, x)
+    exported = jax.export.export(
+        _moba_grad_fn("gpu", BlockSizes(64, 64), 1024, 128), platforms=["cuda"], disabled_checks=[triton]
+    )(x, x, x)
     names = re.findall(r'name = "(moba_tile_\w+_gpu)"', exported.mlir_module())
     assert sorted(names) == sorted(["moba_tile_fwd_gpu", "moba_tile_dq_gpu", "moba_tile_dkv_gpu"] * 2)
 
@@ -138,9 +162,21 @@ def test_kernels_inside_a_sharded_train_step(tmp_path, corpus_dir):
     batch = random_batch(0)
     metrics = []
     for impl, mesh_shape in (("xla", (1, 1, 1)), ("pallas", (2, 2, 2))):
-        cfg = load_config(None, tiny_overrides(corpus_dir, tmp_path / "r", **{
-            "attention.core": "moba", "moba.block_size": 8, "moba.top_k": 2, "moba.impl": impl,
-            "moba.q_tile": 8, "moba.kv_block": 8}))
+        cfg = load_config(
+            None,
+            tiny_overrides(
+                corpus_dir,
+                tmp_path / "r",
+                **{
+                    "attention.core": "moba",
+                    "moba.block_size": 8,
+                    "moba.top_k": 2,
+                    "moba.impl": impl,
+                    "moba.q_tile": 8,
+                    "moba.kv_block": 8,
+                },
+            ),
+        )
         setup = make_setup(cfg, make_mesh(*mesh_shape))
         _, m = make_train_step(setup)(init_state(setup), jax.device_put(batch, setup.batch_sharding()))
         metrics.append({k: float(v) for k, v in m.items()})

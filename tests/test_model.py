@@ -9,7 +9,13 @@ from effattn_jax.config import load_config
 from effattn_jax.layers import segment_positions
 from effattn_jax.model import Transformer, param_counts
 
-TINY = ["model.vocab_size=128", "model.d_model=32", "model.num_layers=2", "model.num_heads=4", "model.mlp_dim=64"]
+TINY = [
+    "model.vocab_size=128",
+    "model.d_model=32",
+    "model.num_layers=2",
+    "model.num_heads=4",
+    "model.mlp_dim=64",
+]
 
 
 def make(*over):
@@ -54,7 +60,9 @@ def test_packed_documents_do_not_see_each_other():
 
 
 def test_per_layer_specs():
-    cfg = load_config(None, TINY + ["model.num_layers=3", "attention.last_layers.n=1", "attention.last_layers.core=dense"])
+    cfg = load_config(
+        None, TINY + ["model.num_layers=3", "attention.last_layers.n=1", "attention.last_layers.core=dense"]
+    )
     assert [layer_spec(cfg, i) for i in range(3)] == [("mha", "dense")] * 3
     cfg = load_config(None, TINY + ["attention.layers=[mha:dense, mha:dense]"])
     assert layer_spec(cfg, 1) == ("mha", "dense")

@@ -13,9 +13,17 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def launch(corpus_dir, run_dir, log):
-    cmd = [sys.executable, str(ROOT / "train.py"), "--config", str(ROOT / "configs/cpu/default.yaml"),
-           *tiny_overrides(corpus_dir, run_dir, **{"train.steps": 100000, "checkpoint.every_steps": 3,
-                                                   "eval.every_steps": 100000})]
+    cmd = [
+        sys.executable,
+        str(ROOT / "train.py"),
+        "--config",
+        str(ROOT / "configs/cpu/default.yaml"),
+        *tiny_overrides(
+            corpus_dir,
+            run_dir,
+            **{"train.steps": 100000, "checkpoint.every_steps": 3, "eval.every_steps": 100000},
+        ),
+    ]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True, cwd=ROOT)
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import jax.numpy as jnp
 
@@ -40,7 +40,7 @@ class Core:
 
 
 def causal_decode_mask(q, k_cache, positions):
-    return (jnp.arange(k_cache.shape[1])[None, None, None, :] <= positions[:, None, :, None])
+    return jnp.arange(k_cache.shape[1])[None, None, None, :] <= positions[:, None, :, None]
 
 
 def _dense_core(cfg) -> Core:
@@ -54,10 +54,17 @@ def _moba_core(cfg) -> Core:
 
     def decode_mask(q, k_cache, positions):  # the training routing, over the cache
         r = moba_routing(q, k_cache, block_size=m.block_size, top_k=m.top_k, query_positions=positions)
-        return moba_reference_mask(r, block_size=m.block_size, query_positions=positions, num_keys=k_cache.shape[1])
+        return moba_reference_mask(
+            r, block_size=m.block_size, query_positions=positions, num_keys=k_cache.shape[1]
+        )
 
-    attend = functools.partial(moba_attention, block_size=m.block_size, top_k=m.top_k, impl=m.impl,
-                               block_sizes=BlockSizes(m.q_tile, m.kv_block))
+    attend = functools.partial(
+        moba_attention,
+        block_size=m.block_size,
+        top_k=m.top_k,
+        impl=m.impl,
+        block_sizes=BlockSizes(m.q_tile, m.kv_block),
+    )
     return Core(attend, decode_mask)
 
 

@@ -36,34 +36,67 @@ class EGMLA(MLA):
         m, a, e = cfg.model, cfg.mla, cfg.eg_mla
         dtype, h, std = jnp.dtype(m.dtype), m.num_heads, m.init_std
         self.gate_at = e.gate_at
-        self.gate_table = nnx.Param(jax.random.normal(rngs.params(), (m.vocab_size, e.gate_dim), jnp.float32),
-                                    logical_axes=("vocab", "gate"))
+        self.gate_table = nnx.Param(
+            jax.random.normal(rngs.params(), (m.vocab_size, e.gate_dim), jnp.float32),
+            logical_axes=("vocab", "gate"),
+        )
         gate_std = 1.0 / math.sqrt(e.gate_dim)
         if e.gate_at == "heads":
-            self.uk = Dense([a.kv_lora_rank], [h, self.nope], ("kv_lora", "heads", "head_dim"), rngs=rngs, std=std,
-                            dtype=dtype)
-            self.uv = Dense([a.kv_lora_rank], [h, self.v_dim], ("kv_lora", "heads", "head_dim"), rngs=rngs, std=std,
-                            dtype=dtype)
-            self.gk = Dense([e.gate_dim], [h, self.nope], ("gate", "heads", "head_dim"), rngs=rngs, std=gate_std,
-                            dtype=dtype)
-            self.gv = Dense([e.gate_dim], [h, self.v_dim], ("gate", "heads", "head_dim"), rngs=rngs, std=gate_std,
-                            dtype=dtype)
+            self.uk = Dense(
+                [a.kv_lora_rank],
+                [h, self.nope],
+                ("kv_lora", "heads", "head_dim"),
+                rngs=rngs,
+                std=std,
+                dtype=dtype,
+            )
+            self.uv = Dense(
+                [a.kv_lora_rank],
+                [h, self.v_dim],
+                ("kv_lora", "heads", "head_dim"),
+                rngs=rngs,
+                std=std,
+                dtype=dtype,
+            )
+            self.gk = Dense(
+                [e.gate_dim],
+                [h, self.nope],
+                ("gate", "heads", "head_dim"),
+                rngs=rngs,
+                std=gate_std,
+                dtype=dtype,
+            )
+            self.gv = Dense(
+                [e.gate_dim],
+                [h, self.v_dim],
+                ("gate", "heads", "head_dim"),
+                rngs=rngs,
+                std=gate_std,
+                dtype=dtype,
+            )
             self.k_ln, self.v_ln = LayerNorm(self.nope, eps=m.norm_eps), LayerNorm(self.v_dim, eps=m.norm_eps)
         else:
-            self.u = Dense([a.kv_lora_rank], [e.gate_dim], ("kv_lora", "gate"), rngs=rngs, std=std, dtype=dtype)
+            self.u = Dense(
+                [a.kv_lora_rank], [e.gate_dim], ("kv_lora", "gate"), rngs=rngs, std=std, dtype=dtype
+            )
             self.c_ln = LayerNorm(e.gate_dim, eps=m.norm_eps)
-            self.uk = Dense([e.gate_dim], [h, self.nope], ("gate", "heads", "head_dim"), rngs=rngs, std=std,
-                            dtype=dtype)
-            self.uv = Dense([e.gate_dim], [h, self.v_dim], ("gate", "heads", "head_dim"), rngs=rngs, std=std,
-                            dtype=dtype)
+            self.uk = Dense(
+                [e.gate_dim], [h, self.nope], ("gate", "heads", "head_dim"), rngs=rngs, std=std, dtype=dtype
+            )
+            self.uv = Dense(
+                [e.gate_dim], [h, self.v_dim], ("gate", "heads", "head_dim"), rngs=rngs, std=std, dtype=dtype
+            )
 
     def init_cache(self, batch: int, max_len: int, dtype) -> dict:
         """MLA's cache plus the token ids (integers the model already has), never gated vectors."""
-        return super().init_cache(batch, max_len, dtype) | {"token_ids": jnp.zeros((batch, max_len), jnp.int32)}
+        return super().init_cache(batch, max_len, dtype) | {
+            "token_ids": jnp.zeros((batch, max_len), jnp.int32)
+        }
 
     def write_cache(self, cache, rows, positions, c, kr, token_ids):
         return super().write_cache(cache, rows, positions, c, kr, token_ids) | {
-            "token_ids": cache["token_ids"].at[rows, positions].set(token_ids.astype(jnp.int32))}
+            "token_ids": cache["token_ids"].at[rows, positions].set(token_ids.astype(jnp.int32))
+        }
 
     def absorbed_latent(self, cache):
         """gate_at=latent: c~ recomputed from (c, token id) for every cached token; heads: none."""

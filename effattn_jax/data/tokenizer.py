@@ -23,7 +23,9 @@ def load_tokenizer(name: str) -> tuple[Tokenizer, int, Path]:
         return Tokenizer.from_file(str(path)), eos, path
     path = Path(name)
     if not path.is_file():
-        raise DataError(f"data.tokenizer={name!r}: not a built-in ({', '.join(BUILTIN)}) nor an existing file")
+        raise DataError(
+            f"data.tokenizer={name!r}: not a built-in ({', '.join(BUILTIN)}) nor an existing file"
+        )
     tok = Tokenizer.from_file(str(path))
     for cand in EOS_CANDIDATES:
         if (eos := tok.token_to_id(cand)) is not None:

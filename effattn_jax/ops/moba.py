@@ -42,8 +42,10 @@ def check_args(q, k, v, block_size, top_k, segment_ids, impl):
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"q, k, v must be [batch, seq, heads, dim]; got q{q.shape} k{k.shape} v{v.shape}")
     if k.shape != v.shape[:3] + (k.shape[3],) or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
-        raise ValueError(f"shapes do not match: q{q.shape} k{k.shape} v{v.shape} "
-                         "(q/k share batch, seq, head_dim; k/v share batch, seq, heads)")
+        raise ValueError(
+            f"shapes do not match: q{q.shape} k{k.shape} v{v.shape} "
+            "(q/k share batch, seq, head_dim; k/v share batch, seq, heads)"
+        )
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"kv heads ({k.shape[2]}) must divide q heads ({q.shape[2]})")
     if segment_ids is not None and segment_ids.shape != q.shape[:2]:
@@ -62,8 +64,9 @@ def block_starts(segment_ids, b: int, s: int, block_size: int) -> jax.Array:
     return jnp.arange(s, dtype=jnp.int32)[None] - pos % block_size
 
 
-def moba_routing(q, k, *, block_size: int, top_k: int, segment_ids=None, query_positions=None,
-                 query_chunk: int = 512) -> Routing:
+def moba_routing(
+    q, k, *, block_size: int, top_k: int, segment_ids=None, query_positions=None, query_chunk: int = 512
+) -> Routing:
     """The one MoBA gate. q [B, T, Hq, D], k [B, S, Hkv, D]; no gradient flows through it.
 
     Training: T = S and blocks follow `segment_ids`. Decoding: `query_positions`
@@ -90,7 +93,9 @@ def moba_routing(q, k, *, block_size: int, top_k: int, segment_ids=None, query_p
         return Routing(own_start, jnp.zeros((b, t, hq, 0), jnp.int32))
 
     # Mean key of the full block starting at every position p: (K[p:p+c]).mean, in k's dtype.
-    csum = jnp.cumsum(jnp.pad(k.astype(jnp.float32), ((0, 0), (1, 0), (0, 0), (0, 0))), axis=1)  # [B, S+1, Hkv, D]
+    csum = jnp.cumsum(
+        jnp.pad(k.astype(jnp.float32), ((0, 0), (1, 0), (0, 0), (0, 0))), axis=1
+    )  # [B, S+1, Hkv, D]
     ends = jnp.minimum(jnp.arange(s) + c, s)
     kbar_at = ((csum[:, ends] - csum[:, :s]) / c).astype(k.dtype).astype(jnp.float32)  # [B, S, Hkv, D]
 
@@ -107,10 +112,14 @@ def moba_routing(q, k, *, block_size: int, top_k: int, segment_ids=None, query_p
 
     qp = jnp.pad(qg, ((0, 0), (0, pad), (0, 0), (0, 0), (0, 0))).reshape(b, -1, chunk, hkv, hq // hkv, d)
     dp = jnp.pad(doc_start, ((0, 0), (0, pad))).reshape(b, -1, chunk)
-    scores = jax.lax.map(chunk_scores, (jnp.moveaxis(qp, 1, 0), jnp.moveaxis(dp, 1, 0)))  # [C#, B, T', Hkv, G, n]
+    scores = jax.lax.map(
+        chunk_scores, (jnp.moveaxis(qp, 1, 0), jnp.moveaxis(dp, 1, 0))
+    )  # [C#, B, T', Hkv, G, n]
     scores = jnp.moveaxis(scores, 0, 1).reshape(b, -1, hq, n)[:, :t]  # [B, T, Hq, n]
 
-    candidate = j[None, None, None, :] < own_block[:, :, None, None]  # strictly earlier blocks of the document
+    candidate = (
+        j[None, None, None, :] < own_block[:, :, None, None]
+    )  # strictly earlier blocks of the document
     scores = jnp.where(candidate, scores, -jnp.inf)
     _, sel = jax.lax.top_k(scores, kk)  # ties -> lower (earlier) block first
     valid = sel < own_block[:, :, None, None]
@@ -118,15 +127,18 @@ def moba_routing(q, k, *, block_size: int, top_k: int, segment_ids=None, query_p
     return Routing(own_start, past_start.astype(jnp.int32))
 
 
-def moba_reference_mask(routing: Routing, *, block_size: int, segment_ids=None, query_positions=None,
-                        num_keys: int | None = None) -> jax.Array:
+def moba_reference_mask(
+    routing: Routing, *, block_size: int, segment_ids=None, query_positions=None, num_keys: int | None = None
+) -> jax.Array:
     """[B, Hq, T, S] bool: which keys each query attends to under this routing (dense: for the
     oracle and for decoding over a cache, where `query_positions` [B, T] and `num_keys` are given)."""
     b, t, hq, _ = routing.past_start.shape
     s = t if num_keys is None else num_keys
     bs = block_starts(segment_ids, b, s, block_size)  # [B, S] block start of each key
     qpos = jnp.arange(t)[None] if query_positions is None else query_positions  # [B or 1, T]
-    own = (bs[:, None, :] == routing.own_start[:, :, None]) & (jnp.arange(s)[None, None, :] <= qpos[:, :, None])
+    own = (bs[:, None, :] == routing.own_start[:, :, None]) & (
+        jnp.arange(s)[None, None, :] <= qpos[:, :, None]
+    )
     past = (bs[:, None, None, :, None] == jnp.moveaxis(routing.past_start, 2, 1)[:, :, :, None, :]).any(-1)
     return own[:, None] | past
 
@@ -153,8 +165,18 @@ def resolve_impl(impl: str, backend: str | None = None) -> tuple[str, str | None
     return "pallas", kernel, kernel != on
 
 
-def moba_attention(q, k, v, *, block_size: int, top_k: int, segment_ids=None, scale=None, impl: str = "auto",
-                   block_sizes=None):
+def moba_attention(
+    q,
+    k,
+    v,
+    *,
+    block_size: int,
+    top_k: int,
+    segment_ids=None,
+    scale=None,
+    impl: str = "auto",
+    block_sizes=None,
+):
     """MoBA attention. q [B, S, Hq, D], k [B, S, Hkv, D], v [B, S, Hkv, Dv] -> [B, S, Hq, Dv] in q's dtype.
 
     `scale` defaults to 1/sqrt(D). impl: "reference" (dense mask), "xla"
@@ -171,8 +193,18 @@ def moba_attention(q, k, v, *, block_size: int, top_k: int, segment_ids=None, sc
 
         def run(q, k, v, seg):  # per shard: routing is per batch row and head, so it shards too
             r = moba_routing(q, k, block_size=block_size, top_k=top_k, segment_ids=seg)
-            return moba_pallas(q, k, v, r.own_start, r.past_start, block_size, float(scale), kernel, interpret,
-                               block_sizes or BlockSizes())
+            return moba_pallas(
+                q,
+                k,
+                v,
+                r.own_start,
+                r.past_start,
+                block_size,
+                float(scale),
+                kernel,
+                interpret,
+                block_sizes or BlockSizes(),
+            )
 
         return shard_over_batch_heads(run, q, k, v, segment_ids)
     routing = moba_routing(q, k, block_size=block_size, top_k=top_k, segment_ids=segment_ids)

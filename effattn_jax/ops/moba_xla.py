@@ -88,8 +88,12 @@ def _past_blocks_part(q, k, v, routing: Routing, *, block_size, scale, q_tile):
     return m_p.reshape(b, s, hq, kp), l_p.reshape(b, s, hq, kp), o_p.reshape(b, s, hq, kp, dv)
 
 
-def moba_xla(q, k, v, routing: Routing, *, block_size: int, segment_ids=None, scale: float, q_tile: int = 128):
-    m0, l0, o0 = _own_block_part(q, k, v, routing, block_size=block_size, segment_ids=segment_ids, scale=scale)
+def moba_xla(
+    q, k, v, routing: Routing, *, block_size: int, segment_ids=None, scale: float, q_tile: int = 128
+):
+    m0, l0, o0 = _own_block_part(
+        q, k, v, routing, block_size=block_size, segment_ids=segment_ids, scale=scale
+    )
     if routing.past_start.shape[-1] == 0:
         return (o0 / l0[..., None]).astype(q.dtype)
     m1, l1, o1 = _past_blocks_part(q, k, v, routing, block_size=block_size, scale=scale, q_tile=q_tile)

@@ -31,7 +31,17 @@ from effattn_jax.train.state import init_state, make_setup
 from effattn_jax.train.step import make_eval_step, make_train_step
 
 PREEMPTED_EXIT = 143
-PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "tensorboard", "numpy", "tokenizers")
+PACKAGES = (
+    "jax",
+    "jaxlib",
+    "flax",
+    "optax",
+    "orbax-checkpoint",
+    "grain",
+    "tensorboard",
+    "numpy",
+    "tokenizers",
+)
 
 
 class Preempted(SystemExit):
@@ -40,8 +50,13 @@ class Preempted(SystemExit):
 
 def _git_commit() -> str:
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True,
-                             timeout=10)
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=Path(__file__).parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
         return out.stdout.strip() or "unknown"
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
@@ -60,8 +75,14 @@ def _versions() -> dict[str, str]:
 def record_provenance(run_dir: Path, cfg: Config) -> None:
     """Resolved config (config.yaml) and one line per launch in launches.jsonl."""
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "argv": sys.argv, "git_commit": _git_commit(),
-             "packages": _versions(), "devices": [str(d) for d in jax.devices()], "process_count": jax.process_count()}
+    entry = {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "argv": sys.argv,
+        "git_commit": _git_commit(),
+        "packages": _versions(),
+        "devices": [str(d) for d in jax.devices()],
+        "process_count": jax.process_count(),
+    }
     with open(run_dir / "launches.jsonl", "a") as f:
         f.write(json.dumps(entry) + "\n")
 
@@ -103,19 +124,31 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict:
     run_dir = Path(t.run_dir).absolute()
     corpus = build_corpus(d)
     if corpus.vocab_size > cfg.model.vocab_size:
-        raise ConfigError("model.vocab_size", cfg.model.vocab_size,
-                          f"must be >= the tokenizer's {corpus.vocab_size} tokens")
+        raise ConfigError(
+            "model.vocab_size", cfg.model.vocab_size, f"must be >= the tokenizer's {corpus.vocab_size} tokens"
+        )
     run_dir.mkdir(parents=True, exist_ok=True)
     record_provenance(run_dir, cfg)
 
     mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
     setup = make_setup(cfg, mesh)
     pi, pc = jax.process_index(), jax.process_count()
-    data_iter = train_iterator(corpus.train, batch_size=d.batch_size, seed=d.seed, process_index=pi, process_count=pc)
-    val = list(val_batches(corpus.val, batch_size=d.batch_size, max_batches=cfg.eval.max_batches,
-                           process_index=pi, process_count=pc))
+    data_iter = train_iterator(
+        corpus.train, batch_size=d.batch_size, seed=d.seed, process_index=pi, process_count=pc
+    )
+    val = list(
+        val_batches(
+            corpus.val,
+            batch_size=d.batch_size,
+            max_batches=cfg.eval.max_batches,
+            process_index=pi,
+            process_count=pc,
+        )
+    )
     ck = cfg.checkpoint
-    mngr = checkpoint.manager(run_dir, keep_last=ck.keep_last, keep_every=ck.keep_every, async_save=ck.async_save)
+    mngr = checkpoint.manager(
+        run_dir, keep_last=ck.keep_last, keep_every=ck.keep_every, async_save=ck.async_save
+    )
     step, state = checkpoint.restore_latest(mngr, setup.abstract_state, data_iter)
     if state is None:
         step, state = 0, init_state(setup)
@@ -125,20 +158,27 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict:
     counts = param_counts(setup.model(state["params"]))
     flops_tok = train_flops_per_token(cfg, counts["non_embedding"])
     tokens_per_step = d.batch_size * d.seq_len
-    print(f"params: {counts['total']:,} ({counts['non_embedding']:,} non-embedding); "
-          f"{flops_tok / 1e6:.1f} MFLOP/token; mesh {dict(mesh.shape)}", file=sys.stderr)
+    print(
+        f"params: {counts['total']:,} ({counts['non_embedding']:,} non-embedding); "
+        f"{flops_tok / 1e6:.1f} MFLOP/token; mesh {dict(mesh.shape)}",
+        file=sys.stderr,
+    )
 
     train_step, eval_step = make_train_step(setup), make_eval_step(setup)
     switch_at = cfg.full_attention_from_step  # MoBA -> dense schedule hybrid (0 = none)
     if switch_at:
         full = make_setup(cfg.with_full_attention(), mesh)  # same parameter tree, dense cores
         full_train_step, full_eval_step = make_train_step(full), make_eval_step(full)
-    steps_for = lambda s: (full_train_step, full_eval_step) if switch_at and s >= switch_at else (train_step, eval_step)
+    steps_for = lambda s: (
+        (full_train_step, full_eval_step) if switch_at and s >= switch_at else (train_step, eval_step)
+    )
     batch_sharding = setup.batch_sharding()
     writer = ScalarWriter(run_dir)
     stop = _StopFlag()
     stop.install()
-    bar = tqdm(total=t.steps, initial=step, disable=not t.progress, dynamic_ncols=True, desc="train", file=sys.stderr)
+    bar = tqdm(
+        total=t.steps, initial=step, disable=not t.progress, dynamic_ncols=True, desc="train", file=sys.stderr
+    )
     last_saved = step
     try:
         tick, tick_step = time.perf_counter(), step
@@ -156,14 +196,24 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict:
                 now = time.perf_counter()
                 tok_s = (step - tick_step) * tokens_per_step / (now - tick)
                 tick, tick_step = now, step
-                writer.scalars(step, {"loss": m["loss"], "learning_rate": m["lr"], "grad_norm": m["grad_norm"],
-                                      "tokens_per_sec": tok_s, "tokens_seen": step * tokens_per_step,
-                                      "model_flops_per_sec": tok_s * flops_tok})
+                writer.scalars(
+                    step,
+                    {
+                        "loss": m["loss"],
+                        "learning_rate": m["lr"],
+                        "grad_norm": m["grad_norm"],
+                        "tokens_per_sec": tok_s,
+                        "tokens_seen": step * tokens_per_step,
+                        "model_flops_per_sec": tok_s * flops_tok,
+                    },
+                )
                 bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{tok_s:,.0f}")
                 if not np.isfinite(m["loss"]):
                     raise FloatingPointError(f"loss became {m['loss']} at step {step}")
             if step % cfg.eval.every_steps == 0 and step < t.steps:
-                writer.scalars(step, {"val_loss": evaluate(steps_for(step)[1], state["params"], val, batch_sharding)})
+                writer.scalars(
+                    step, {"val_loss": evaluate(steps_for(step)[1], state["params"], val, batch_sharding)}
+                )
                 writer.flush()
                 tick = time.perf_counter()  # tokens/s counts training time only
             preempt = stop.signal is not None or step == stop_at
@@ -187,9 +237,15 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict:
         stop.restore()
         writer.close()
         mngr.close()
-    return {"val_loss": val_loss, "unigram_loss": uni, "run_dir": str(run_dir), "step": step,
-            "flops_per_token": flops_tok}
+    return {
+        "val_loss": val_loss,
+        "unigram_loss": uni,
+        "run_dir": str(run_dir),
+        "step": step,
+        "flops_per_token": flops_tok,
+    }
 
 
 def final_line(result: dict) -> str:
-    return f"val_loss={result['val_loss']:.4f} unigram_loss={result['unigram_loss']:.4f} run_dir={result['run_dir']}"
+    r = result
+    return f"val_loss={r['val_loss']:.4f} unigram_loss={r['unigram_loss']:.4f} run_dir={r['run_dir']}"

@@ -15,7 +15,8 @@ class ScalarWriter:
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         summary = summary_pb2.Summary(
-            value=[summary_pb2.Summary.Value(tag=k, simple_value=float(v)) for k, v in values.items()])
+            value=[summary_pb2.Summary.Value(tag=k, simple_value=float(v)) for k, v in values.items()]
+        )
         self._writer.add_event(event_pb2.Event(wall_time=time.time(), step=int(step), summary=summary))
 
     def flush(self) -> None:

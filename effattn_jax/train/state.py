@@ -26,8 +26,12 @@ def make_optimizer(cfg: Config) -> tuple[optax.GradientTransformation, optax.Sch
     """AdamW with linear warmup + cosine decay and global-norm clipping; no decay on vectors (norm scales)."""
     t = cfg.train
     schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=t.lr, warmup_steps=t.warmup_steps,
-        decay_steps=max(t.steps, t.warmup_steps + 1), end_value=t.lr * t.min_lr_ratio)
+        init_value=0.0,
+        peak_value=t.lr,
+        warmup_steps=t.warmup_steps,
+        decay_steps=max(t.steps, t.warmup_steps + 1),
+        end_value=t.lr * t.min_lr_ratio,
+    )
     decay_mask = lambda params: jax.tree.map(lambda p: p.ndim > 1, params)
     parts = [optax.clip_by_global_norm(t.grad_clip)] if t.grad_clip > 0 else []
     parts.append(optax.adamw(schedule, b1=t.b1, b2=t.b2, weight_decay=t.weight_decay, mask=decay_mask))
@@ -51,8 +55,12 @@ class TrainSetup:
         return self.cfg.mesh.rules
 
     def batch_sharding(self) -> NamedSharding:
-        return NamedSharding(self.mesh, logical_to_spec(("batch", "length"), (self.cfg.data.batch_size, self.cfg.data.seq_len),
-                                                        self.mesh, self.rules))
+        return NamedSharding(
+            self.mesh,
+            logical_to_spec(
+                ("batch", "length"), (self.cfg.data.batch_size, self.cfg.data.seq_len), self.mesh, self.rules
+            ),
+        )
 
     def model(self, params) -> Transformer:
         return nnx.merge(self.graphdef, params)
@@ -65,8 +73,10 @@ def _new_model(cfg: Config) -> Transformer:
 def param_specs(cfg: Config, mesh: Mesh) -> tuple[Any, dict]:
     """(graphdef, pure dict of PartitionSpecs) from the Params' logical axes, without allocating."""
     graphdef, state = nnx.split(nnx.eval_shape(lambda: _new_model(cfg)))
-    flat = {path: logical_to_spec(var.get_metadata()["logical_axes"], var.shape, mesh, cfg.mesh.rules)
-            for path, var in nnx.to_flat_state(state)}
+    flat = {
+        path: logical_to_spec(var.get_metadata()["logical_axes"], var.shape, mesh, cfg.mesh.rules)
+        for path, var in nnx.to_flat_state(state)
+    }
     return graphdef, traversals.unflatten_mapping(flat)
 
 
@@ -76,12 +86,15 @@ def make_setup(cfg: Config, mesh: Mesh) -> TrainSetup:
     params_shape = jax.eval_shape(lambda: nnx.to_pure_dict(nnx.split(_new_model(cfg))[1]))
     opt_shape = jax.eval_shape(tx.init, params_shape)
     is_spec = lambda x: isinstance(x, PartitionSpec)
-    opt_specs = optax.tree_map_params(tx, lambda _, s: s, opt_shape, pspecs,
-                                      transform_non_params=lambda _: PartitionSpec(), is_leaf=is_spec)
+    opt_specs = optax.tree_map_params(
+        tx, lambda _, s: s, opt_shape, pspecs, transform_non_params=lambda _: PartitionSpec(), is_leaf=is_spec
+    )
     specs = {"params": pspecs, "opt_state": opt_specs, "step": PartitionSpec()}
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=is_spec)
     shapes = {"params": params_shape, "opt_state": opt_shape, "step": jax.ShapeDtypeStruct((), jnp.int32)}
-    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
+    abstract = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings
+    )
     return TrainSetup(cfg, mesh, graphdef, tx, schedule, shardings, abstract)
 
 

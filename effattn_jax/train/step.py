@@ -50,14 +50,26 @@ def make_train_step(setup: TrainSetup):
         n = jnp.maximum(n, 1.0)
         grads = jax.tree.map(lambda x: x / n, g)
         updates, opt_state = setup.tx.update(grads, state["opt_state"], params)
-        new = {"params": optax.apply_updates(params, updates), "opt_state": opt_state, "step": state["step"] + 1}
-        metrics = {"loss": s / n, "grad_norm": optax.tree.norm(grads), "lr": setup.schedule(state["step"]),
-                   "tokens": n}
+        new = {
+            "params": optax.apply_updates(params, updates),
+            "opt_state": opt_state,
+            "step": state["step"] + 1,
+        }
+        metrics = {
+            "loss": s / n,
+            "grad_norm": optax.tree.norm(grads),
+            "lr": setup.schedule(state["step"]),
+            "tokens": n,
+        }
         return new, metrics
 
     replicated = NamedSharding(setup.mesh, PartitionSpec())
-    return jax.jit(step, in_shardings=(setup.state_shardings, setup.batch_sharding()),
-                   out_shardings=(setup.state_shardings, replicated), donate_argnums=0)
+    return jax.jit(
+        step,
+        in_shardings=(setup.state_shardings, setup.batch_sharding()),
+        out_shardings=(setup.state_shardings, replicated),
+        donate_argnums=0,
+    )
 
 
 def make_eval_step(setup: TrainSetup):
@@ -68,5 +80,6 @@ def make_eval_step(setup: TrainSetup):
             return loss_sums(setup.model(params), batch)
 
     replicated = NamedSharding(setup.mesh, PartitionSpec())
-    return jax.jit(step, in_shardings=(setup.state_shardings["params"], setup.batch_sharding()),
-                   out_shardings=replicated)
+    return jax.jit(
+        step, in_shardings=(setup.state_shardings["params"], setup.batch_sharding()), out_shardings=replicated
+    )

@@ -33,7 +33,9 @@ def _layout(q, k, v, ck):
     """Flat query rows [B*S*Hq, D]; K/V as [B*Hkv, S_pad, D] with S padded to the kv sub-block."""
     b, s, hq, d = q.shape
     pad = -s % ck
-    kv = lambda x: jnp.pad(jnp.moveaxis(x, 2, 1), ((0, 0), (0, 0), (0, pad), (0, 0))).reshape(-1, s + pad, x.shape[-1])
+    kv = lambda x: jnp.pad(jnp.moveaxis(x, 2, 1), ((0, 0), (0, 0), (0, pad), (0, 0))).reshape(
+        -1, s + pad, x.shape[-1]
+    )
     return q.reshape(b * s * hq, d), kv(k), kv(v)
 
 
@@ -51,7 +53,12 @@ def _plans(own_start, past_start, *, hq, hkv, block_size, bs: BlockSizes, nkb):
 
 def _tile_args(tiles, ck):
     col = lambda x: x[..., None].astype(jnp.int32)
-    return col(tiles.lo), col(tiles.hi), tiles.kv_row.astype(jnp.int32), (tiles.key_start // ck).astype(jnp.int32)
+    return (
+        col(tiles.lo),
+        col(tiles.hi),
+        tiles.kv_row.astype(jnp.int32),
+        (tiles.key_start // ck).astype(jnp.int32),
+    )
 
 
 BWD_TILE_CHUNK = 1024  # tiles per backward chunk: bounds the per-tile dk/dv partials
@@ -63,8 +70,10 @@ def _chunked(tiles, chunk):
     chunk = min(chunk, n)
     pad = -n % chunk
     fill = {"rows": -1, "lo": 1, "hi": 0, "kv_row": 0, "key_start": 0}
-    padded = {k: jnp.pad(v, ((0, pad),) + ((0, 0),) * (v.ndim - 1), constant_values=fill[k])
-              for k, v in tiles._asdict().items()}
+    padded = {
+        k: jnp.pad(v, ((0, pad),) + ((0, 0),) * (v.ndim - 1), constant_values=fill[k])
+        for k, v in tiles._asdict().items()
+    }
     return type(tiles)(**{k: v.reshape(-1, chunk, *v.shape[1:]) for k, v in padded.items()})
 
 
@@ -76,14 +85,28 @@ def _forward(q, k, v, own_start, past_start, *, block_size, scale, backend, inte
     b, s, hq, _ = q.shape
     hkv, ck = k.shape[2], block_sizes.kv_block
     qf, kf, vf = _layout(q, k, v, ck)
-    plans, past = _plans(own_start, past_start, hq=hq, hkv=hkv, block_size=block_size, bs=block_sizes,
-                         nkb=kf.shape[1] // ck)
+    plans, past = _plans(
+        own_start, past_start, hq=hq, hkv=hkv, block_size=block_size, bs=block_sizes, nkb=kf.shape[1] // ck
+    )
     kern = _kernels(backend)
     outs = []
     for tiles, nsub in plans:
         lo, hi, kv_row, first = _tile_args(tiles, ck)
-        outs.append(kern.tile_attention_fwd(_gather_rows(qf, tiles.rows), kf, vf, lo, hi, kv_row, first, scale=scale,
-                                            nsub=nsub, block_sizes=block_sizes, interpret=interpret))
+        outs.append(
+            kern.tile_attention_fwd(
+                _gather_rows(qf, tiles.rows),
+                kf,
+                vf,
+                lo,
+                hi,
+                kv_row,
+                first,
+                scale=scale,
+                nsub=nsub,
+                block_sizes=block_sizes,
+                interpret=interpret,
+            )
+        )
     # Own part: tiles are laid out (b, h, chunk, row) -> [B, S, Hq].
     (o_own, lse_own) = outs[0]
     dv = o_own.shape[-1]
@@ -93,8 +116,12 @@ def _forward(q, k, v, own_start, past_start, *, block_size, scale, backend, inte
     if past is not None:
         o_p, lse_p = outs[1]
         kp = past_start.shape[-1]
-        o_parts.append(jnp.where(past.valid[:, None], o_p[past.pair_tile, past.pair_slot], 0.0).reshape(b, s, hq, kp, dv))
-        l_parts.append(jnp.where(past.valid, lse_p[past.pair_tile, past.pair_slot, 0], -jnp.inf).reshape(b, s, hq, kp))
+        o_parts.append(
+            jnp.where(past.valid[:, None], o_p[past.pair_tile, past.pair_slot], 0.0).reshape(b, s, hq, kp, dv)
+        )
+        l_parts.append(
+            jnp.where(past.valid, lse_p[past.pair_tile, past.pair_slot, 0], -jnp.inf).reshape(b, s, hq, kp)
+        )
     o_all, l_all = jnp.concatenate(o_parts, axis=3), jnp.concatenate(l_parts, axis=3)
     lse = jax.nn.logsumexp(l_all, axis=-1)  # [B, S, Hq]; every query sees itself, so finite
     out = jnp.sum(jnp.exp(l_all - lse[..., None])[..., None] * o_all, axis=3)
@@ -104,14 +131,34 @@ def _forward(q, k, v, own_start, past_start, *, block_size, scale, backend, inte
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
 def moba_pallas(q, k, v, own_start, past_start, block_size, scale, backend, interpret, block_sizes):
     """MoBA attention from a routing (own_start [B, S], past_start [B, S, Hq, K']) -> [B, S, Hq, Dv]."""
-    out, _ = _forward(q, k, v, own_start, past_start, block_size=block_size, scale=scale, backend=backend,
-                      interpret=interpret, block_sizes=block_sizes)
+    out, _ = _forward(
+        q,
+        k,
+        v,
+        own_start,
+        past_start,
+        block_size=block_size,
+        scale=scale,
+        backend=backend,
+        interpret=interpret,
+        block_sizes=block_sizes,
+    )
     return out.astype(q.dtype)
 
 
 def _fwd(q, k, v, own_start, past_start, block_size, scale, backend, interpret, block_sizes):
-    out, lse = _forward(q, k, v, own_start, past_start, block_size=block_size, scale=scale, backend=backend,
-                        interpret=interpret, block_sizes=block_sizes)
+    out, lse = _forward(
+        q,
+        k,
+        v,
+        own_start,
+        past_start,
+        block_size=block_size,
+        scale=scale,
+        backend=backend,
+        interpret=interpret,
+        block_sizes=block_sizes,
+    )
     return out.astype(q.dtype), (q, k, v, own_start, past_start, out, lse)
 
 
@@ -120,8 +167,9 @@ def _bwd(block_size, scale, backend, interpret, block_sizes, res, d_out):
     b, s, hq, d = q.shape
     hkv, ck = k.shape[2], block_sizes.kv_block
     qf, kf, vf = _layout(q, k, v, ck)
-    plans, _ = _plans(own_start, past_start, hq=hq, hkv=hkv, block_size=block_size, bs=block_sizes,
-                      nkb=kf.shape[1] // ck)
+    plans, _ = _plans(
+        own_start, past_start, hq=hq, hkv=hkv, block_size=block_size, bs=block_sizes, nkb=kf.shape[1] // ck
+    )
     do = d_out.astype(jnp.float32)
     delta = jnp.sum(do * out, axis=-1).reshape(-1, 1)  # [B*S*Hq, 1]
     do_f, lse_f = d_out.astype(v.dtype).reshape(-1, v.shape[-1]), lse.reshape(-1, 1)
@@ -135,9 +183,21 @@ def _bwd(block_size, scale, backend, interpret, block_sizes, res, d_out):
         lo, hi, kv_row, first = _tile_args(tiles, ck)
         real = (tiles.rows >= 0)[..., None]
         dq_t, dk_t, dv_t = kern.tile_attention_bwd(
-            _gather_rows(qf, tiles.rows), kf, vf, lo, hi, kv_row, first, _gather_rows(do_f, tiles.rows),
-            jnp.where(real, _gather_rows(lse_f, tiles.rows), 0.0), jnp.where(real, _gather_rows(delta, tiles.rows), 0.0),
-            scale=scale, nsub=nsub, block_sizes=block_sizes, interpret=interpret)
+            _gather_rows(qf, tiles.rows),
+            kf,
+            vf,
+            lo,
+            hi,
+            kv_row,
+            first,
+            _gather_rows(do_f, tiles.rows),
+            jnp.where(real, _gather_rows(lse_f, tiles.rows), 0.0),
+            jnp.where(real, _gather_rows(delta, tiles.rows), 0.0),
+            scale=scale,
+            nsub=nsub,
+            block_sizes=block_sizes,
+            interpret=interpret,
+        )
         dq = dq.at[jnp.where(tiles.rows >= 0, tiles.rows, dq.shape[0])].add(dq_t, mode="drop")
         kpos = (first[:, None] + jnp.arange(nsub)[None])[..., None] * ck + jnp.arange(ck)  # [T, nsub, Ck]
         idx = (jnp.broadcast_to(kv_row[:, None, None], kpos.shape), kpos)
@@ -149,7 +209,9 @@ def _bwd(block_size, scale, backend, interpret, block_sizes, res, d_out):
         chunks = _chunked(tiles, BWD_TILE_CHUNK)
         grads, _ = jax.lax.scan(lambda g, t, nsub=nsub: (chunk_grads(g, t, nsub), None), grads, chunks)
     dq, dk, dv = grads
-    unlayout = lambda x, like: jnp.moveaxis(x.reshape(b, hkv, -1, x.shape[-1])[:, :, :s], 1, 2).astype(like.dtype)
+    unlayout = lambda x, like: jnp.moveaxis(x.reshape(b, hkv, -1, x.shape[-1])[:, :, :s], 1, 2).astype(
+        like.dtype
+    )
     return dq.reshape(q.shape).astype(q.dtype), unlayout(dk, k), unlayout(dv, v), None, None
 
 

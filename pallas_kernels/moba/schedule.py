@@ -63,7 +63,9 @@ def past_tiles(past_start: jax.Array, *, num_kv_heads: int, block_size: int, q_t
     gid = jnp.cumsum(new_group) - 1
     rank = ar - jax.lax.cummax(jnp.where(new_group, ar, 0))
     max_groups = max(b * hq * (s // c), 1)
-    gsize = jax.ops.segment_sum(svalid.astype(jnp.int32), jnp.where(svalid, gid, max_groups), max_groups + 1)[:-1]
+    gsize = jax.ops.segment_sum(svalid.astype(jnp.int32), jnp.where(svalid, gid, max_groups), max_groups + 1)[
+        :-1
+    ]
     gtiles = -(-gsize // q_tile)
     goffset = jnp.cumsum(gtiles) - gtiles
     ntiles = -(-npairs // q_tile) + max_groups
@@ -93,11 +95,15 @@ def own_tiles(own_start: jax.Array, *, num_q_heads: int, num_kv_heads: int, q_ti
     own = jnp.where(real[None], own_start[:, jnp.minimum(t, s - 1)], 1)  # [B, n, Qt]
     hi = jnp.where(real[None], t[None], 0)
     bb, hh = jnp.meshgrid(jnp.arange(b, dtype=jnp.int32), jnp.arange(hq, dtype=jnp.int32), indexing="ij")
-    rows = jnp.where(real[None, None], (bb[:, :, None, None] * s + t[None, None]) * hq + hh[:, :, None, None], -1)
+    rows = jnp.where(
+        real[None, None], (bb[:, :, None, None] * s + t[None, None]) * hq + hh[:, :, None, None], -1
+    )
     shape = (b * hq * n, q_tile)
     lo = jnp.broadcast_to(own[:, None], (b, hq, n, q_tile)).reshape(shape)
     hi = jnp.broadcast_to(hi[:, None], (b, hq, n, q_tile)).reshape(shape)
     key_start = jnp.min(jnp.where(hi >= lo, lo, jnp.iinfo(jnp.int32).max), axis=1)
     key_start = jnp.where(key_start == jnp.iinfo(jnp.int32).max, 0, key_start)
-    kv_row = jnp.broadcast_to((bb * num_kv_heads + hh // (hq // num_kv_heads))[:, :, None], (b, hq, n)).reshape(-1)
+    kv_row = jnp.broadcast_to(
+        (bb * num_kv_heads + hh // (hq // num_kv_heads))[:, :, None], (b, hq, n)
+    ).reshape(-1)
     return Tiles(rows.reshape(shape), kv_row, key_start, lo, hi)

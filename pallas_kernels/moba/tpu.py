@@ -36,7 +36,9 @@ class BlockSizes:
         for name in ("q_tile", "kv_block"):
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0 or v % 8:
-                raise ValueError(f"BlockSizes.{name} must be a positive multiple of 8 (TPU sublanes), got {v!r}")
+                raise ValueError(
+                    f"BlockSizes.{name} must be a positive multiple of 8 (TPU sublanes), got {v!r}"
+                )
 
 
 def _scores(q_ref, k_ref, lo_ref, hi_ref, first_ref, *, scale, kv_block):
@@ -48,8 +50,24 @@ def _scores(q_ref, k_ref, lo_ref, hi_ref, first_ref, *, scale, kv_block):
     return s, mask
 
 
-def _fwd_kernel(kv_row_ref, first_ref, q_ref, k_ref, v_ref, lo_ref, hi_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc, *,
-                scale, kv_block, nsub):
+def _fwd_kernel(
+    kv_row_ref,
+    first_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    lo_ref,
+    hi_ref,
+    o_ref,
+    lse_ref,
+    m_sc,
+    l_sc,
+    acc_sc,
+    *,
+    scale,
+    kv_block,
+    nsub,
+):
     j = pl.program_id(1)
 
     @pl.when(j == 0)
@@ -85,16 +103,43 @@ def _probs(q_ref, k_ref, v_ref, lo_ref, hi_ref, do_ref, lse_ref, delta_ref, firs
     return p, p * (dp - delta_ref[...])
 
 
-def _dq_kernel(kv_row_ref, first_ref, q_ref, k_ref, v_ref, lo_ref, hi_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_sc,
-               *, scale, kv_block, nsub):
+def _dq_kernel(
+    kv_row_ref,
+    first_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    lo_ref,
+    hi_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    dq_ref,
+    dq_sc,
+    *,
+    scale,
+    kv_block,
+    nsub,
+):
     j = pl.program_id(1)
 
     @pl.when(j == 0)
     def _init():
         dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
 
-    _, ds = _probs(q_ref, k_ref, v_ref, lo_ref, hi_ref, do_ref, lse_ref, delta_ref, first_ref, scale=scale,
-                   kv_block=kv_block)
+    _, ds = _probs(
+        q_ref,
+        k_ref,
+        v_ref,
+        lo_ref,
+        hi_ref,
+        do_ref,
+        lse_ref,
+        delta_ref,
+        first_ref,
+        scale=scale,
+        kv_block=kv_block,
+    )
     k = k_ref[...]
     dq_sc[...] += jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32) * scale
 
@@ -103,10 +148,36 @@ def _dq_kernel(kv_row_ref, first_ref, q_ref, k_ref, v_ref, lo_ref, hi_ref, do_re
         dq_ref[...] = dq_sc[...]
 
 
-def _dkv_kernel(kv_row_ref, first_ref, q_ref, k_ref, v_ref, lo_ref, hi_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
-                *, scale, kv_block):
-    p, ds = _probs(q_ref, k_ref, v_ref, lo_ref, hi_ref, do_ref, lse_ref, delta_ref, first_ref, scale=scale,
-                   kv_block=kv_block)
+def _dkv_kernel(
+    kv_row_ref,
+    first_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    lo_ref,
+    hi_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    dk_ref,
+    dv_ref,
+    *,
+    scale,
+    kv_block,
+):
+    p, ds = _probs(
+        q_ref,
+        k_ref,
+        v_ref,
+        lo_ref,
+        hi_ref,
+        do_ref,
+        lse_ref,
+        delta_ref,
+        first_ref,
+        scale=scale,
+        kv_block=kv_block,
+    )
     q, do = q_ref[...], do_ref[...]
     dk_ref[...] = jax.lax.dot_general(ds.astype(q.dtype), q, TN, preferred_element_type=jnp.float32) * scale
     dv_ref[...] = jax.lax.dot_general(p.astype(do.dtype), do, TN, preferred_element_type=jnp.float32)
@@ -115,9 +186,12 @@ def _dkv_kernel(kv_row_ref, first_ref, q_ref, k_ref, v_ref, lo_ref, hi_ref, do_r
 def _specs(k, v, qt, ck, nkb, extra_row_inputs):
     """BlockSpecs shared by the three kernels: per-tile rows, and the table-driven K/V sub-block."""
     row = lambda width: pl.BlockSpec((None, qt, width), lambda t, j, kv, first: (t, 0, 0))
-    kv_spec = lambda width: pl.BlockSpec((None, ck, width),
-                                         lambda t, j, kv, first: (kv[t], jnp.minimum(first[t] + j, nkb - 1), 0))
-    return [row(k.shape[-1]), kv_spec(k.shape[-1]), kv_spec(v.shape[-1]), row(1), row(1)] + [row(w) for w in extra_row_inputs]
+    kv_spec = lambda width: pl.BlockSpec(
+        (None, ck, width), lambda t, j, kv, first: (kv[t], jnp.minimum(first[t] + j, nkb - 1), 0)
+    )
+    return [row(k.shape[-1]), kv_spec(k.shape[-1]), kv_spec(v.shape[-1]), row(1), row(1)] + [
+        row(w) for w in extra_row_inputs
+    ]
 
 
 def _interpret(interpret):
@@ -130,22 +204,35 @@ def tile_attention_fwd(q_tiles, k, v, lo, hi, kv_row, first, *, scale, nsub, blo
     ntiles, qt, _ = q_tiles.shape
     ck, dv, nkb = block_sizes.kv_block, v.shape[-1], k.shape[1] // block_sizes.kv_block
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2, grid=(ntiles, nsub), in_specs=_specs(k, v, qt, ck, nkb, []),
-        out_specs=[pl.BlockSpec((None, qt, dv), lambda t, j, *_: (t, 0, 0)),
-                   pl.BlockSpec((None, qt, 1), lambda t, j, *_: (t, 0, 0))],
-        scratch_shapes=[pltpu.VMEM((qt, 1), jnp.float32), pltpu.VMEM((qt, 1), jnp.float32),
-                        pltpu.VMEM((qt, dv), jnp.float32)])
+        num_scalar_prefetch=2,
+        grid=(ntiles, nsub),
+        in_specs=_specs(k, v, qt, ck, nkb, []),
+        out_specs=[
+            pl.BlockSpec((None, qt, dv), lambda t, j, *_: (t, 0, 0)),
+            pl.BlockSpec((None, qt, 1), lambda t, j, *_: (t, 0, 0)),
+        ],
+        scratch_shapes=[
+            pltpu.VMEM((qt, 1), jnp.float32),
+            pltpu.VMEM((qt, 1), jnp.float32),
+            pltpu.VMEM((qt, dv), jnp.float32),
+        ],
+    )
     return pl.pallas_call(
-        functools.partial(_fwd_kernel, scale=scale, kv_block=ck, nsub=nsub), grid_spec=grid_spec,
-        out_shape=[jax.ShapeDtypeStruct((ntiles, qt, dv), jnp.float32),
-                   jax.ShapeDtypeStruct((ntiles, qt, 1), jnp.float32)],
+        functools.partial(_fwd_kernel, scale=scale, kv_block=ck, nsub=nsub),
+        grid_spec=grid_spec,
+        out_shape=[
+            jax.ShapeDtypeStruct((ntiles, qt, dv), jnp.float32),
+            jax.ShapeDtypeStruct((ntiles, qt, 1), jnp.float32),
+        ],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
-        interpret=_interpret(interpret), name="moba_tile_fwd",
+        interpret=_interpret(interpret),
+        name="moba_tile_fwd",
     )(kv_row, first, q_tiles, k, v, lo, hi)
 
 
-def tile_attention_bwd(q_tiles, k, v, lo, hi, kv_row, first, do_tiles, lse, delta, *, scale, nsub, block_sizes,
-                       interpret=False):
+def tile_attention_bwd(
+    q_tiles, k, v, lo, hi, kv_row, first, do_tiles, lse, delta, *, scale, nsub, block_sizes, interpret=False
+):
     """Returns dq [T, Qt, D] and per (tile, sub-block) dk [T, nsub, Ck, D], dv [T, nsub, Ck, Dv] (float32)."""
     ntiles, qt, d = q_tiles.shape
     ck, dv, nkb = block_sizes.kv_block, v.shape[-1], k.shape[1] // block_sizes.kv_block
@@ -154,22 +241,34 @@ def tile_attention_bwd(q_tiles, k, v, lo, hi, kv_row, first, do_tiles, lse, delt
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, scale=scale, kv_block=ck, nsub=nsub),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2, grid=(ntiles, nsub), in_specs=in_specs,
+            num_scalar_prefetch=2,
+            grid=(ntiles, nsub),
+            in_specs=in_specs,
             out_specs=pl.BlockSpec((None, qt, d), lambda t, j, *_: (t, 0, 0)),
-            scratch_shapes=[pltpu.VMEM((qt, d), jnp.float32)]),
+            scratch_shapes=[pltpu.VMEM((qt, d), jnp.float32)],
+        ),
         out_shape=jax.ShapeDtypeStruct((ntiles, qt, d), jnp.float32),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
-        interpret=_interpret(interpret), name="moba_tile_dq",
+        interpret=_interpret(interpret),
+        name="moba_tile_dq",
     )(*args)
     dk, dvv = pl.pallas_call(
         functools.partial(_dkv_kernel, scale=scale, kv_block=ck),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2, grid=(ntiles, nsub), in_specs=in_specs,
-            out_specs=[pl.BlockSpec((None, None, ck, d), lambda t, j, *_: (t, j, 0, 0)),
-                       pl.BlockSpec((None, None, ck, dv), lambda t, j, *_: (t, j, 0, 0))]),
-        out_shape=[jax.ShapeDtypeStruct((ntiles, nsub, ck, d), jnp.float32),
-                   jax.ShapeDtypeStruct((ntiles, nsub, ck, dv), jnp.float32)],
+            num_scalar_prefetch=2,
+            grid=(ntiles, nsub),
+            in_specs=in_specs,
+            out_specs=[
+                pl.BlockSpec((None, None, ck, d), lambda t, j, *_: (t, j, 0, 0)),
+                pl.BlockSpec((None, None, ck, dv), lambda t, j, *_: (t, j, 0, 0)),
+            ],
+        ),
+        out_shape=[
+            jax.ShapeDtypeStruct((ntiles, nsub, ck, d), jnp.float32),
+            jax.ShapeDtypeStruct((ntiles, nsub, ck, dv), jnp.float32),
+        ],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
-        interpret=_interpret(interpret), name="moba_tile_dkv",
+        interpret=_interpret(interpret),
+        name="moba_tile_dkv",
     )(*args)
     return dq, dk, dvv
