@@ -3,18 +3,29 @@
 Every value is type-checked and range-checked before anything compiles; a bad
 value raises `ConfigError` naming the key, the value and what is allowed.
 `train.py` turns that into one line on stderr and exit status 2.
+
+This module is the top of the one-way dependency flow (docs/architecture.md):
+it holds the name lists (attention kinds, cores, MoBA impls) and the per-layer
+(kind, core) rule, and imports nothing of the model, so a config can be
+checked without loading jax or flax.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+ATTENTION_KINDS = ("mha", "mla", "eg_mla")  # projections and cache (effattn_jax.attention.KINDS)
+ATTENTION_CORES = ("dense", "moba")  # which keys each query sees (effattn_jax.attention.CORES)
+MOBA_IMPLS = ("auto", "reference", "xla", "pallas", "pallas_tpu", "pallas_gpu")  # effattn_jax.ops.moba
+EG_MLA_GATE_AT = ("latent", "heads")
 
 
 class ConfigError(ValueError):
@@ -53,8 +64,8 @@ class LastLayersConfig:
 
 @dataclass
 class AttentionConfig:
-    kind: str = "mha"  # projections: see effattn_jax.attention.KINDS
-    core: str = "dense"  # pattern: see effattn_jax.attention.CORES
+    kind: str = "mha"  # projections: one of ATTENTION_KINDS
+    core: str = "dense"  # pattern: one of ATTENTION_CORES
     # Explicit per-layer "kind:core" list (empty = every layer uses kind/core).
     layers: list[str] = field(default_factory=list)
     last_layers: LastLayersConfig = field(default_factory=LastLayersConfig)
@@ -62,7 +73,7 @@ class AttentionConfig:
 
 @dataclass
 class MlaConfig:
-    """MLA projections (PAPERS.md §2); also used by eg_mla."""
+    """MLA projections (docs/mla.md); also used by eg_mla."""
 
     kv_lora_rank: int = 64  # d_c: the cached latent
     q_lora_rank: int = 0  # 0 = plain query projection
@@ -73,21 +84,24 @@ class MlaConfig:
 
 @dataclass
 class EgMlaConfig:
-    """EG-MLA embedding gate (PAPERS.md §3)."""
+    """EG-MLA embedding gate (docs/eg_mla.md)."""
 
     gate_dim: int = 64  # d_e: width of the per-layer [vocab, d_e] gate table ("emb size")
-    gate_at: str = "heads"  # heads (gate each head's key/value) | latent (gate a d_e-wide latent)
+    # latent: gate a d_e-wide latent (keeps MLA's absorbed decoding; default) | heads: gate each head's K/V
+    gate_at: str = "latent"
 
 
 @dataclass
 class MobaConfig:
-    """MoBA core settings (PAPERS.md §1); used by layers with core=moba."""
+    """MoBA core settings (docs/moba.md); used by layers with core=moba."""
 
     block_size: int = 512
     top_k: int = 3  # counts the query's own block
-    impl: str = "auto"  # auto | xla | reference | pallas | pallas_tpu | pallas_gpu
-    q_tile: int = 128  # Pallas kernels: query rows per tile
+    impl: str = "auto"  # one of MOBA_IMPLS
+    q_tile: int = 128  # query rows per tile (Pallas kernels and the XLA path's selected-block tiles)
     kv_block: int = 128  # Pallas kernels: keys per fetched sub-block
+    bwd_tile_chunk: int = 1024  # Pallas backward: tiles per chunk (bounds the per-tile dk/dv partials)
+    routing_chunk: int = 512  # gate scores are computed this many queries at a time (bounds memory)
     # Schedule hybrid: MoBA layers switch to dense attention from this step on
     # (0 = never); or from the step at which this many tokens have been seen.
     full_attention_from_step: int = 0
@@ -125,12 +139,16 @@ class TrainConfig:
     progress: bool = True
 
 
+MESH_AXES = ("data", "fsdp", "tensor")
+
+
 @dataclass
 class MeshConfig:
     data: int = -1  # -1 = all devices not used by the other axes
     fsdp: int = 1
     tensor: int = 1
-    # Logical axis name -> mesh axes. Dims that a mesh axis does not divide stay replicated.
+    # Logical axis name -> mesh axes. A mesh axis that does not divide a dim is not used for it
+    # (that dim loses that parallelism; a warning names it); the batch must divide (checked).
     rules: dict[str, list[str]] = field(
         default_factory=lambda: {
             "batch": ["data", "fsdp"],
@@ -180,20 +198,30 @@ class Config:
     def head_dim(self) -> int:
         return self.model.head_dim or self.model.d_model // self.model.num_heads
 
+    def layer_spec(self, layer: int) -> tuple[str, str]:
+        """(kind, core) of one layer: `attention.layers`, else `last_layers`, else the defaults."""
+        attn = self.attention
+        if attn.layers:
+            kind, _, core = attn.layers[layer].partition(":")
+            return kind, core
+        if layer >= self.model.num_layers - attn.last_layers.n:
+            return attn.last_layers.kind or attn.kind, attn.last_layers.core or attn.core
+        return attn.kind, attn.core
+
     @property
     def full_attention_from_step(self) -> int:
         """First step of the MoBA -> dense schedule switch (0 = never)."""
-        m = self.moba
-        by_tokens = -(-m.full_attention_from_tokens // (self.data.batch_size * self.data.seq_len))
-        return min((x for x in (m.full_attention_from_step, by_tokens) if x > 0), default=0)
+        moba = self.moba
+        by_tokens = -(-moba.full_attention_from_tokens // (self.data.batch_size * self.data.seq_len))
+        return min((x for x in (moba.full_attention_from_step, by_tokens) if x > 0), default=0)
 
     def with_full_attention(self) -> Config:
         """The same config with every MoBA layer switched to dense (same parameter tree)."""
         cfg = copy.deepcopy(self)
-        a = cfg.attention
-        a.core = "dense" if a.core == "moba" else a.core
-        a.last_layers.core = "dense" if a.last_layers.core == "moba" else a.last_layers.core
-        a.layers = [spec.replace(":moba", ":dense") for spec in a.layers]
+        attn = cfg.attention
+        attn.core = "dense" if attn.core == "moba" else attn.core
+        attn.last_layers.core = "dense" if attn.last_layers.core == "moba" else attn.last_layers.core
+        attn.layers = [spec.replace(":moba", ":dense") for spec in attn.layers]
         return cfg
 
     def to_dict(self) -> dict:
@@ -336,147 +364,184 @@ def _positive(cfg_section, prefix: str, names: list[str], allow_zero=False):
 
 def validate(cfg: Config) -> None:
     """Raises ConfigError for impossible values. Pure Python: nothing compiles."""
-    from effattn_jax.attention import CORES, KINDS  # registry; no jax compile
+    _validate_model(cfg)
+    _validate_attention(cfg)
+    _validate_data_and_train(cfg)
+    _validate_mesh(cfg)
+    _positive(cfg.checkpoint, "checkpoint", ["every_steps", "keep_last"])
+    _positive(cfg.checkpoint, "checkpoint", ["keep_every"], allow_zero=True)
+    _positive(cfg.eval, "eval", ["every_steps", "max_batches"])
 
-    m = cfg.model
-    _positive(
-        m,
-        "model",
-        ["vocab_size", "d_model", "num_layers", "num_heads", "mlp_dim", "rope_theta", "norm_eps", "init_std"],
-    )
-    _positive(m, "model", ["num_kv_heads", "head_dim"], allow_zero=True)
+
+def _validate_model(cfg: Config) -> None:
+    model = cfg.model
+    positive = [
+        "vocab_size",
+        "d_model",
+        "num_layers",
+        "num_heads",
+        "mlp_dim",
+        "rope_theta",
+        "norm_eps",
+        "init_std",
+    ]
+    _positive(model, "model", positive)
+    _positive(model, "model", ["num_kv_heads", "head_dim"], allow_zero=True)
     _check(
-        m.d_model % m.num_heads == 0 or m.head_dim > 0,
+        model.d_model % model.num_heads == 0 or model.head_dim > 0,
         "model.num_heads",
-        m.num_heads,
-        f"must divide model.d_model={m.d_model} (or set model.head_dim)",
+        model.num_heads,
+        f"must divide model.d_model={model.d_model} (or set model.head_dim)",
     )
     _check(
-        m.num_heads % cfg.num_kv_heads == 0,
+        model.num_heads % cfg.num_kv_heads == 0,
         "model.num_kv_heads",
-        m.num_kv_heads,
-        f"must divide model.num_heads={m.num_heads}",
+        model.num_kv_heads,
+        f"must divide model.num_heads={model.num_heads}",
     )
     _check(cfg.head_dim % 2 == 0, "model.head_dim", cfg.head_dim, "must be even (RoPE rotates pairs)")
-    _check(m.dtype in ("float32", "bfloat16"), "model.dtype", m.dtype, "allowed: float32, bfloat16")
+    _check(model.dtype in ("float32", "bfloat16"), "model.dtype", model.dtype, "allowed: float32, bfloat16")
 
-    a = cfg.attention
-    _check(a.kind in KINDS, "attention.kind", a.kind, f"allowed: {', '.join(KINDS)}")
-    _check(a.core in CORES, "attention.core", a.core, f"allowed: {', '.join(CORES)}")
+
+def _validate_attention(cfg: Config) -> None:
+    attn, num_layers = cfg.attention, cfg.model.num_layers
+    kinds, cores = ", ".join(ATTENTION_KINDS), ", ".join(ATTENTION_CORES)
+    _check(attn.kind in ATTENTION_KINDS, "attention.kind", attn.kind, f"allowed: {kinds}")
+    _check(attn.core in ATTENTION_CORES, "attention.core", attn.core, f"allowed: {cores}")
     _check(
-        len(a.layers) in (0, m.num_layers),
+        len(attn.layers) in (0, num_layers),
         "attention.layers",
-        a.layers,
-        f"empty or one 'kind:core' entry per layer (model.num_layers={m.num_layers})",
+        attn.layers,
+        f"empty or one 'kind:core' entry per layer (model.num_layers={num_layers})",
     )
-    for i, spec in enumerate(a.layers):
+    for i, spec in enumerate(attn.layers):
         kind, _, core = spec.partition(":")
         _check(
-            kind in KINDS and core in CORES,
+            kind in ATTENTION_KINDS and core in ATTENTION_CORES,
             f"attention.layers[{i}]",
             spec,
-            f"'kind:core' with kind in {{{', '.join(KINDS)}}} and core in {{{', '.join(CORES)}}}",
+            f"'kind:core' with kind in {{{kinds}}} and core in {{{cores}}}",
         )
-    ll = a.last_layers
-    _check(0 <= ll.n <= m.num_layers, "attention.last_layers.n", ll.n, f"must be in [0, {m.num_layers}]")
-    _check(ll.kind in ("", *KINDS), "attention.last_layers.kind", ll.kind, f"allowed: '', {', '.join(KINDS)}")
-    _check(ll.core in ("", *CORES), "attention.last_layers.core", ll.core, f"allowed: '', {', '.join(CORES)}")
+    last = attn.last_layers
+    _check(0 <= last.n <= num_layers, "attention.last_layers.n", last.n, f"must be in [0, {num_layers}]")
     _check(
-        not (a.layers and ll.n), "attention.last_layers.n", ll.n, "cannot be combined with attention.layers"
+        last.kind in ("", *ATTENTION_KINDS), "attention.last_layers.kind", last.kind, f"allowed: '', {kinds}"
+    )
+    _check(
+        last.core in ("", *ATTENTION_CORES), "attention.last_layers.core", last.core, f"allowed: '', {cores}"
+    )
+    _check(
+        not (attn.layers and last.n),
+        "attention.last_layers.n",
+        last.n,
+        "cannot be combined with attention.layers",
     )
 
-    from effattn_jax.attention import layer_spec
-    from effattn_jax.ops.moba import IMPLS
-
-    specs = [layer_spec(cfg, i) for i in range(m.num_layers)]
-    _positive(cfg.mla, "mla", ["kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"])
-    _positive(cfg.mla, "mla", ["q_lora_rank"], allow_zero=True)
+    mla = cfg.mla
+    _positive(mla, "mla", ["kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"])
+    _positive(mla, "mla", ["q_lora_rank"], allow_zero=True)
     _check(
-        cfg.mla.qk_rope_head_dim % 2 == 0,
+        mla.qk_rope_head_dim % 2 == 0,
         "mla.qk_rope_head_dim",
-        cfg.mla.qk_rope_head_dim,
+        mla.qk_rope_head_dim,
         "must be even (RoPE rotates pairs)",
     )
     _positive(cfg.eg_mla, "eg_mla", ["gate_dim"])
     _check(
-        cfg.eg_mla.gate_at in ("heads", "latent"),
+        cfg.eg_mla.gate_at in EG_MLA_GATE_AT,
         "eg_mla.gate_at",
         cfg.eg_mla.gate_at,
-        "allowed: heads, latent",
+        f"allowed: {', '.join(EG_MLA_GATE_AT)}",
     )
-    mb = cfg.moba
-    _positive(mb, "moba", ["block_size", "top_k"])
-    _positive(mb, "moba", ["full_attention_from_step", "full_attention_from_tokens"], allow_zero=True)
-    _check(mb.impl in IMPLS, "moba.impl", mb.impl, f"allowed: {', '.join(IMPLS)}")
-    for name in ("q_tile", "kv_block"):
-        v = getattr(mb, name)
-        _check(v > 0 and v % 8 == 0, f"moba.{name}", v, "must be a positive multiple of 8")
-    uses_moba = any(core == "moba" for _, core in specs)
+
+    moba = cfg.moba
+    _positive(moba, "moba", ["block_size", "top_k", "bwd_tile_chunk", "routing_chunk"])
+    _positive(moba, "moba", ["full_attention_from_step", "full_attention_from_tokens"], allow_zero=True)
+    _check(moba.impl in MOBA_IMPLS, "moba.impl", moba.impl, f"allowed: {', '.join(MOBA_IMPLS)}")
+    _positive(moba, "moba", ["q_tile"])  # each kernel backend's own needs: BlockSizes.check_backend
+    _check(
+        moba.kv_block > 0 and moba.kv_block % 8 == 0,
+        "moba.kv_block",
+        moba.kv_block,
+        "must be a positive multiple of 8",
+    )
+    uses_moba = any(cfg.layer_spec(i)[1] == "moba" for i in range(num_layers))
     if uses_moba:
         _check(
-            mb.block_size <= cfg.data.seq_len,
+            moba.block_size <= cfg.data.seq_len,
             "moba.block_size",
-            mb.block_size,
+            moba.block_size,
             f"must be <= data.seq_len={cfg.data.seq_len} (one block is causal attention: use core=dense)",
         )
-    elif mb.full_attention_from_step or mb.full_attention_from_tokens:
+    elif moba.full_attention_from_step or moba.full_attention_from_tokens:
         raise ConfigError(
             "moba.full_attention_from_step",
-            mb.full_attention_from_step or mb.full_attention_from_tokens,
+            moba.full_attention_from_step or moba.full_attention_from_tokens,
             "a MoBA -> dense switch needs at least one layer with attention.core=moba",
         )
 
-    d = cfg.data
-    _check(d.source in ("sotu", "files"), "data.source", d.source, "allowed: sotu, files")
+
+def _validate_data_and_train(cfg: Config) -> None:
+    data, train = cfg.data, cfg.train
+    _check(data.source in ("sotu", "files"), "data.source", data.source, "allowed: sotu, files")
     _check(
-        d.source != "files" or bool(d.train_files),
+        data.source != "files" or bool(data.train_files),
         "data.train_files",
-        d.train_files,
+        data.train_files,
         "must list at least one glob when data.source=files",
     )
-    _check(0.0 < d.val_fraction < 1.0, "data.val_fraction", d.val_fraction, "must be in (0, 1)")
-    _positive(d, "data", ["seq_len", "batch_size"])
+    _check(0.0 < data.val_fraction < 1.0, "data.val_fraction", data.val_fraction, "must be in (0, 1)")
+    _positive(data, "data", ["seq_len", "batch_size"])
 
-    t = cfg.train
-    _positive(t, "train", ["steps", "lr", "grad_accum", "log_every"])
-    _positive(t, "train", ["warmup_steps", "weight_decay", "grad_clip"], allow_zero=True)
-    _check(0.0 <= t.min_lr_ratio <= 1.0, "train.min_lr_ratio", t.min_lr_ratio, "must be in [0, 1]")
-    _check(0.0 <= t.b1 < 1.0, "train.b1", t.b1, "must be in [0, 1)")
-    _check(0.0 <= t.b2 < 1.0, "train.b2", t.b2, "must be in [0, 1)")
+    _positive(train, "train", ["steps", "lr", "grad_accum", "log_every"])
+    _positive(train, "train", ["warmup_steps", "weight_decay", "grad_clip"], allow_zero=True)
+    _check(0.0 <= train.min_lr_ratio <= 1.0, "train.min_lr_ratio", train.min_lr_ratio, "must be in [0, 1]")
+    _check(0.0 <= train.b1 < 1.0, "train.b1", train.b1, "must be in [0, 1)")
+    _check(0.0 <= train.b2 < 1.0, "train.b2", train.b2, "must be in [0, 1)")
     _check(
-        d.batch_size % t.grad_accum == 0,
+        data.batch_size % train.grad_accum == 0,
         "train.grad_accum",
-        t.grad_accum,
-        f"must divide data.batch_size={d.batch_size}",
+        train.grad_accum,
+        f"must divide data.batch_size={data.batch_size}",
     )
+    profile = train.profile_steps
     _check(
-        t.profile_steps == [] or (len(t.profile_steps) == 2 and 0 <= t.profile_steps[0] < t.profile_steps[1]),
+        profile == [] or (len(profile) == 2 and 0 <= profile[0] < profile[1]),
         "train.profile_steps",
-        t.profile_steps,
+        profile,
         "[] or [start, stop] with 0 <= start < stop",
     )
-    _check(bool(t.run_dir), "train.run_dir", t.run_dir, "must be a directory path")
+    _check(bool(train.run_dir), "train.run_dir", train.run_dir, "must be a directory path")
 
-    for ax in ("data", "fsdp", "tensor"):
-        v = getattr(cfg.mesh, ax)
-        _check(v == -1 or v > 0, f"mesh.{ax}", v, "must be a positive size or -1 (fill)")
+
+def _validate_mesh(cfg: Config) -> None:
+    mesh = cfg.mesh
+    for axis in MESH_AXES:
+        size = getattr(mesh, axis)
+        _check(size == -1 or size > 0, f"mesh.{axis}", size, "must be a positive size or -1 (fill)")
+    _check([mesh.data, mesh.fsdp, mesh.tensor].count(-1) <= 1, "mesh", "-1", "at most one axis may be -1")
+    for name, axes in mesh.rules.items():
+        for axis in axes:
+            _check(axis in MESH_AXES, f"mesh.rules.{name}", axes, f"mesh axes: {', '.join(MESH_AXES)}")
+    sizes = {axis: getattr(mesh, axis) for axis in MESH_AXES}
+    if all(sizes[axis] > 0 for axis in mesh.rules.get("batch", [])):  # else checked once the mesh is built
+        check_batch_divides(cfg, sizes)
+
+
+def check_batch_divides(cfg: Config, mesh_sizes: dict[str, int]) -> None:
+    """Each micro-batch (data.batch_size / train.grad_accum rows) must split evenly over the
+    mesh axes of the `batch` rule: a batch that does not would silently run unsharded."""
+    axes = cfg.mesh.rules.get("batch", [])
+    shards = math.prod(mesh_sizes[axis] for axis in axes)
+    micro = cfg.data.batch_size // cfg.train.grad_accum
+    what = "data.batch_size" if cfg.train.grad_accum == 1 else "data.batch_size / train.grad_accum"
     _check(
-        [cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor].count(-1) <= 1,
-        "mesh",
-        "-1",
-        "at most one axis may be -1",
+        micro % shards == 0,
+        "data.batch_size",
+        cfg.data.batch_size,
+        f"{what} = {micro} must be a multiple of the batch's mesh shards "
+        f"({' * '.join(f'mesh.{a}' for a in axes)} = {shards})",
     )
-    for name, axes in cfg.mesh.rules.items():
-        for ax in axes:
-            _check(
-                ax in ("data", "fsdp", "tensor"), f"mesh.rules.{name}", axes, "mesh axes: data, fsdp, tensor"
-            )
-
-    c = cfg.checkpoint
-    _positive(c, "checkpoint", ["every_steps", "keep_last"])
-    _positive(c, "checkpoint", ["keep_every"], allow_zero=True)
-
-    _positive(cfg.eval, "eval", ["every_steps", "max_batches"])
 
 
 def to_yaml(cfg: Config) -> str:

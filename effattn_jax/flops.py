@@ -1,15 +1,21 @@
 """Model FLOP accounting (sparsity-aware).
 
 Training FLOPs per token = 6 * (matmul params, output head included) plus the
-attention score/value matmuls, 6 * 2 * heads * head_dim * (keys a query attends
-to) per layer. Keys attended are averaged over the positions of a full-length
-row: t + 1 for dense causal attention; for MoBA the own block's causal part
-plus min(top_k - 1, earlier blocks) full blocks.
+attention score and value matmuls: per layer and query head, 2 * d_qk FLOPs
+per attended key for q.k and 2 * d_v for p.v, times 3 for forward + backward.
+The widths are the layer kind's: MHA d_qk = d_v = head_dim; MLA and EG-MLA
+d_qk = qk_nope + qk_rope and d_v = v_head_dim. Keys attended are averaged over
+the positions of a full-length row: t + 1 for dense causal attention; for MoBA
+the own block's causal part plus min(top_k - 1, earlier blocks) full blocks.
+The MoBA gate (S * blocks * D per head) is not counted: it is small next to the
+attention, and the papers do not count it either.
 Compute for scaling laws follows the papers: 6 * N * D with N the non-embedding
 parameters, in PFLOP/s-days (1 PFLOP/s-day = 8.64e19 FLOP).
 """
 
 from __future__ import annotations
+
+from effattn_jax.config import Config
 
 PFLOPS_DAY = 8.64e19
 
@@ -22,17 +28,25 @@ def mean_attended_keys(seq_len: int, core: str, block_size: int = 0, top_k: int 
     return total / seq_len
 
 
-def train_flops_per_token(cfg, non_embedding_params: int) -> float:
-    from effattn_jax.attention import layer_spec
+def attention_widths(cfg: Config, kind: str) -> tuple[int, int]:
+    """(d_qk, d_v): the per-head widths of the score and value matmuls of a layer kind."""
+    if kind == "mha":
+        return cfg.head_dim, cfg.head_dim
+    return cfg.mla.qk_nope_head_dim + cfg.mla.qk_rope_head_dim, cfg.mla.v_head_dim
 
-    m = cfg.model
-    head = m.d_model * m.vocab_size  # output projection (tied or not, it is a matmul)
-    keys = sum(
-        mean_attended_keys(cfg.data.seq_len, layer_spec(cfg, i)[1], cfg.moba.block_size, cfg.moba.top_k)
-        for i in range(m.num_layers)
-    )
-    attn = 2 * m.num_heads * cfg.head_dim * keys
-    return 6.0 * (non_embedding_params + head) + 6.0 * attn
+
+def train_flops_per_token(cfg: Config, non_embedding_params: int) -> float:
+    """Model FLOPs of one training token (forward + backward) under this config's cores; after a
+    MoBA -> dense switch, pass `cfg.with_full_attention()`."""
+    model = cfg.model
+    head = model.d_model * model.vocab_size  # output projection (tied or not, it is a matmul)
+    attn = 0.0
+    for layer in range(model.num_layers):
+        kind, core = cfg.layer_spec(layer)
+        d_qk, d_v = attention_widths(cfg, kind)
+        keys = mean_attended_keys(cfg.data.seq_len, core, cfg.moba.block_size, cfg.moba.top_k)
+        attn += 2 * (d_qk + d_v) * model.num_heads * keys
+    return 6.0 * (non_embedding_params + head) + 3.0 * attn
 
 
 def pflops_days(non_embedding_params: int, tokens: float) -> float:

@@ -1,4 +1,4 @@
-"""Small building blocks shared by every model: Dense, RMSNorm, RoPE, SwiGLU."""
+"""Small building blocks shared by every model: Dense, RMSNorm, LayerNorm, RoPE, SwiGLU."""
 
 from __future__ import annotations
 
@@ -11,11 +11,7 @@ from flax import nnx
 
 def param(rngs: nnx.Rngs, shape: Sequence[int], axes: Sequence[str | None], std: float) -> nnx.Param:
     """A float32 parameter with logical axis names (see effattn_jax.sharding)."""
-    value = (
-        std * jax.random.normal(rngs.params(), tuple(shape), jnp.float32)
-        if std
-        else jnp.ones(shape, jnp.float32)
-    )
+    value = std * jax.random.normal(rngs.params(), tuple(shape), jnp.float32)
     return nnx.Param(value, logical_axes=tuple(axes))
 
 
@@ -45,15 +41,6 @@ class RMSNorm(nnx.Module):
         xf = x.astype(jnp.float32)
         y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
         return (y * self.scale[...]).astype(x.dtype)
-
-
-def segment_positions(segment_ids: jax.Array) -> jax.Array:
-    """Position of each token inside its document: [B, S] int32, restarting at 0 per segment."""
-    b, s = segment_ids.shape
-    idx = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-    start = jnp.concatenate([jnp.ones((b, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
-    first = jax.lax.cummax(jnp.where(start, idx, 0), axis=1)
-    return idx - first
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:

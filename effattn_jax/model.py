@@ -2,7 +2,7 @@
 the registry + SwiGLU), final RMSNorm, tied or separate output projection.
 
 The model never branches on the attention kind: each block asks the registry
-for its (kind, core) through `layer_spec`, so hybrids are config only.
+for its (kind, core) through `Config.layer_spec`, so hybrids are config only.
 """
 
 from __future__ import annotations
@@ -13,16 +13,18 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from effattn_jax.attention import CORES, KINDS, layer_spec
+from effattn_jax.attention import CORES, KINDS
 from effattn_jax.config import Config
-from effattn_jax.layers import RMSNorm, SwiGLU, param, segment_positions
-from effattn_jax.sharding import constrain
+from effattn_jax.layers import RMSNorm, SwiGLU, param
+from effattn_jax.ops.segments import segment_positions
+from effattn_jax.sharding import constrain, sharding_rules
 
 
 class Block(nnx.Module):
     def __init__(self, cfg: Config, layer: int, *, rngs: nnx.Rngs):
         m = cfg.model
-        kind, core = layer_spec(cfg, layer)
+        kind, core = cfg.layer_spec(layer)
+        self.rules = sharding_rules(cfg)
         dtype = jnp.dtype(m.dtype)
         self.attn_norm = RMSNorm(m.d_model, eps=m.norm_eps)
         self.attn = KINDS[kind](cfg, core=CORES[core](cfg), rngs=rngs)
@@ -41,7 +43,7 @@ class Block(nnx.Module):
             self.attn_norm(x), positions=positions, segment_ids=segment_ids, token_ids=token_ids
         )
         x = x + self.mlp(self.mlp_norm(x))
-        return constrain(x, ("batch", "length", "embed"))
+        return constrain(x, ("batch", "length", "embed"), self.rules)
 
     def decode(self, x, positions, token_ids, cache, **kw):
         h, cache = self.attn.decode(
@@ -64,6 +66,7 @@ class Transformer(nnx.Module):
         )
         self.dtype = jnp.dtype(m.dtype)
         self.remat = m.remat
+        self.rules = sharding_rules(cfg)
 
     def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
         """tokens, segment_ids: [B, S] int -> float32 logits [B, S, vocab]."""
@@ -71,7 +74,7 @@ class Transformer(nnx.Module):
             segment_ids = jnp.ones_like(tokens)
         positions = segment_positions(segment_ids)
         x = jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype)
-        x = constrain(x, ("batch", "length", "embed"))
+        x = constrain(x, ("batch", "length", "embed"), self.rules)
 
         def run(block, x):
             return block(x, positions, segment_ids, tokens)
@@ -80,7 +83,7 @@ class Transformer(nnx.Module):
             run = nnx.remat(run)
         for block in self.blocks:
             x = run(block, x)
-        return constrain(self.logits(x), ("batch", "length", "vocab"))
+        return constrain(self.logits(x), ("batch", "length", "vocab"), self.rules)
 
     def logits(self, x):
         x = self.final_norm(x)

@@ -1,22 +1,31 @@
 """Logical axis names -> mesh axes, through the one rules table in `mesh.rules`.
 
 Parameters carry `logical_axes` metadata (e.g. ('embed', 'mlp')); activations
-are constrained with `constrain(x, ('batch', 'length', 'embed'))`. Outside a
-`use_rules` context (single device, tests) `constrain` is the identity.
+are constrained with `constrain(x, ('batch', 'length', 'embed'), rules)`. The
+rules travel with the modules (frozen from the config by `sharding_rules`);
+the mesh is jax's own context mesh (`jax.sharding.use_abstract_mesh`, set by
+the train step), so no mesh lives in a module global. Without a context mesh
+(single device, tests, generation) `constrain` is the identity.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Sequence
+import warnings
+from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 
-MESH_AXES = ("data", "fsdp", "tensor")
-_ACTIVE: list[tuple[Mesh, dict]] = []
+from effattn_jax.config import MESH_AXES
+
+Rules = tuple[tuple[str, tuple[str, ...]], ...]  # hashable, so modules and jit can hold it
+
+
+def sharding_rules(cfg) -> Rules:
+    """The config's `mesh.rules` table in hashable form."""
+    return tuple((name, tuple(axes)) for name, axes in cfg.mesh.rules.items())
 
 
 def make_mesh(data: int, fsdp: int, tensor: int, devices=None) -> Mesh:
@@ -26,9 +35,7 @@ def make_mesh(data: int, fsdp: int, tensor: int, devices=None) -> Mesh:
     known = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
         if len(devices) % known:
-            raise ValueError(
-                f"mesh: {len(devices)} devices are not divisible by the fixed axes product {known}"
-            )
+            raise ValueError(f"mesh: {len(devices)} devices do not divide by the fixed axes' product {known}")
         sizes[sizes.index(-1)] = len(devices) // known
     n = math.prod(sizes)
     if n > len(devices):
@@ -37,62 +44,71 @@ def make_mesh(data: int, fsdp: int, tensor: int, devices=None) -> Mesh:
 
 
 def logical_to_spec(
-    axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh, rules: dict
+    axes: Sequence[str | None], shape: Sequence[int], mesh_shape: Mapping[str, int], rules: Rules
 ) -> PartitionSpec:
-    """PartitionSpec for a value with these logical axes; a mesh axis is used at most
-    once, and only where it divides the dimension (otherwise that dim stays replicated)."""
+    """PartitionSpec for a value with these logical axes. A mesh axis is used at most once,
+    and only where it divides the dimension; where it does not, that dimension loses the
+    axis's parallelism and a warning (once per case) names the axis and the sizes."""
+    table = dict(rules)
     used: set[str] = set()
     out = []
     for name, dim in zip(axes, shape, strict=True):
         chosen = []
         size = 1
-        for ax in rules.get(name, []) if name else []:
-            n = mesh.shape[ax]
-            if ax in used or n == 1 or dim % (size * n):
+        for axis in table.get(name, ()) if name else ():
+            n = mesh_shape[axis]
+            if axis in used or n == 1:
                 continue
-            chosen.append(ax)
+            if dim % (size * n):
+                warnings.warn(
+                    f"sharding: logical axis '{name}' (size {dim}) is not split over mesh axis '{axis}' "
+                    f"(size {n}{f', after {size}-way' if size > 1 else ''}): it does not divide",
+                    stacklevel=2,
+                )
+                continue
+            chosen.append(axis)
             size *= n
         used.update(chosen)
         out.append(tuple(chosen) if len(chosen) > 1 else (chosen[0] if chosen else None))
     return PartitionSpec(*out)
 
 
-@contextlib.contextmanager
-def use_rules(mesh: Mesh, rules: dict):
-    _ACTIVE.append((mesh, rules))
-    try:
-        yield
-    finally:
-        _ACTIVE.pop()
+def context_mesh():
+    """jax's current (abstract) mesh, or None outside one."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return None if mesh.empty else mesh
 
 
-def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
-    if not _ACTIVE:
+def constrain(x: jax.Array, axes: Sequence[str | None], rules: Rules | None) -> jax.Array:
+    """Sharding constraint from logical axes under the context mesh; identity without one."""
+    mesh = context_mesh()
+    if mesh is None or rules is None:
         return x
-    mesh, rules = _ACTIVE[-1]
-    return jax.lax.with_sharding_constraint(
-        x, NamedSharding(mesh, logical_to_spec(axes, x.shape, mesh, rules))
-    )
+    return jax.lax.with_sharding_constraint(x, logical_to_spec(axes, x.shape, mesh.shape, rules))
 
 
-def shard_over_batch_heads(fn, q, k, v, segment_ids):
+def shard_over_batch_heads(fn, q, k, v, segment_ids, rules: Rules | None):
     """Runs fn(q, k, v, segment_ids) per shard of the batch and head axes (shard_map).
 
     Pallas kernels cannot be partitioned automatically (Mosaic refuses), so the
-    attention core is mapped over the mesh explicitly. The sequence axis stays
-    whole; heads are split only when q and kv heads split alike (else GQA
-    groups would be cut). Outside `use_rules` it just calls fn.
+    attention core is mapped over the context mesh explicitly. The sequence axis
+    stays whole; heads are split only when q and kv heads split alike (else GQA
+    groups would be cut). Without a context mesh it just calls fn.
     """
-    if not _ACTIVE:
+    mesh = context_mesh()
+    if mesh is None or rules is None:
         return fn(q, k, v, segment_ids)
-    mesh, rules = _ACTIVE[-1]
-    qs = logical_to_spec(("batch", None, "heads", None), q.shape, mesh, rules)
-    ks = logical_to_spec(("batch", None, "kv_heads", None), k.shape, mesh, rules)
-    if qs[2] != ks[2]:
-        qs, ks = PartitionSpec(qs[0], None, None, None), PartitionSpec(ks[0], None, None, None)
-    seg_spec = PartitionSpec(qs[0], None)
+    q_spec = logical_to_spec(("batch", None, "heads", None), q.shape, mesh.shape, rules)
+    kv_spec = logical_to_spec(("batch", None, "kv_heads", None), k.shape, mesh.shape, rules)
+    if q_spec[2] != kv_spec[2]:
+        q_spec = PartitionSpec(q_spec[0], None, None, None)
+        kv_spec = PartitionSpec(kv_spec[0], None, None, None)
     if segment_ids is None:
         segment_ids = jax.numpy.ones(q.shape[:2], jax.numpy.int32)
-    return jax.shard_map(fn, mesh=mesh, in_specs=(qs, ks, ks, seg_spec), out_specs=qs, check_vma=False)(
-        q, k, v, segment_ids
-    )
+    return jax.shard_map(
+        fn,
+        mesh=mesh,
+        in_specs=(q_spec, kv_spec, kv_spec, PartitionSpec(q_spec[0], None)),
+        out_specs=q_spec,
+        check_vma=False,
+    )(q, k, v, segment_ids)

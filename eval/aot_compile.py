@@ -20,10 +20,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from effattn_jax.ops.moba import moba_routing  # noqa: E402
+from effattn_jax.ops.routing import moba_routing  # noqa: E402
 from eval.common import compiled_bytes  # noqa: E402
 from pallas_kernels.moba.attention import moba_pallas  # noqa: E402
-from pallas_kernels.moba.tpu import BlockSizes  # noqa: E402
+from pallas_kernels.moba.common import BlockSizes  # noqa: E402
 
 
 def grad_fn(kernel, block_sizes, head_dim, block_size=512, top_k=3):

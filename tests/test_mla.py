@@ -1,4 +1,4 @@
-"""MLA and EG-MLA modules against the equations of PAPERS.md §2-3, written out by hand."""
+"""MLA and EG-MLA modules against the equations of docs/mla.md and docs/eg_mla.md, written out by hand."""
 
 import jax
 import jax.numpy as jnp
@@ -7,9 +7,10 @@ import pytest
 from flax import nnx
 
 from effattn_jax.config import load_config
-from effattn_jax.layers import apply_rope, segment_positions
+from effattn_jax.layers import apply_rope
 from effattn_jax.model import Transformer, param_counts
 from effattn_jax.ops.dense import causal_segment_mask, masked_attention
+from effattn_jax.ops.segments import segment_positions
 
 TINY = [
     "model.vocab_size=128",
@@ -41,7 +42,7 @@ def ln(x, scale, bias, eps=1e-6):
 
 
 def by_hand(attn, x, tokens, seg, kind, gate_at, q_lora):
-    """One attention layer from its weights, following PAPERS.md literally."""
+    """One attention layer from its weights, following docs/mla.md and docs/eg_mla.md literally."""
     W = lambda mod: mod.kernel[...]
     pos = segment_positions(seg)
     c = rms(jnp.einsum("bsd,dc->bsc", x, W(attn.dkv)), attn.kv_norm.scale[...])

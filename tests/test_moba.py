@@ -1,5 +1,5 @@
 """MoBA op: the XLA path against the dense-mask reference, and the routing against
-a direct reading of PAPERS.md §1."""
+a direct reading of docs/moba.md."""
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from effattn_jax.ops.dense import dense_attention
-from effattn_jax.ops.moba import moba_attention, moba_routing
+from effattn_jax.ops.moba import moba_attention
+from effattn_jax.ops.routing import moba_routing
 
 
 def rand_qkv(seed, b, s, hq, hkv, d, dv=None, dtype=jnp.float32):
@@ -76,7 +77,7 @@ def test_xla_matches_reference_bfloat16():
 
 
 def spec_routing(q, k, block_size, top_k, lengths):
-    """PAPERS.md §1 items 1-5, read literally, with Python loops (one row)."""
+    """docs/moba.md items 1-5, read literally, with Python loops (one row)."""
     s, hq, _ = q.shape
     g = hq // k.shape[1]
     selected = {}

@@ -12,18 +12,13 @@ from conftest import random_batch, tiny_overrides
 from test_moba import rand_qkv, segments
 
 from effattn_jax.config import load_config
-from effattn_jax.ops.moba import (
-    moba_attention,
-    moba_reference,
-    moba_reference_mask,
-    moba_routing,
-    resolve_impl,
-)
+from effattn_jax.ops.moba import moba_attention, moba_reference, moba_reference_mask, resolve_impl
+from effattn_jax.ops.routing import moba_routing
 from effattn_jax.sharding import make_mesh
 from effattn_jax.train.state import init_state, make_setup
 from effattn_jax.train.step import make_train_step
 from pallas_kernels.moba.attention import _forward, moba_pallas
-from pallas_kernels.moba.tpu import BlockSizes
+from pallas_kernels.moba.common import BlockSizes
 
 SMALL = BlockSizes(q_tile=8, kv_block=8)
 CASES = {
@@ -96,11 +91,9 @@ def test_kernels_take_bfloat16(kernel):
     np.testing.assert_allclose(out.astype(jnp.float32), ref, atol=3e-2, rtol=2e-2)
 
 
-def test_backward_in_several_tile_chunks(monkeypatch):
-    import pallas_kernels.moba.attention as attention
-
-    monkeypatch.setattr(attention, "BWD_TILE_CHUNK", 3)  # many chunks plus a padded last one
-    check_against_reference("tpu", True, *CASES["packed_documents"])
+def test_backward_in_several_tile_chunks():
+    chunked = BlockSizes(q_tile=8, kv_block=8, bwd_tile_chunk=3)  # many chunks plus a padded last one
+    check_against_reference("tpu", True, *CASES["packed_documents"], block_sizes=chunked)
 
 
 @pytest.mark.parametrize("name", ["packed_documents"])

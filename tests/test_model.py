@@ -4,10 +4,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from effattn_jax.attention import layer_spec
+from effattn_jax.attention.eg_mla import EGMLA
+from effattn_jax.attention.mha import MHA
+from effattn_jax.attention.mla import MLA
 from effattn_jax.config import load_config
-from effattn_jax.layers import segment_positions
 from effattn_jax.model import Transformer, param_counts
+from effattn_jax.ops.segments import segment_positions
 
 TINY = [
     "model.vocab_size=128",
@@ -60,12 +62,28 @@ def test_packed_documents_do_not_see_each_other():
 
 
 def test_per_layer_specs():
+    """`last_layers` and `layers` pick each layer's (kind, core), and the model builds exactly those."""
+    moba = ["moba.block_size=8"]
     cfg = load_config(
-        None, TINY + ["model.num_layers=3", "attention.last_layers.n=1", "attention.last_layers.core=dense"]
+        None,
+        TINY
+        + moba
+        + ["model.num_layers=3", "attention.last_layers.n=1"]
+        + ["attention.last_layers.kind=mla", "attention.last_layers.core=moba"],
     )
-    assert [layer_spec(cfg, i) for i in range(3)] == [("mha", "dense")] * 3
-    cfg = load_config(None, TINY + ["attention.layers=[mha:dense, mha:dense]"])
-    assert layer_spec(cfg, 1) == ("mha", "dense")
+    assert [cfg.layer_spec(i) for i in range(3)] == [("mha", "dense"), ("mha", "dense"), ("mla", "moba")]
+    assert built_layers(cfg) == [(MHA, True), (MHA, True), (MLA, False)]
+    cfg = load_config(
+        None, TINY + moba + ["attention.core=moba", "attention.layers=[eg_mla:moba, mla:dense]"]
+    )
+    assert [cfg.layer_spec(i) for i in range(2)] == [("eg_mla", "moba"), ("mla", "dense")]
+    assert built_layers(cfg) == [(EGMLA, False), (MLA, True)]
+
+
+def built_layers(cfg):
+    """(attention class, dense core?) of each block of the model the config builds."""
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    return [(type(b.attn), b.attn.core.causal_only) for b in model.blocks]
 
 
 def test_bf16_and_remat_match_float32():

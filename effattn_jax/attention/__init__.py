@@ -9,6 +9,9 @@ generation, with the cache from `module.init_cache`. A core (`Core`) holds the
 training attention `attend(q, k, v, *, segment_ids, scale=None)` (q [B, S, Hq, D],
 k/v [B, S, Hkv, D]) and the mask it implies when decoding over a cache; cores have
 no parameters, so switching the core never changes the parameter tree.
+
+The config layer validates these names from its own lists (ATTENTION_KINDS,
+ATTENTION_CORES in effattn_jax/config.py), which must match the keys here.
 """
 
 from __future__ import annotations
@@ -23,7 +26,10 @@ from effattn_jax.attention.eg_mla import EGMLA
 from effattn_jax.attention.mha import MHA
 from effattn_jax.attention.mla import MLA
 from effattn_jax.ops.dense import dense_attention
-from effattn_jax.ops.moba import moba_attention, moba_reference_mask, moba_routing
+from effattn_jax.ops.moba import moba_attention, moba_reference_mask
+from effattn_jax.ops.routing import moba_routing
+from effattn_jax.sharding import sharding_rules
+from pallas_kernels.moba.common import BlockSizes
 
 KINDS = {"mha": MHA, "mla": MLA, "eg_mla": EGMLA}
 
@@ -48,35 +54,24 @@ def _dense_core(cfg) -> Core:
 
 
 def _moba_core(cfg) -> Core:
-    from pallas_kernels.moba.tpu import BlockSizes
-
-    m = cfg.moba
+    moba = cfg.moba
 
     def decode_mask(q, k_cache, positions):  # the training routing, over the cache
-        r = moba_routing(q, k_cache, block_size=m.block_size, top_k=m.top_k, query_positions=positions)
+        r = moba_routing(q, k_cache, block_size=moba.block_size, top_k=moba.top_k, query_positions=positions)
         return moba_reference_mask(
-            r, block_size=m.block_size, query_positions=positions, num_keys=k_cache.shape[1]
+            r, block_size=moba.block_size, query_positions=positions, num_keys=k_cache.shape[1]
         )
 
     attend = functools.partial(
         moba_attention,
-        block_size=m.block_size,
-        top_k=m.top_k,
-        impl=m.impl,
-        block_sizes=BlockSizes(m.q_tile, m.kv_block),
+        block_size=moba.block_size,
+        top_k=moba.top_k,
+        impl=moba.impl,
+        block_sizes=BlockSizes(moba.q_tile, moba.kv_block, moba.bwd_tile_chunk),
+        routing_chunk=moba.routing_chunk,
+        rules=sharding_rules(cfg),
     )
     return Core(attend, decode_mask)
 
 
 CORES = {"dense": _dense_core, "moba": _moba_core}
-
-
-def layer_spec(cfg, layer: int) -> tuple[str, str]:
-    """(kind, core) of one layer: `attention.layers`, else `last_layers`, else the defaults."""
-    a = cfg.attention
-    if a.layers:
-        kind, _, core = a.layers[layer].partition(":")
-        return kind, core
-    if layer >= cfg.model.num_layers - a.last_layers.n:
-        return a.last_layers.kind or a.kind, a.last_layers.core or a.core
-    return a.kind, a.core

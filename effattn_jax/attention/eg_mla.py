@@ -1,17 +1,18 @@
-"""Embedding-Gated MLA (PAPERS.md §3). The cache is MLA's (c, k^R) plus the token ids.
+"""Embedding-Gated MLA (docs/eg_mla.md). The cache is MLA's (c, k^R) plus the token ids.
 
 EG-MLA's paper text was not available; this follows the public description
 ("latent ... up-projected; a dedicated token embedding (indexed by token ID)
 is up-projected to form the gating signal; combined multiplicatively,
 followed by layer normalization") — our reading, chosen with `eg_mla.gate_at`:
 
-* heads (default, the literal reading): e = E_l[x] (E_l: [vocab, d_e], one per
-  layer); g^K = W_GK e, g^V = W_GV e; per head
+* latent (default): c~ = LN(W_U c * E_l[x]) of width d_e (E_l: [vocab, d_e],
+  one per layer), then k_i = [W_UK,i c~ ; k^R], v_i = W_UV,i c~. Keeps MLA's
+  weight absorption over c~, and so the paper's decode latency (+4 % over MLA).
+* heads (the literal reading): e = E_l[x]; g^K = W_GK e, g^V = W_GV e; per head
   k_i = [LN(W_UK,i c * g^K_i) ; k^R], v_i = LN(W_UV,i c * g^V_i), LayerNorm over
   each head's width (scale and bias shared by the heads). Weight absorption is
-  impossible here (gate and norm sit between c and the attention).
-* latent: c~ = LN(W_U c * E_l[x]) of width d_e, then k_i = [W_UK,i c~ ; k^R],
-  v_i = W_UV,i c~ (keeps MLA's weight absorption over c~).
+  impossible here (gate and norm sit between c and the attention), so decoding
+  rebuilds per-head K/V of every cached token (~10x slower than MLA at 16K).
 
 Gate tables are ordinary parameters (logical axes (vocab, gate), sharded over
 the vocabulary), initialised N(0, 1) with the gate projections at
@@ -42,50 +43,17 @@ class EGMLA(MLA):
         )
         gate_std = 1.0 / math.sqrt(e.gate_dim)
         if e.gate_at == "heads":
-            self.uk = Dense(
-                [a.kv_lora_rank],
-                [h, self.nope],
-                ("kv_lora", "heads", "head_dim"),
-                rngs=rngs,
-                std=std,
-                dtype=dtype,
-            )
-            self.uv = Dense(
-                [a.kv_lora_rank],
-                [h, self.v_dim],
-                ("kv_lora", "heads", "head_dim"),
-                rngs=rngs,
-                std=std,
-                dtype=dtype,
-            )
-            self.gk = Dense(
-                [e.gate_dim],
-                [h, self.nope],
-                ("gate", "heads", "head_dim"),
-                rngs=rngs,
-                std=gate_std,
-                dtype=dtype,
-            )
-            self.gv = Dense(
-                [e.gate_dim],
-                [h, self.v_dim],
-                ("gate", "heads", "head_dim"),
-                rngs=rngs,
-                std=gate_std,
-                dtype=dtype,
-            )
+            super().init_kv_up(cfg, rngs)  # W_UK, W_UV from c, as in MLA
+            gate_axes = ("gate", "heads", "head_dim")
+            self.gk = Dense([e.gate_dim], [h, self.nope], gate_axes, rngs=rngs, std=gate_std, dtype=dtype)
+            self.gv = Dense([e.gate_dim], [h, self.v_dim], gate_axes, rngs=rngs, std=gate_std, dtype=dtype)
             self.k_ln, self.v_ln = LayerNorm(self.nope, eps=m.norm_eps), LayerNorm(self.v_dim, eps=m.norm_eps)
         else:
             self.u = Dense(
                 [a.kv_lora_rank], [e.gate_dim], ("kv_lora", "gate"), rngs=rngs, std=std, dtype=dtype
             )
             self.c_ln = LayerNorm(e.gate_dim, eps=m.norm_eps)
-            self.uk = Dense(
-                [e.gate_dim], [h, self.nope], ("gate", "heads", "head_dim"), rngs=rngs, std=std, dtype=dtype
-            )
-            self.uv = Dense(
-                [e.gate_dim], [h, self.v_dim], ("gate", "heads", "head_dim"), rngs=rngs, std=std, dtype=dtype
-            )
+            self.init_up_projections(cfg, rngs, e.gate_dim, "gate")  # W_UK, W_UV from the gated latent
 
     def init_cache(self, batch: int, max_len: int, dtype) -> dict:
         """MLA's cache plus the token ids (integers the model already has), never gated vectors."""

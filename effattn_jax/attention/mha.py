@@ -9,7 +9,7 @@ from flax import nnx
 
 from effattn_jax.layers import Dense, apply_rope
 from effattn_jax.ops.dense import masked_attention
-from effattn_jax.sharding import constrain
+from effattn_jax.sharding import constrain, sharding_rules
 
 
 class MHA(nnx.Module):
@@ -32,6 +32,7 @@ class MHA(nnx.Module):
         )
         self.core = core
         self.rope_theta = m.rope_theta
+        self.rules = sharding_rules(cfg)
 
     def init_cache(self, batch: int, max_len: int, dtype) -> dict:
         """The preallocated decode cache: K and V per KV head, [B, L, KV, D] each."""
@@ -46,7 +47,7 @@ class MHA(nnx.Module):
     def __call__(self, x, *, positions, segment_ids, token_ids=None):
         """x: [B, S, d_model] -> [B, S, d_model]. `token_ids` is unused by MHA."""
         q, k, v = self.qkv(x, positions)
-        q = constrain(q, ("batch", "length", "heads", "head_dim"))
+        q = constrain(q, ("batch", "length", "heads", "head_dim"), self.rules)
         return self.o(self.core.attend(q, k, v, segment_ids=segment_ids))
 
     def decode(self, x, *, positions, token_ids, cache, absorb: bool = True):

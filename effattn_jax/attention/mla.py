@@ -1,4 +1,4 @@
-"""Multi-head Latent Attention (DeepSeek-V2), PAPERS.md §2.
+"""Multi-head Latent Attention (DeepSeek-V2), docs/mla.md.
 
 Per token: c = RMSNorm(W_DKV h) (d_c, cached), k^R = RoPE(W_KR h) (d_R, one per
 token, shared by all heads, cached); per head k_i = [W_UK,i c ; k^R],
@@ -18,7 +18,7 @@ from flax import nnx
 
 from effattn_jax.layers import Dense, RMSNorm, apply_rope
 from effattn_jax.ops.dense import masked_attention
-from effattn_jax.sharding import constrain
+from effattn_jax.sharding import constrain, sharding_rules
 
 
 class MLA(nnx.Module):
@@ -64,26 +64,18 @@ class MLA(nnx.Module):
         self.scale = 1.0 / math.sqrt(self.nope + self.rope_dim)
         self.rope_theta = m.rope_theta
         self.q_lora = bool(a.q_lora_rank)
+        self.rules = sharding_rules(cfg)
 
     def init_kv_up(self, cfg, rngs):
-        m, a = cfg.model, cfg.mla
-        dtype, h = jnp.dtype(m.dtype), m.num_heads
-        self.uk = Dense(
-            [a.kv_lora_rank],
-            [h, self.nope],
-            ("kv_lora", "heads", "head_dim"),
-            rngs=rngs,
-            std=m.init_std,
-            dtype=dtype,
-        )
-        self.uv = Dense(
-            [a.kv_lora_rank],
-            [h, self.v_dim],
-            ("kv_lora", "heads", "head_dim"),
-            rngs=rngs,
-            std=m.init_std,
-            dtype=dtype,
-        )
+        """The per-head up-projections W_UK, W_UV from the cached latent c."""
+        self.init_up_projections(cfg, rngs, cfg.mla.kv_lora_rank, "kv_lora")
+
+    def init_up_projections(self, cfg, rngs, in_dim: int, in_axis: str):
+        """uk: [in_dim] -> [H, nope], uv: [in_dim] -> [H, v] (EG-MLA's latent placement reuses them)."""
+        m, h, dtype = cfg.model, cfg.model.num_heads, jnp.dtype(cfg.model.dtype)
+        axes = (in_axis, "heads", "head_dim")
+        self.uk = Dense([in_dim], [h, self.nope], axes, rngs=rngs, std=m.init_std, dtype=dtype)
+        self.uv = Dense([in_dim], [h, self.v_dim], axes, rngs=rngs, std=m.init_std, dtype=dtype)
 
     def init_cache(self, batch: int, max_len: int, dtype) -> dict:
         """The preallocated decode cache: latent c [B, L, d_c] and RoPE key k^R [B, L, d_R] only."""
@@ -111,7 +103,9 @@ class MLA(nnx.Module):
         q_nope, q_rope = self.query(x, positions)
         c, kr = self.latent(x, positions)
         k_nope, v = self.kv_heads(c, token_ids)
-        q = constrain(jnp.concatenate([q_nope, q_rope], axis=-1), ("batch", "length", "heads", "head_dim"))
+        q = constrain(
+            jnp.concatenate([q_nope, q_rope], axis=-1), ("batch", "length", "heads", "head_dim"), self.rules
+        )
         return self.o(
             self.core.attend(q, self.full_keys(k_nope, kr), v, segment_ids=segment_ids, scale=self.scale)
         )

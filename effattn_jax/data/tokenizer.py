@@ -11,21 +11,20 @@ from tokenizers import Tokenizer
 from effattn_jax.data.corpus import DataError, Document
 from effattn_jax.data.fetch import cache_root, neox_tokenizer_path
 
-BUILTIN = {"gpt-neox-olmo": (neox_tokenizer_path, 50279)}
+BUILTIN = {"gpt-neox-olmo": neox_tokenizer_path}  # name -> function returning the .json path
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
 
 
 def load_tokenizer(name: str) -> tuple[Tokenizer, int, Path]:
-    """(tokenizer, eos id, file) for a built-in name or a tokenizers .json path."""
+    """(tokenizer, eos id, file) for a built-in name or a tokenizers .json path. The EOS id is
+    read from the tokenizer's vocabulary (the first of EOS_CANDIDATES it has)."""
     if name in BUILTIN:
-        path_fn, eos = BUILTIN[name]
-        path = path_fn()
-        return Tokenizer.from_file(str(path)), eos, path
-    path = Path(name)
-    if not path.is_file():
-        raise DataError(
-            f"data.tokenizer={name!r}: not a built-in ({', '.join(BUILTIN)}) nor an existing file"
-        )
+        path = BUILTIN[name]()
+    else:
+        path = Path(name)
+        if not path.is_file():
+            known = ", ".join(BUILTIN)
+            raise DataError(f"data.tokenizer={name!r}: not a built-in ({known}) nor an existing file")
     tok = Tokenizer.from_file(str(path))
     for cand in EOS_CANDIDATES:
         if (eos := tok.token_to_id(cand)) is not None:

@@ -1,6 +1,6 @@
 """Sub-quadratic, exact, differentiable MoBA in plain XLA (the CPU path).
 
-Two parts, merged per query by log-sum-exp (PAPERS.md §1, item 6):
+Two parts, merged per query by log-sum-exp (docs/moba.md, item 6):
 
 * Own block: blocked local attention. The sequence is cut into chunks of
   `block_size`; each query chunk attends to its own and the previous key chunk
@@ -9,7 +9,7 @@ Two parts, merged per query by log-sum-exp (PAPERS.md §1, item 6):
   so the previous chunk is skipped.
 * Selected earlier blocks: the grouped-matmul trick. The (query, head, block)
   pairs are sorted by block and cut into tiles of q_tile queries sharing one
-  K/V block (`pallas_kernels.moba.schedule.past_tiles`, the same schedule
+  K/V block (`pallas_kernels.moba.common.past_tiles`, the same schedule
   the Pallas kernels run), and one batched einsum runs every tile.
 
 Cost: S * (top_k - 1) * block_size * D for the past part plus
@@ -23,8 +23,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from effattn_jax.ops.moba import Routing, block_starts
-from pallas_kernels.moba.schedule import past_tiles
+from effattn_jax.ops.routing import Routing
+from effattn_jax.ops.segments import block_starts
+from pallas_kernels.moba.common import past_tiles
 
 
 def _own_block_part(q, k, v, routing: Routing, *, block_size, segment_ids, scale):
@@ -88,9 +89,7 @@ def _past_blocks_part(q, k, v, routing: Routing, *, block_size, scale, q_tile):
     return m_p.reshape(b, s, hq, kp), l_p.reshape(b, s, hq, kp), o_p.reshape(b, s, hq, kp, dv)
 
 
-def moba_xla(
-    q, k, v, routing: Routing, *, block_size: int, segment_ids=None, scale: float, q_tile: int = 128
-):
+def moba_xla(q, k, v, routing: Routing, *, block_size: int, segment_ids=None, scale: float, q_tile: int):
     m0, l0, o0 = _own_block_part(
         q, k, v, routing, block_size=block_size, segment_ids=segment_ids, scale=scale
     )

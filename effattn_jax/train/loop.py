@@ -13,6 +13,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
@@ -116,133 +118,149 @@ def evaluate(eval_step, params, batches, sharding) -> float:
     return total / max(count, 1.0)
 
 
+@dataclass
+class _Phase:
+    """The compiled steps and model FLOPs of one attention setting: the configured cores,
+    or every MoBA layer dense after a schedule switch (same parameter tree)."""
+
+    train_step: Callable
+    eval_step: Callable
+    flops_per_token: float
+
+
+def _phase_schedule(cfg: Config, setup, non_embedding_params: int) -> Callable[[int], _Phase]:
+    """step -> the phase that runs it (one phase unless `moba.full_attention_from_*` is set)."""
+    configured = _Phase(
+        make_train_step(setup), make_eval_step(setup), train_flops_per_token(cfg, non_embedding_params)
+    )
+    switch_at = cfg.full_attention_from_step
+    if not switch_at:
+        return lambda step: configured
+    dense_cfg = cfg.with_full_attention()
+    dense_setup = make_setup(dense_cfg, setup.mesh)
+    dense = _Phase(
+        make_train_step(dense_setup),
+        make_eval_step(dense_setup),
+        train_flops_per_token(dense_cfg, non_embedding_params),
+    )
+    return lambda step: dense if step >= switch_at else configured
+
+
 def run(cfg: Config, *, stop_at: int | None = None) -> dict:
     """Trains (or resumes) the run in `cfg.train.run_dir`; returns its final metrics.
 
     `stop_at`: behave as if preempted after that step (for tests and external schedulers)."""
-    t, d = cfg.train, cfg.data
-    run_dir = Path(t.run_dir).absolute()
-    corpus = build_corpus(d)
+    train_cfg, data_cfg, ckpt_cfg = cfg.train, cfg.data, cfg.checkpoint
+    run_dir = Path(train_cfg.run_dir).absolute()
+    corpus = build_corpus(data_cfg)
     if corpus.vocab_size > cfg.model.vocab_size:
         raise ConfigError(
             "model.vocab_size", cfg.model.vocab_size, f"must be >= the tokenizer's {corpus.vocab_size} tokens"
         )
+    mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    setup = make_setup(cfg, mesh)
     run_dir.mkdir(parents=True, exist_ok=True)
     record_provenance(run_dir, cfg)
 
-    mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
-    setup = make_setup(cfg, mesh)
-    pi, pc = jax.process_index(), jax.process_count()
-    data_iter = train_iterator(
-        corpus.train, batch_size=d.batch_size, seed=d.seed, process_index=pi, process_count=pc
-    )
+    process = {"process_index": jax.process_index(), "process_count": jax.process_count()}
+    data_iter = train_iterator(corpus.train, batch_size=data_cfg.batch_size, seed=data_cfg.seed, **process)
     val = list(
-        val_batches(
-            corpus.val,
-            batch_size=d.batch_size,
-            max_batches=cfg.eval.max_batches,
-            process_index=pi,
-            process_count=pc,
-        )
+        val_batches(corpus.val, batch_size=data_cfg.batch_size, max_batches=cfg.eval.max_batches, **process)
     )
-    ck = cfg.checkpoint
-    mngr = checkpoint.manager(
-        run_dir, keep_last=ck.keep_last, keep_every=ck.keep_every, async_save=ck.async_save
+    manager = checkpoint.manager(
+        run_dir, keep_last=ckpt_cfg.keep_last, keep_every=ckpt_cfg.keep_every, async_save=ckpt_cfg.async_save
     )
-    step, state = checkpoint.restore_latest(mngr, setup.abstract_state, data_iter)
+    step, state = checkpoint.restore_latest(manager, setup.abstract_state, data_iter)
     if state is None:
         step, state = 0, init_state(setup)
     else:
         print(f"resumed from step {step} in {run_dir}", file=sys.stderr)
 
     counts = param_counts(setup.model(state["params"]))
-    flops_tok = train_flops_per_token(cfg, counts["non_embedding"])
-    tokens_per_step = d.batch_size * d.seq_len
+    phase_at = _phase_schedule(cfg, setup, counts["non_embedding"])
+    tokens_per_step = data_cfg.batch_size * data_cfg.seq_len
     print(
         f"params: {counts['total']:,} ({counts['non_embedding']:,} non-embedding); "
-        f"{flops_tok / 1e6:.1f} MFLOP/token; mesh {dict(mesh.shape)}",
+        f"{phase_at(step).flops_per_token / 1e6:.1f} MFLOP/token; mesh {dict(mesh.shape)}",
         file=sys.stderr,
-    )
-
-    train_step, eval_step = make_train_step(setup), make_eval_step(setup)
-    switch_at = cfg.full_attention_from_step  # MoBA -> dense schedule hybrid (0 = none)
-    if switch_at:
-        full = make_setup(cfg.with_full_attention(), mesh)  # same parameter tree, dense cores
-        full_train_step, full_eval_step = make_train_step(full), make_eval_step(full)
-    steps_for = lambda s: (
-        (full_train_step, full_eval_step) if switch_at and s >= switch_at else (train_step, eval_step)
     )
     batch_sharding = setup.batch_sharding()
     writer = ScalarWriter(run_dir)
     stop = _StopFlag()
     stop.install()
     bar = tqdm(
-        total=t.steps, initial=step, disable=not t.progress, dynamic_ncols=True, desc="train", file=sys.stderr
+        total=train_cfg.steps,
+        initial=step,
+        disable=not train_cfg.progress,
+        dynamic_ncols=True,
+        desc="train",
+        file=sys.stderr,
     )
+    profile = train_cfg.profile_steps
     last_saved = step
     try:
         tick, tick_step = time.perf_counter(), step
-        while step < t.steps:
-            if t.profile_steps and step == t.profile_steps[0]:
+        while step < train_cfg.steps:
+            if profile and step == profile[0]:
                 jax.profiler.start_trace(str(run_dir / "profile"))
-            state, metrics = steps_for(step)[0](state, _to_global(next(data_iter), batch_sharding))
+            phase = phase_at(step)
+            state, metrics = phase.train_step(state, _to_global(next(data_iter), batch_sharding))
             step += 1
             bar.update(1)
-            if t.profile_steps and step == t.profile_steps[1]:
+            if profile and step == profile[1]:
                 jax.block_until_ready(state)
                 jax.profiler.stop_trace()
-            if step % t.log_every == 0 or step == t.steps:
-                m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            if step % train_cfg.log_every == 0 or step == train_cfg.steps:
+                logged = {k: float(v) for k, v in jax.device_get(metrics).items()}
                 now = time.perf_counter()
-                tok_s = (step - tick_step) * tokens_per_step / (now - tick)
+                tokens_per_sec = (step - tick_step) * tokens_per_step / (now - tick)
                 tick, tick_step = now, step
                 writer.scalars(
                     step,
                     {
-                        "loss": m["loss"],
-                        "learning_rate": m["lr"],
-                        "grad_norm": m["grad_norm"],
-                        "tokens_per_sec": tok_s,
+                        "loss": logged["loss"],
+                        "learning_rate": logged["lr"],
+                        "grad_norm": logged["grad_norm"],
+                        "tokens_per_sec": tokens_per_sec,
                         "tokens_seen": step * tokens_per_step,
-                        "model_flops_per_sec": tok_s * flops_tok,
+                        "model_flops_per_sec": tokens_per_sec * phase.flops_per_token,
                     },
                 )
-                bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{tok_s:,.0f}")
-                if not np.isfinite(m["loss"]):
-                    raise FloatingPointError(f"loss became {m['loss']} at step {step}")
-            if step % cfg.eval.every_steps == 0 and step < t.steps:
-                writer.scalars(
-                    step, {"val_loss": evaluate(steps_for(step)[1], state["params"], val, batch_sharding)}
-                )
+                bar.set_postfix(loss=f"{logged['loss']:.3f}", tok_s=f"{tokens_per_sec:,.0f}")
+                if not np.isfinite(logged["loss"]):
+                    raise FloatingPointError(f"loss became {logged['loss']} at step {step}")
+            if step % cfg.eval.every_steps == 0 and step < train_cfg.steps:
+                val_loss = evaluate(phase_at(step).eval_step, state["params"], val, batch_sharding)
+                writer.scalars(step, {"val_loss": val_loss})
                 writer.flush()
                 tick = time.perf_counter()  # tokens/s counts training time only
             preempt = stop.signal is not None or step == stop_at
-            if step % ck.every_steps == 0 or step == t.steps or preempt:
-                checkpoint.save(mngr, step, state, data_iter, cfg.to_dict(), force=True)
+            if step % ckpt_cfg.every_steps == 0 or step == train_cfg.steps or preempt:
+                checkpoint.save(manager, step, state, data_iter, cfg.to_dict(), force=True)
                 last_saved = step
             if preempt:
-                mngr.wait_until_finished()
+                manager.wait_until_finished()
                 bar.close()
                 writer.close()
                 print(f"preempted step={step} run_dir={run_dir}", flush=True)
                 raise Preempted(PREEMPTED_EXIT)
         if last_saved != step:
-            checkpoint.save(mngr, step, state, data_iter, cfg.to_dict(), force=True)
+            checkpoint.save(manager, step, state, data_iter, cfg.to_dict(), force=True)
         bar.close()
-        val_loss = evaluate(steps_for(step)[1], state["params"], val, batch_sharding)
+        val_loss = evaluate(phase_at(step).eval_step, state["params"], val, batch_sharding)
         writer.scalars(step, {"val_loss": val_loss})
-        uni = unigram_loss(corpus.train_token_counts, val)
-        mngr.wait_until_finished()
+        unigram = unigram_loss(corpus.train_token_counts, val)
+        manager.wait_until_finished()
     finally:
         stop.restore()
         writer.close()
-        mngr.close()
+        manager.close()
     return {
         "val_loss": val_loss,
-        "unigram_loss": uni,
+        "unigram_loss": unigram,
         "run_dir": str(run_dir),
         "step": step,
-        "flops_per_token": flops_tok,
+        "flops_per_token": phase_at(step).flops_per_token,
     }
 
 

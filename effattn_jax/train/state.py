@@ -17,9 +17,9 @@ from flax import nnx
 from flax.nnx import traversals
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from effattn_jax.config import Config
+from effattn_jax.config import Config, check_batch_divides
 from effattn_jax.model import Transformer
-from effattn_jax.sharding import logical_to_spec
+from effattn_jax.sharding import logical_to_spec, sharding_rules
 
 
 def make_optimizer(cfg: Config) -> tuple[optax.GradientTransformation, optax.Schedule]:
@@ -50,17 +50,10 @@ class TrainSetup:
     state_shardings: dict
     abstract_state: dict  # ShapeDtypeStructs with shardings, for restore
 
-    @property
-    def rules(self) -> dict:
-        return self.cfg.mesh.rules
-
     def batch_sharding(self) -> NamedSharding:
-        return NamedSharding(
-            self.mesh,
-            logical_to_spec(
-                ("batch", "length"), (self.cfg.data.batch_size, self.cfg.data.seq_len), self.mesh, self.rules
-            ),
-        )
+        shape = (self.cfg.data.batch_size, self.cfg.data.seq_len)
+        spec = logical_to_spec(("batch", "length"), shape, self.mesh.shape, sharding_rules(self.cfg))
+        return NamedSharding(self.mesh, spec)
 
     def model(self, params) -> Transformer:
         return nnx.merge(self.graphdef, params)
@@ -73,14 +66,17 @@ def _new_model(cfg: Config) -> Transformer:
 def param_specs(cfg: Config, mesh: Mesh) -> tuple[Any, dict]:
     """(graphdef, pure dict of PartitionSpecs) from the Params' logical axes, without allocating."""
     graphdef, state = nnx.split(nnx.eval_shape(lambda: _new_model(cfg)))
+    rules = sharding_rules(cfg)
     flat = {
-        path: logical_to_spec(var.get_metadata()["logical_axes"], var.shape, mesh, cfg.mesh.rules)
+        path: logical_to_spec(var.get_metadata()["logical_axes"], var.shape, mesh.shape, rules)
         for path, var in nnx.to_flat_state(state)
     }
     return graphdef, traversals.unflatten_mapping(flat)
 
 
 def make_setup(cfg: Config, mesh: Mesh) -> TrainSetup:
+    """Raises ConfigError (before anything compiles) when the batch does not split over the mesh."""
+    check_batch_divides(cfg, dict(mesh.shape))
     graphdef, pspecs = param_specs(cfg, mesh)
     tx, schedule = make_optimizer(cfg)
     params_shape = jax.eval_shape(lambda: nnx.to_pure_dict(nnx.split(_new_model(cfg))[1]))

@@ -1,4 +1,8 @@
-"""The jitted train and eval steps (explicit in/out shardings, donated state)."""
+"""The jitted train and eval steps (explicit in/out shardings, donated state).
+
+Both trace under the run's mesh as jax's context mesh, which is how the model's
+sharding constraints and the Pallas shard_map find it (effattn_jax.sharding).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from effattn_jax.sharding import use_rules
+from effattn_jax.sharding import constrain, sharding_rules
 from effattn_jax.train.state import TrainSetup
 
 
@@ -19,36 +23,49 @@ def loss_sums(model, batch) -> tuple[jax.Array, jax.Array]:
     return jnp.sum(nll * mask), jnp.sum(mask)
 
 
+def split_micro_batches(batch: dict, accum: int, rules) -> dict:
+    """[B, ...] leaves -> [accum, B / accum, ...], micro-batch i = rows i, i + accum, ....
+
+    Strided, not contiguous: the batch is sharded in contiguous row ranges, so a
+    strided split leaves every device the same share of every micro-batch and
+    no data moves (a contiguous split would put micro-batch 0 on the first
+    devices only, and reshard each micro-step)."""
+
+    def split(x):
+        micro = jnp.swapaxes(x.reshape(x.shape[0] // accum, accum, *x.shape[1:]), 0, 1)
+        return constrain(micro, (None, "batch", "length"), rules)
+
+    return jax.tree.map(split, batch)
+
+
 def make_train_step(setup: TrainSetup):
     """state, batch -> (state, metrics). Batch leaves are [batch, seq]; with
     `train.grad_accum` = A the batch is split into A micro-batches whose summed
     gradients are normalised by the total token count (same as one big batch)."""
-    accum = setup.cfg.train.grad_accum
+    accum, rules = setup.cfg.train.grad_accum, sharding_rules(setup.cfg)
 
     def micro_grads(params, micro):
-        def f(p):
-            s, n = loss_sums(setup.model(p), micro)
-            return s, n
-
-        (s, n), g = jax.value_and_grad(f, has_aux=True)(params)
-        return s, n, g
+        (loss_sum, tokens), grads = jax.value_and_grad(
+            lambda p: loss_sums(setup.model(p), micro), has_aux=True
+        )(params)
+        return loss_sum, tokens, grads
 
     def step(state, batch):
         params = state["params"]
-        with use_rules(setup.mesh, setup.rules):
+        with jax.sharding.use_abstract_mesh(setup.mesh.abstract_mesh):
             if accum == 1:
-                s, n, g = micro_grads(params, batch)
+                loss_sum, tokens, grads = micro_grads(params, batch)
             else:
-                micro = jax.tree.map(lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch)
 
-                def body(carry, mb):
-                    s, n, g = micro_grads(params, mb)
-                    return jax.tree.map(jnp.add, carry, (s, n, g)), None
+                def body(carry, micro):
+                    return jax.tree.map(jnp.add, carry, micro_grads(params, micro)), None
 
                 zero = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
-                (s, n, g), _ = jax.lax.scan(body, zero, micro)
-        n = jnp.maximum(n, 1.0)
-        grads = jax.tree.map(lambda x: x / n, g)
+                (loss_sum, tokens, grads), _ = jax.lax.scan(
+                    body, zero, split_micro_batches(batch, accum, rules)
+                )
+        tokens = jnp.maximum(tokens, 1.0)
+        grads = jax.tree.map(lambda g: g / tokens, grads)
         updates, opt_state = setup.tx.update(grads, state["opt_state"], params)
         new = {
             "params": optax.apply_updates(params, updates),
@@ -56,10 +73,10 @@ def make_train_step(setup: TrainSetup):
             "step": state["step"] + 1,
         }
         metrics = {
-            "loss": s / n,
+            "loss": loss_sum / tokens,
             "grad_norm": optax.tree.norm(grads),
             "lr": setup.schedule(state["step"]),
-            "tokens": n,
+            "tokens": tokens,
         }
         return new, metrics
 
@@ -76,10 +93,12 @@ def make_eval_step(setup: TrainSetup):
     """params, batch -> (sum NLL, token count)."""
 
     def step(params, batch):
-        with use_rules(setup.mesh, setup.rules):
+        with jax.sharding.use_abstract_mesh(setup.mesh.abstract_mesh):
             return loss_sums(setup.model(params), batch)
 
     replicated = NamedSharding(setup.mesh, PartitionSpec())
     return jax.jit(
-        step, in_shardings=(setup.state_shardings["params"], setup.batch_sharding()), out_shardings=replicated
+        step,
+        in_shardings=(setup.state_shardings["params"], setup.batch_sharding()),
+        out_shardings=replicated,
     )

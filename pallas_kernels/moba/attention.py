@@ -1,12 +1,15 @@
 """MoBA with Pallas kernels: schedule -> tile kernels -> log-sum-exp merge, as a custom_vjp.
 
-Forward: the own-block tiles and the selected-block tiles (schedule.py) run
+Forward: the own-block tiles and the selected-block tiles (common.py) run
 through the backend's tile kernel, each giving (o, lse) per (query, part);
 the parts of a query are merged by log-sum-exp into the output O and the
-global LSE L. Backward (PAPERS.md §1, "Backward"): with delta = rowsum(dO * O),
+global LSE L. Backward (docs/moba.md, "Backward"): with delta = rowsum(dO * O),
 each part's gradient is an ordinary flash-attention backward against the
 global L, so the dq and dk/dv kernels run over the same tiles and the results
 are scattered back (summed) to q, k and v.
+
+`interpret=False` compiles for the backend's hardware, so the block sizes are
+checked against what that compiler accepts (`BlockSizes.check_backend`).
 """
 
 from __future__ import annotations
@@ -17,13 +20,11 @@ import importlib
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.moba.schedule import own_tiles, past_tiles
-from pallas_kernels.moba.tpu import BlockSizes
-
-BACKENDS = ("tpu", "gpu")
+from pallas_kernels.moba.common import BACKENDS, BlockSizes, own_tiles, past_tiles
 
 
 def _kernels(backend: str):
+    """The backend's kernel module, imported only when used (the GPU one needs no TPU code)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     return importlib.import_module(f"pallas_kernels.moba.{backend}")
@@ -59,9 +60,6 @@ def _tile_args(tiles, ck):
         tiles.kv_row.astype(jnp.int32),
         (tiles.key_start // ck).astype(jnp.int32),
     )
-
-
-BWD_TILE_CHUNK = 1024  # tiles per backward chunk: bounds the per-tile dk/dv partials
 
 
 def _chunked(tiles, chunk):
@@ -131,22 +129,12 @@ def _forward(q, k, v, own_start, past_start, *, block_size, scale, backend, inte
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
 def moba_pallas(q, k, v, own_start, past_start, block_size, scale, backend, interpret, block_sizes):
     """MoBA attention from a routing (own_start [B, S], past_start [B, S, Hq, K']) -> [B, S, Hq, Dv]."""
-    out, _ = _forward(
-        q,
-        k,
-        v,
-        own_start,
-        past_start,
-        block_size=block_size,
-        scale=scale,
-        backend=backend,
-        interpret=interpret,
-        block_sizes=block_sizes,
-    )
-    return out.astype(q.dtype)
+    return _fwd(q, k, v, own_start, past_start, block_size, scale, backend, interpret, block_sizes)[0]
 
 
 def _fwd(q, k, v, own_start, past_start, block_size, scale, backend, interpret, block_sizes):
+    if not interpret:
+        block_sizes.check_backend(backend)
     out, lse = _forward(
         q,
         k,
@@ -206,7 +194,7 @@ def _bwd(block_size, scale, backend, interpret, block_sizes, res, d_out):
     grads = (dq, dk, dv)
     for tiles, nsub in plans:
         # dk/dv come out per (tile, sub-block); running the tiles in chunks bounds that memory.
-        chunks = _chunked(tiles, BWD_TILE_CHUNK)
+        chunks = _chunked(tiles, block_sizes.bwd_tile_chunk)
         grads, _ = jax.lax.scan(lambda g, t, nsub=nsub: (chunk_grads(g, t, nsub), None), grads, chunks)
     dq, dk, dv = grads
     unlayout = lambda x, like: jnp.moveaxis(x.reshape(b, hkv, -1, x.shape[-1])[:, :, :s], 1, 2).astype(

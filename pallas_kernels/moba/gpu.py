@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.moba.tpu import NT, TN, BlockSizes  # noqa: F401  (BlockSizes re-exported)
+from pallas_kernels.moba.common import NT, TN
 
 
 def _params(num_warps=4):

@@ -5,14 +5,13 @@ one aligned `kv_block` of keys; tables prefetched into SMEM (scalar prefetch,
 as in jax's paged_attention) pick the KV head row and the first key sub-block
 of every tile, so only the selected keys are ever fetched: no dense mask, no
 per-block mask in HBM, and K/V stay at the KV-head count (GQA). Each row masks
-keys to its own interval [lo, hi] (see schedule.py). Forward keeps an online
+keys to its own interval [lo, hi] (see common.py). Forward keeps an online
 softmax in VMEM scratch across the sub-blocks; the backward is split into a dq
 kernel and a dk/dv kernel, both using the global (merged) log-sum-exp.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -20,25 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-NT = (((1,), (1,)), ((), ()))  # a @ b.T
-TN = (((0,), (0,)), ((), ()))  # a.T @ b
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockSizes:
-    """Kernel tile sizes, independent of the MoBA block size (e.g. MoBA block 512 with
-    128-row query tiles and 128-key sub-blocks)."""
-
-    q_tile: int = 128
-    kv_block: int = 128
-
-    def __post_init__(self):
-        for name in ("q_tile", "kv_block"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v <= 0 or v % 8:
-                raise ValueError(
-                    f"BlockSizes.{name} must be a positive multiple of 8 (TPU sublanes), got {v!r}"
-                )
+from pallas_kernels.moba.common import NT, TN
 
 
 def _scores(q_ref, k_ref, lo_ref, hi_ref, first_ref, *, scale, kv_block):

@@ -1,0 +1,203 @@
+"""What the MoBA kernels (TPU, GPU) and the XLA path share: tile sizes, the
+transposed-dot dimension numbers, and the tile schedule.
+
+Work is organised per *tile*: up to `q_tile` query rows (one batch row, one query
+head) that all look at one contiguous key range of the same KV head. Each row
+carries its own visible key interval [lo, hi] (inclusive), so one attention
+routine serves both parts of MoBA (docs/moba.md):
+
+* past tiles (KV-block-centric, megablox style): the (query, head, selected
+  earlier block) pairs sorted by block; each block's queries are cut into
+  tiles, so work is proportional to the pairs, whatever the routing. A row
+  sees the whole block: [start, start + block_size - 1].
+* own tiles: consecutive queries of one head; a row sees its own block up to
+  itself: [own_start, t].
+
+Earlier blocks are full and disjoint, so a row holds at most S // block_size of
+them and the number of past tiles has a static bound. Nothing here is dense in
+S x S. Pure jnp, no Pallas.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+NT = (((1,), (1,)), ((), ()))  # dot_general dimension numbers for a @ b.T
+TN = (((0,), (0,)), ((), ()))  # ... and for a.T @ b
+
+BACKENDS = ("tpu", "gpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Kernel tile sizes, independent of the MoBA block size (e.g. MoBA block 512 with
+    128-row query tiles and 128-key sub-blocks).
+
+    q_tile: query rows per tile (also the XLA path's); kv_block: keys per fetched
+    sub-block; bwd_tile_chunk: tiles per backward chunk (bounds the per-tile dk/dv
+    partials). Construction checks what every path needs; `check_backend` adds what
+    one backend's compiler needs on real hardware (interpret mode needs neither)."""
+
+    q_tile: int = 128
+    kv_block: int = 128
+    bwd_tile_chunk: int = 1024
+
+    def __post_init__(self):
+        for name in ("q_tile", "kv_block", "bwd_tile_chunk"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"BlockSizes.{name} (moba.{name}) must be a positive int, got {value!r}")
+        if self.kv_block % 8:
+            raise ValueError(
+                f"BlockSizes.kv_block (moba.kv_block) must be a multiple of 8, got {self.kv_block}"
+            )
+
+    def check_backend(self, backend: str) -> None:
+        """Raises ValueError naming the field when `backend`'s compiler would reject it.
+
+        tpu (Mosaic): a block's second-to-last dim must be a multiple of 8 or the whole
+        array dim. kv_block is that dim of every K/V block (checked at construction);
+        q_tile's blocks span their array's whole dim, so any q_tile compiles (both
+        measured with a libtpu AOT compile: kv_block 4 and 12 are rejected, q_tile 4
+        and 12 compile). gpu (Triton): every array must have power-of-two dims (the
+        Pallas lowering rejects 24), and tl.dot needs dims >= 16 (Triton's own check,
+        at compile time on the GPU)."""
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if backend == "gpu":
+            for name in ("q_tile", "kv_block"):
+                value = getattr(self, name)
+                if value < 16 or value & (value - 1):
+                    raise ValueError(
+                        f"BlockSizes.{name} (moba.{name}) must be a power of two >= 16 on GPU, got {value}"
+                    )
+
+
+# ---------------------------------------------------------------- the tile schedule
+
+
+class Tiles(NamedTuple):
+    """rows [T, Qt]: flat query index (b * S + t) * Hq + h of each tile row, -1 = padding.
+    kv_row [T]: b * Hkv + kv head; key_start [T]: first key position the tile may see;
+    lo, hi [T, Qt]: visible key interval of each row (empty for padding: lo > hi)."""
+
+    rows: jax.Array
+    kv_row: jax.Array
+    key_start: jax.Array
+    lo: jax.Array
+    hi: jax.Array
+
+
+class PastTiles(NamedTuple):
+    tiles: Tiles
+    pair_tile: jax.Array  # [P] tile of each (b, t, h, i) pair (clipped; check `valid`)
+    pair_slot: jax.Array  # [P] row inside that tile
+    valid: jax.Array  # [P] the pair is a real selection
+
+
+class _Pairs(NamedTuple):
+    """The (b, t, h, i) selections, flat in that order, with their coordinates."""
+
+    block_start: jax.Array  # [P] first key of the selected block, -1 = unused slot
+    batch: jax.Array  # [P]
+    query: jax.Array  # [P] position t
+    head: jax.Array  # [P] query head
+
+
+class _SortedPairs(NamedTuple):
+    order: jax.Array  # [P] pair index at each sorted position
+    group: jax.Array  # [P] index of the (b, h, block) group at each sorted position
+    rank: jax.Array  # [P] position inside its group
+    real: jax.Array  # [P] the sorted position holds a real selection
+
+
+def _flat_pairs(past_start: jax.Array) -> _Pairs:
+    b, s, hq, kp = past_start.shape
+    idx = jnp.arange(b * s * hq * kp, dtype=jnp.int32)
+    return _Pairs(past_start.reshape(-1), idx // (s * hq * kp), (idx // (hq * kp)) % s, (idx // kp) % hq)
+
+
+def _sort_pairs_by_block(pairs: _Pairs, *, seq_len: int, num_q_heads: int) -> _SortedPairs:
+    """Sorts the pairs by (batch, head, block), unused slots last, and numbers the groups
+    of equal block and each pair's rank inside its group."""
+    unused = jnp.iinfo(jnp.int32).max
+    key = (pairs.batch * num_q_heads + pairs.head) * seq_len + pairs.block_start
+    key = jnp.where(pairs.block_start >= 0, key, unused)
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)
+    sorted_key = key[order]
+    real = sorted_key != unused
+    starts_group = real & jnp.concatenate([jnp.ones((1,), bool), sorted_key[1:] != sorted_key[:-1]])
+    group = jnp.cumsum(starts_group) - 1
+    pos = jnp.arange(key.shape[0], dtype=jnp.int32)
+    rank = pos - jax.lax.cummax(jnp.where(starts_group, pos, 0))
+    return _SortedPairs(order, group, rank, real)
+
+
+def _assign_tiles(sorted_pairs: _SortedPairs, *, max_groups: int, num_tiles: int, q_tile: int):
+    """(tile, slot) of each sorted pair: every group gets ceil(size / q_tile) consecutive
+    tiles; unused pairs go to tile `num_tiles` (one past the end, dropped later)."""
+    group, rank, real = sorted_pairs.group, sorted_pairs.rank, sorted_pairs.real
+    group_size = jax.ops.segment_sum(
+        real.astype(jnp.int32), jnp.where(real, group, max_groups), max_groups + 1
+    )
+    group_tiles = -(-group_size[:-1] // q_tile)
+    group_first_tile = jnp.cumsum(group_tiles) - group_tiles
+    tile = group_first_tile[jnp.clip(group, 0, max_groups - 1)] + rank // q_tile
+    return jnp.where(real, tile, num_tiles), rank % q_tile
+
+
+def past_tiles(past_start: jax.Array, *, num_kv_heads: int, block_size: int, q_tile: int) -> PastTiles:
+    """Schedule for the selected earlier blocks. past_start [B, S, Hq, K'] (-1 = unused)."""
+    b, s, hq, _ = past_start.shape
+    pairs = _flat_pairs(past_start)
+    num_pairs = pairs.block_start.shape[0]
+    max_groups = max(b * hq * (s // block_size), 1)  # (batch, head, full block) groups
+    num_tiles = -(-num_pairs // q_tile) + max_groups  # static bound: each group wastes < 1 tile
+    sorted_pairs = _sort_pairs_by_block(pairs, seq_len=s, num_q_heads=hq)
+    tile, slot = _assign_tiles(sorted_pairs, max_groups=max_groups, num_tiles=num_tiles, q_tile=q_tile)
+
+    # Tables: which pair sits in each (tile, slot); a tile's block and KV row come from any of its pairs.
+    order = sorted_pairs.order
+    pair_of = jnp.full((num_tiles + 1, q_tile), -1, jnp.int32).at[tile, slot].set(order)[:-1]  # [T, Qt]
+    real_slot = pair_of >= 0
+    some_pair = jnp.maximum(jnp.max(pair_of, axis=1), 0)
+    start = jnp.maximum(pairs.block_start[some_pair], 0)
+    flat_row = (pairs.batch * s + pairs.query) * hq + pairs.head
+    rows = jnp.where(real_slot, flat_row[jnp.maximum(pair_of, 0)], -1)
+    lo = jnp.where(real_slot, start[:, None], 1)
+    hi = jnp.where(real_slot, start[:, None] + block_size - 1, 0)
+    kv_row = pairs.batch[some_pair] * num_kv_heads + pairs.head[some_pair] // (hq // num_kv_heads)
+
+    # Where each pair (in its original order) landed.
+    sorted_position = jnp.zeros((num_pairs,), jnp.int32).at[order].set(jnp.arange(num_pairs, dtype=jnp.int32))
+    pair_tile = jnp.clip(tile[sorted_position], 0, num_tiles - 1)
+    pair_slot = slot[sorted_position]
+    return PastTiles(Tiles(rows, kv_row, start, lo, hi), pair_tile, pair_slot, pairs.block_start >= 0)
+
+
+def own_tiles(own_start: jax.Array, *, num_q_heads: int, num_kv_heads: int, q_tile: int) -> Tiles:
+    """Schedule for the own block: tiles of q_tile consecutive queries of one head. own_start [B, S]."""
+    b, s = own_start.shape
+    hq = num_q_heads
+    n = -(-s // q_tile)
+    t = jnp.arange(n * q_tile, dtype=jnp.int32).reshape(n, q_tile)  # [n, Qt] query positions
+    real = t < s
+    own = jnp.where(real[None], own_start[:, jnp.minimum(t, s - 1)], 1)  # [B, n, Qt]
+    hi = jnp.where(real[None], t[None], 0)
+    bb, hh = jnp.meshgrid(jnp.arange(b, dtype=jnp.int32), jnp.arange(hq, dtype=jnp.int32), indexing="ij")
+    rows = jnp.where(
+        real[None, None], (bb[:, :, None, None] * s + t[None, None]) * hq + hh[:, :, None, None], -1
+    )
+    shape = (b * hq * n, q_tile)
+    lo = jnp.broadcast_to(own[:, None], (b, hq, n, q_tile)).reshape(shape)
+    hi = jnp.broadcast_to(hi[:, None], (b, hq, n, q_tile)).reshape(shape)
+    key_start = jnp.min(jnp.where(hi >= lo, lo, jnp.iinfo(jnp.int32).max), axis=1)
+    key_start = jnp.where(key_start == jnp.iinfo(jnp.int32).max, 0, key_start)
+    kv_row = jnp.broadcast_to(
+        (bb * num_kv_heads + hh // (hq // num_kv_heads))[:, :, None], (b, hq, n)
+    ).reshape(-1)
+    return Tiles(rows.reshape(shape), kv_row, key_start, lo, hi)

@@ -1,0 +1,160 @@
+"""The layering of docs/architecture.md, checked: imports run one way, the config loads
+without jax, there is no import cycle, and nothing cites a file outside the repository."""
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("effattn_jax", "pallas_kernels", "eval")
+SKIP_DIRS = {".venv", ".git", "runs", "__pycache__", ".pytest_cache", ".hypothesis", "build", "dist"}
+
+
+def module_files() -> dict[str, Path]:
+    """Dotted module name -> file, for every module of the project's packages."""
+    out = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """Project modules `name` imports anywhere in its file, function-local imports included
+    (a lazy import hides a cycle from Python, not from this walk)."""
+    found = set()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + [base]
+                ).strip(".")
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in modules:  # `import a.b.c` of a function or attribute
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    modules = module_files()
+    return {name: imports_of(name, path, modules) for name, path in modules.items()}
+
+
+def test_config_imports_no_jax_or_model_code():
+    code = (
+        "import sys, effattn_jax.config\n"
+        "heavy = ('jax', 'jaxlib', 'flax', 'optax', 'orbax')\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in heavy"
+        " or (m.startswith('effattn_jax.') and m != 'effattn_jax.config'))\n"
+        "print(','.join(bad[:8]))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "", f"importing effattn_jax.config loaded: {out.stdout.strip()}"
+
+
+def test_no_import_cycle(graph):
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+
+    def visit(node, path):
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycle = path[path.index(nxt) :] + [nxt]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+
+
+def layer_of(module: str) -> str:
+    for prefix in ("effattn_jax.ops", "effattn_jax.attention", "effattn_jax.data", "effattn_jax.train"):
+        if module == prefix or module.startswith(prefix + "."):
+            return prefix.split(".")[1]
+    return module.split(".")[1] if module.startswith("effattn_jax.") else module.split(".")[0]
+
+
+# What each lower layer may import from the project (docs/architecture.md).
+ALLOWED = {
+    "config": set(),
+    "sharding": {"config"},
+    "pallas_kernels": {"pallas_kernels"},
+    "ops": {"ops", "config", "sharding", "pallas_kernels"},
+    "layers": set(),
+    "attention": {"attention", "ops", "layers", "config", "sharding", "pallas_kernels"},
+    "data": {"data", "config"},
+}
+
+
+def test_imports_run_one_way(graph):
+    wrong = [
+        f"{name} imports {target}"
+        for name, targets in graph.items()
+        for target in targets
+        if layer_of(name) in ALLOWED and layer_of(target) not in ALLOWED[layer_of(name)]
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_kernels_and_ops_know_nothing_of_flax():
+    for folder in ("pallas_kernels", "effattn_jax/ops"):
+        for path in (ROOT / folder).rglob("*.py"):
+            assert not re.search(r"^\s*(from|import) flax", path.read_text(), re.M), path
+
+
+def test_registry_names_match_the_config_lists():
+    from effattn_jax.attention import CORES, KINDS
+    from effattn_jax.config import ATTENTION_CORES, ATTENTION_KINDS
+
+    assert tuple(KINDS) == ATTENTION_KINDS and tuple(CORES) == ATTENTION_CORES
+
+
+def repo_text_files():
+    suffixes = (".py", ".md", ".yaml", ".toml", ".cff", ".txt", ".cfg")
+    for path in ROOT.rglob("*"):
+        parts = path.relative_to(ROOT).parts
+        if SKIP_DIRS & set(parts) or any(p.endswith(".egg-info") for p in parts) or not path.is_file():
+            continue
+        if path.suffix in suffixes or path.name == "Makefile":
+            yield path
+
+
+def test_nothing_cites_a_file_outside_the_repository():
+    this_file = Path(__file__).resolve()
+    outside = re.compile(r"\.\./shared|PAPERS\.md|DESIGN\.md")
+    hits = [
+        f"{p.relative_to(ROOT)}:{i}"
+        for p in repo_text_files()
+        if p.resolve() != this_file
+        for i, line in enumerate(p.read_text(errors="replace").splitlines(), 1)
+        if outside.search(line)
+    ]
+    assert not hits, "cites a path outside the repo: " + ", ".join(hits)
+
+
+def test_cited_docs_exist():
+    cited = {
+        m for p in repo_text_files() for m in re.findall(r"docs/[\w.-]+\.md", p.read_text(errors="replace"))
+    }
+    assert {"docs/moba.md", "docs/mla.md", "docs/eg_mla.md", "docs/architecture.md"} <= cited
+    missing = sorted(c for c in cited if not (ROOT / c).is_file())
+    assert not missing, missing
