@@ -19,6 +19,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from jax.experimental import topologies  # noqa: E402
 
 from effattn_jax.ops.routing import moba_routing  # noqa: E402
 from eval.common import compiled_bytes  # noqa: E402
@@ -44,8 +45,6 @@ def main(argv=None):
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--topology", default="v5p:2x2x1")
     args = p.parse_args(argv)
-    from jax.experimental import topologies
-
     topo = topologies.get_topology_desc(platform="tpu", topology_name=args.topology)
     mesh = jax.sharding.Mesh(np.array(topo.devices[:1]), ("x",))
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())

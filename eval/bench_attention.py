@@ -65,8 +65,6 @@ def structured_inputs(seq, heads, head_dim, dtype, seed=0, strength=2.0):
 
 def gpu_main(args):
     """Pallas MoBA vs cuDNN (and MoBA xla up to 32K) on the GPU, bf16, forward+backward."""
-    import jax.numpy as jnp  # noqa: F811
-
     dtype = jnp.bfloat16
 
     def loss(attn):

@@ -16,6 +16,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from effattn_jax.config import load_config
 from effattn_jax.flops import train_flops_per_token
@@ -45,8 +46,6 @@ def matmul_peak(n: int = 2048):
 def head_loss_timer(cfg, embed, batch):
     """Times the tied output projection + softmax cross-entropy (forward and backward) alone:
     with a 50K vocabulary it is most of a small model's step."""
-    import optax
-
     x = jnp.asarray(
         np.random.default_rng(1).standard_normal((*batch["inputs"].shape, cfg.model.d_model)), jnp.float32
     )

@@ -28,7 +28,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
+import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -38,6 +40,9 @@ from flax import nnx  # noqa: E402
 
 from effattn_jax.config import ConfigError, load_config  # noqa: E402
 from effattn_jax.model import Transformer, init_cache, param_counts  # noqa: E402
+from effattn_jax.sharding import make_mesh  # noqa: E402
+from effattn_jax.train.state import init_state, make_setup  # noqa: E402
+from effattn_jax.train.step import make_train_step  # noqa: E402
 from eval.common import compiled_bytes, synthetic_batch  # noqa: E402
 
 
@@ -63,16 +68,13 @@ def kv_cache_report(cfg) -> dict:
     }
 
 
-import statistics  # noqa: E402
-import time  # noqa: E402
-
 PAPER = os.path.join(os.path.dirname(__file__), "..", "configs", "egmla", "paper")
 # (label, config file, overrides, decode with absorbed weights)
 PAPER_DECODE = [
     ("MHA", "mha_base.yaml", [], True),
     ("MLA (absorbed)", "mla_base.yaml", [], True),
     ("MLA (naive)", "mla_base.yaml", [], False),
-    ("EG-MLA emb256, gate at heads", "eg_mla_kv64_emb256.yaml", [], True),
+    ("EG-MLA emb256, gate at heads", "eg_mla_kv64_emb256.yaml", ["eg_mla.gate_at=heads"], True),
     ("EG-MLA emb256, gate at latent (absorbed)", "eg_mla_kv64_emb256.yaml", ["eg_mla.gate_at=latent"], True),
 ]
 
@@ -83,30 +85,40 @@ def _variants(configs, extra):
     return [(label, os.path.join(PAPER, f), o + list(extra), absorb) for label, f, o, absorb in PAPER_DECODE]
 
 
-def decode_latency(cfg, contexts: list[int], *, absorb: bool, repeats: int = 5) -> dict[int, float]:
-    """Median ms per decode step at each context length (synthetic cache, batch 1)."""
-    from effattn_jax.model import Transformer, init_cache
-
+def compiled_decode_step(cfg, context: int, *, absorb: bool):
+    """(compiled decode step, its arguments): one new token at position `context` over a cache
+    of `context` earlier tokens filled with random entries (batch 1)."""
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model)
     step = jax.jit(lambda p, t, pos, c: nnx.merge(graphdef, p).decode(t, pos, c, absorb=absorb)[0])
+    key = jax.random.key(context)
+    caches = [
+        {
+            k: (
+                jax.random.normal(key, v.shape, v.dtype)
+                if jnp.issubdtype(v.dtype, jnp.floating)
+                else jax.random.randint(key, v.shape, 0, cfg.model.vocab_size, v.dtype)
+            )
+            for k, v in c.items()
+        }
+        for c in init_cache(model, 1, context + 1, jnp.dtype(cfg.model.dtype))
+    ]
+    args = (params, jnp.ones((1, 1), jnp.int32), jnp.full((1, 1), context, jnp.int32), caches)
+    return step.lower(*args).compile(), args
+
+
+def decode_bytes_accessed(cfg, context: int, *, absorb: bool) -> float:
+    """Bytes one decode step moves, from XLA's cost analysis of the compiled step."""
+    compiled, _ = compiled_decode_step(cfg, context, absorb=absorb)
+    return float(compiled.cost_analysis()["bytes accessed"])
+
+
+def decode_latency(cfg, contexts: list[int], *, absorb: bool, repeats: int = 5) -> dict[int, float]:
+    """Median ms per decode step at each context length (synthetic cache, batch 1)."""
     out = {}
     for ctx in contexts:
-        caches = init_cache(model, 1, ctx + 1, jnp.dtype(cfg.model.dtype))
-        key = jax.random.key(ctx)
-        caches = [
-            {
-                k: (
-                    jax.random.normal(key, v.shape, v.dtype)
-                    if jnp.issubdtype(v.dtype, jnp.floating)
-                    else jax.random.randint(key, v.shape, 0, cfg.model.vocab_size, v.dtype)
-                )
-                for k, v in c.items()
-            }
-            for c in caches
-        ]
-        args = (params, jnp.ones((1, 1), jnp.int32), jnp.full((1, 1), ctx, jnp.int32), caches)
-        jax.block_until_ready(step(*args))  # compile + warm up
+        step, args = compiled_decode_step(cfg, ctx, absorb=absorb)
+        jax.block_until_ready(step(*args))  # warm up
         times = []
         for _ in range(repeats):
             t = time.perf_counter()
@@ -118,10 +130,6 @@ def decode_latency(cfg, contexts: list[int], *, absorb: bool, repeats: int = 5) 
 
 def train_cost(cfg, steps: int = 3) -> dict:
     """Median seconds per train step, tokens/s and compiled memory (synthetic batch)."""
-    from effattn_jax.sharding import make_mesh
-    from effattn_jax.train.state import init_state, make_setup
-    from effattn_jax.train.step import make_train_step
-
     setup = make_setup(cfg, make_mesh(1, 1, 1))
     state = init_state(setup)
     b, s = cfg.data.batch_size, cfg.data.seq_len

@@ -25,6 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
         ("data.seq_len=0", "data.seq_len"),
         ("mesh.data=0", "mesh.data"),
         ("model.remat=yes please", "model.remat"),
+        ("mesh.data=3", "data.batch_size"),  # 16 rows do not split over 3 devices
+        ("eg_mla.gate_at=middle", "eg_mla.gate_at"),
+        ("moba.kv_block=12", "moba.kv_block"),
     ],
 )
 def test_bad_values_name_the_key(override, key):
@@ -66,3 +69,43 @@ def test_cli_exits_2_with_one_line(tmp_path):
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "model.num_kv_heads=3" in lines[0] and "must divide" in lines[0]
     assert not (tmp_path / "run").exists()  # nothing started
+
+
+def test_batch_must_split_over_the_batch_axes():
+    base = ROOT / "configs/cpu/default.yaml"
+    assert load_config(base, ["mesh.data=2", "mesh.fsdp=4"]).mesh.fsdp == 4  # 16 rows over 8
+    with pytest.raises(
+        ConfigError, match=r"data.batch_size / train.grad_accum = 2 .* \(mesh.data \* mesh.fsdp = 4\)"
+    ):
+        load_config(base, ["mesh.data=2", "mesh.fsdp=2", "train.grad_accum=8"])
+    # with a -1 (fill) axis the device count decides: checked when the train state is set up
+    cfg = load_config(base, ["mesh.data=-1", "data.batch_size=6"])
+    from effattn_jax.config import check_batch_divides
+
+    check_batch_divides(cfg, {"data": 3, "fsdp": 1, "tensor": 1})
+    with pytest.raises(ConfigError, match="data.batch_size"):
+        check_batch_divides(cfg, {"data": 4, "fsdp": 1, "tensor": 1})
+
+
+def test_unsplittable_dims_warn_once_naming_axis_and_sizes():
+    from effattn_jax.sharding import logical_to_spec
+
+    rules = (("heads", ("tensor",)), ("embed", ("fsdp",)))
+    with pytest.warns(UserWarning, match=r"'heads' \(size 6\) is not split over mesh axis 'tensor' \(size 4"):
+        spec = logical_to_spec(("embed", "heads"), (32, 6), {"data": 1, "fsdp": 2, "tensor": 4}, rules)
+    assert tuple(spec) == ("fsdp", None)
+
+
+def test_layer_spec_and_switch():
+    cfg = load_config(
+        None,
+        [
+            "attention.core=moba",
+            "moba.block_size=64",
+            "attention.last_layers.n=1",
+            "attention.last_layers.kind=mla",
+        ],
+    )
+    assert [cfg.layer_spec(i) for i in range(4)] == [("mha", "moba")] * 3 + [("mla", "moba")]
+    dense = cfg.with_full_attention()
+    assert [dense.layer_spec(i) for i in range(4)] == [("mha", "dense")] * 3 + [("mla", "dense")]

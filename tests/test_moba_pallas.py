@@ -103,9 +103,23 @@ def test_tpu_kernel_in_tpu_interpret_mode(name):
 
 def test_block_sizes_are_checked_and_impls_resolve():
     with pytest.raises(ValueError, match="q_tile"):
-        BlockSizes(q_tile=12)
+        BlockSizes(q_tile=0)
     with pytest.raises(ValueError, match="kv_block"):
-        BlockSizes(kv_block=0)
+        BlockSizes(kv_block=12)  # Mosaic rejects a K/V block whose rows are not a multiple of 8
+    with pytest.raises(ValueError, match="bwd_tile_chunk"):
+        BlockSizes(bwd_tile_chunk=0)
+    BlockSizes(q_tile=12, kv_block=8).check_backend("tpu")  # any q_tile compiles for TPU
+    with pytest.raises(ValueError, match=r"BlockSizes.q_tile \(moba.q_tile\) must be a power of two >= 16"):
+        BlockSizes(q_tile=24, kv_block=64).check_backend("gpu")
+    with pytest.raises(ValueError, match="kv_block"):
+        BlockSizes(q_tile=64, kv_block=8).check_backend("gpu")
+    # checked when compiling for the hardware, not in interpret mode (which accepts any size)
+    q = jnp.zeros((1, 32, 2, 8))
+    r = moba_routing(q, q, block_size=8, top_k=2)
+    bad_for_gpu = BlockSizes(q_tile=8, kv_block=8)
+    with pytest.raises(ValueError, match="power of two >= 16"):
+        moba_pallas(q, q, q, r.own_start, r.past_start, 8, 1.0, "gpu", False, bad_for_gpu)
+    assert moba_pallas(q, q, q, r.own_start, r.past_start, 8, 1.0, "gpu", True, bad_for_gpu).shape == q.shape
     assert resolve_impl("auto", "cpu") == ("xla", None, False)
     assert resolve_impl("auto", "tpu") == ("pallas", "tpu", False)
     assert resolve_impl("auto", "gpu") == ("pallas", "gpu", False)

@@ -1,13 +1,21 @@
 """MoBA inside the model and the training loop: learning, hybrids, resume across the switch."""
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from conftest import tiny_overrides
 from flax import nnx
 
+from effattn_jax import checkpoint
 from effattn_jax.config import ConfigError, load_config
+from effattn_jax.data.pipeline import build_corpus, train_iterator
 from effattn_jax.model import Transformer
+from effattn_jax.sharding import make_mesh
 from effattn_jax.train.loop import Preempted, run
 from effattn_jax.train.metrics import read_scalars
+from effattn_jax.train.state import make_setup
+from effattn_jax.train.step import make_eval_step
 
 MOBA = {"attention.core": "moba", "moba.block_size": 8, "moba.top_k": 2}
 
@@ -16,10 +24,23 @@ def cfg_for(corpus_dir, run_dir, **extra):
     return load_config(None, tiny_overrides(corpus_dir, run_dir, **(MOBA | extra)))
 
 
-def test_moba_model_learns(tmp_path, corpus_dir):
-    run(cfg_for(corpus_dir, tmp_path / "run", **{"train.steps": 12}))
+def test_moba_model_learns_and_is_sparse(tmp_path, corpus_dir):
+    """Learns, and really is MoBA: with the trained weights its loss differs from dense attention's
+    at seq 32 (4 blocks of 8 > top_k 2), while on the first 16 tokens (S <= top_k * block) it is
+    causal attention exactly."""
+    cfg = cfg_for(corpus_dir, tmp_path / "run", **{"train.steps": 12})
+    run(cfg)
     loss = [v for _, v in read_scalars(tmp_path / "run")["loss"]]
     assert sum(loss[-3:]) / 3 < sum(loss[:3]) / 3 - 1.0
+    setup = make_setup(cfg, make_mesh(1, 1, 1))
+    _, state = checkpoint.restore_latest(checkpoint.manager(tmp_path / "run"), setup.abstract_state)
+    moba, dense = (
+        make_setup(c, make_mesh(1, 1, 1)).model(state["params"]) for c in (cfg, cfg.with_full_attention())
+    )
+    tokens = jax.random.randint(jax.random.key(0), (2, 32), 0, 128)
+    lm, ld = moba(tokens), dense(tokens)
+    assert float(jnp.abs(lm[:, 16:] - ld[:, 16:]).max()) > 1e-3
+    np.testing.assert_allclose(lm[:, :16], ld[:, :16], atol=1e-5)
 
 
 def test_switching_core_keeps_the_parameter_tree(tmp_path, corpus_dir):
@@ -32,17 +53,47 @@ def test_switching_core_keeps_the_parameter_tree(tmp_path, corpus_dir):
 
 
 def test_hybrids_train_and_resume_across_the_switch(tmp_path, corpus_dir):
-    """Layer-wise hybrid (last layer dense) plus a MoBA -> dense switch at step 3; a run cut
-    at step 2 and resumed gives the same final loss as an uninterrupted one."""
+    """Layer-wise hybrid (last layer dense) plus a MoBA -> dense switch at step 4.
+
+    The step after the switch trains with dense attention (its logged loss is the dense model's
+    on that batch, not MoBA's); the hybrid's loss differs from both all-MoBA and all-dense on the
+    same weights (each layer runs its own core); a run cut at the switch and resumed ends as an
+    uninterrupted one does."""
     extra = {
         "attention.last_layers.n": 1,
         "attention.last_layers.core": "dense",
-        "moba.full_attention_from_step": 3,
+        "moba.full_attention_from_step": 4,
     }
     full = run(cfg_for(corpus_dir, tmp_path / "full", **extra))
+    cfg = cfg_for(corpus_dir, tmp_path / "cut", **extra)
     with pytest.raises(Preempted):
-        run(cfg_for(corpus_dir, tmp_path / "cut", **extra), stop_at=2)
-    resumed = run(cfg_for(corpus_dir, tmp_path / "cut", **extra))
+        run(cfg, stop_at=4)
+
+    # What step 5 sees: the weights after step 4 and the next batch, under each attention setting.
+    setup = make_setup(cfg, make_mesh(1, 1, 1))
+    corpus = build_corpus(cfg.data)
+    data_iter = train_iterator(corpus.train, batch_size=cfg.data.batch_size, seed=cfg.data.seed)
+    step, state = checkpoint.restore_latest(
+        checkpoint.manager(tmp_path / "cut"), setup.abstract_state, data_iter
+    )
+    assert step == 4
+    batch = next(data_iter)
+    settings = {
+        "hybrid": cfg,
+        "dense": cfg.with_full_attention(),
+        "moba": cfg_for(corpus_dir, tmp_path / "x"),
+    }
+    loss = {}
+    for name, c in settings.items():
+        total, count = make_eval_step(make_setup(c, make_mesh(1, 1, 1)))(state["params"], batch)
+        loss[name] = float(total) / float(count)
+    # 4 steps in, the cores' losses differ by a few 1e-4 nats, far above float32 noise (~1e-6)
+    gap = min(abs(loss["hybrid"] - loss["dense"]), abs(loss["hybrid"] - loss["moba"]))
+    assert gap > 1e-4, loss
+
+    resumed = run(cfg)
+    logged = dict(read_scalars(tmp_path / "cut")["loss"])
+    assert logged[5] == pytest.approx(loss["dense"], abs=2e-5)  # step 5 trained dense
     la, lb = read_scalars(tmp_path / "full")["loss"], read_scalars(tmp_path / "cut")["loss"]
     assert la[-1] == lb[-1] and resumed["val_loss"] == full["val_loss"]
 

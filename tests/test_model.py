@@ -1,3 +1,5 @@
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,7 +10,10 @@ from effattn_jax.attention.eg_mla import EGMLA
 from effattn_jax.attention.mha import MHA
 from effattn_jax.attention.mla import MLA
 from effattn_jax.config import load_config
+from effattn_jax.flops import mean_attended_keys, train_flops_per_token
 from effattn_jax.model import Transformer, param_counts
+from effattn_jax.ops.moba import moba_reference_mask
+from effattn_jax.ops.routing import moba_routing
 from effattn_jax.ops.segments import segment_positions
 
 TINY = [
@@ -96,15 +101,54 @@ def test_bf16_and_remat_match_float32():
     assert all(np.isfinite(v).all() for v in jax.tree.leaves(g))
 
 
-def test_flops_count_attended_keys():
-    from effattn_jax.flops import mean_attended_keys, train_flops_per_token
-
+def test_mean_attended_keys():
     assert mean_attended_keys(4, "dense") == 2.5
     # block 2, top_k 2: positions 0..5 see 1, 2, 1+2, 2+2, 1+2, 2+2 keys
     assert mean_attended_keys(6, "moba", 2, 2) == pytest.approx(17 / 6)
     # MoBA with top_k covering every block is dense
     assert mean_attended_keys(64, "moba", 8, 8) == mean_attended_keys(64, "dense")
-    cfg = load_config(None, TINY + ["data.seq_len=16"])
-    n = 1000
-    want = 6 * (n + 32 * 128) + 6 * 2 * 4 * 8 * 8.5 * 2  # 2 layers, 4 heads x 8 dims, 8.5 keys
-    assert train_flops_per_token(cfg, n) == pytest.approx(want)
+
+
+def counted_attention_flops(cfg, seq_len):
+    """Training FLOPs per token of the attention matmuls, counted from what each layer's core
+    really receives: 3 (fwd + bwd) * 2 * (q/k width + v width) * heads * attended pairs / S,
+    with the pairs summed from the dense causal mask or MoBA's reference mask of the real routing."""
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    total = []
+
+    def recording(core, is_moba):
+        def attend(q, k, v, *, segment_ids, scale=None):
+            if is_moba:
+                routing = moba_routing(q, k, block_size=cfg.moba.block_size, top_k=cfg.moba.top_k)
+                pairs = float(moba_reference_mask(routing, block_size=cfg.moba.block_size).sum()) / q.shape[2]
+            else:
+                pairs = float(jnp.tril(jnp.ones((seq_len, seq_len))).sum())
+            total.append(3 * 2 * (q.shape[-1] + v.shape[-1]) * q.shape[2] * pairs / seq_len)
+            return core.attend(q, k, v, segment_ids=segment_ids, scale=scale)
+
+        return dataclasses.replace(core, attend=attend)
+
+    for i, block in enumerate(model.blocks):
+        block.attn.core = recording(block.attn.core, cfg.layer_spec(i)[1] == "moba")
+    model(jnp.zeros((1, seq_len), jnp.int32))
+    return sum(total), param_counts(model)
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla", "eg_mla"])
+def test_flops_match_an_independent_count(kind):
+    """`train_flops_per_token` against FLOPs counted from the tensors each layer's attention really
+    gets (MLA's q/k width is nope + rope and its v width differs), on a MoBA/dense layer hybrid and
+    after the MoBA -> dense switch."""
+    seq = 16
+    cfg = load_config(
+        None,
+        TINY
+        + [f"attention.kind={kind}", f"data.seq_len={seq}", "attention.core=moba", "moba.block_size=4"]
+        + ["moba.top_k=2", "attention.last_layers.n=1", "attention.last_layers.core=dense"],
+    )
+    for config in (cfg, cfg.with_full_attention()):
+        attention, counts = counted_attention_flops(config, seq)
+        matmuls = 6 * (counts["non_embedding"] + 32 * 128)  # every non-embedding weight, plus the tied head
+        got = train_flops_per_token(config, counts["non_embedding"])
+        assert got == pytest.approx(matmuls + attention, rel=1e-9)
+    assert train_flops_per_token(cfg, 0) < train_flops_per_token(cfg.with_full_attention(), 0)
