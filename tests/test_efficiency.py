@@ -63,21 +63,21 @@ def test_absorbed_decode_reads_less_than_naive():
         cfg = load_config(None, TINY_LATENT + [f"attention.kind={kind}"])
         for absorb in (True, False):
             moved[kind, absorb] = [decode_bytes_accessed(cfg, ctx, absorb=absorb) for ctx in (64, 512)]
-    per_token = {key: (b512 - b64) / (512 - 64) for key, (b64, b512) in moved.items()}
+    per_token = {key: (long - short) / (512 - 64) for key, (short, long) in moved.items()}
     assert moved["mla", False][0] > moved["mla", True][0]
     assert per_token["mla", False] > per_token["mla", True]
     assert per_token["eg_mla", False] > per_token["eg_mla", True]
-    ms = decode_latency(cfg, [8, 32], absorb=True, repeats=1)
-    assert set(ms) == {8, 32} and all(v > 0 for v in ms.values())
+    ms = decode_latency(cfg, [64], absorb=True, repeats=1)
+    assert set(ms) == {64} and ms[64] > 0
 
 
 def test_train_cost_counts_the_gate_table():
-    """A 64-wide gate table on a 4096-word vocabulary is 262K parameters with gradients and two
+    """A 64-wide gate table on a 2048-word vocabulary is 131K parameters with gradients and two
     Adam moments: the compiled step must need more memory than plain MLA's."""
-    big_vocab = ["model.vocab_size=4096", "eg_mla.gate_dim=64"]
+    big_vocab = ["model.vocab_size=2048", "eg_mla.gate_dim=64"]
     mla, eg = (
         train_cost(load_config(None, TINY_LATENT + big_vocab + [f"attention.kind={k}"]), steps=1)
         for k in ("mla", "eg_mla")
     )
-    assert eg["memory_gib"] - mla["memory_gib"] > 3 * 4096 * 64 * 4 / 2**30
+    assert eg["memory_gib"] - mla["memory_gib"] > 3 * 2048 * 64 * 4 / 2**30
     assert eg["tokens_per_s"] > 0 and mla["tokens_per_s"] > 0

@@ -112,26 +112,31 @@ def test_mean_attended_keys():
 def counted_attention_flops(cfg, seq_len):
     """Training FLOPs per token of the attention matmuls, counted from what each layer's core
     really receives: 3 (fwd + bwd) * 2 * (q/k width + v width) * heads * attended pairs / S,
-    with the pairs summed from the dense causal mask or MoBA's reference mask of the real routing."""
+    with the pairs summed from the dense causal mask or MoBA's reference mask of a routing.
+    The model is traced abstractly (shapes only); the masks are built at those shapes."""
     model = Transformer(cfg, rngs=nnx.Rngs(0))
-    total = []
+    seen = []  # (q shape, v width, MoBA?) per layer
 
     def recording(core, is_moba):
         def attend(q, k, v, *, segment_ids, scale=None):
-            if is_moba:
-                routing = moba_routing(q, k, block_size=cfg.moba.block_size, top_k=cfg.moba.top_k)
-                pairs = float(moba_reference_mask(routing, block_size=cfg.moba.block_size).sum()) / q.shape[2]
-            else:
-                pairs = float(jnp.tril(jnp.ones((seq_len, seq_len))).sum())
-            total.append(3 * 2 * (q.shape[-1] + v.shape[-1]) * q.shape[2] * pairs / seq_len)
+            seen.append((q.shape, v.shape[-1], is_moba))
             return core.attend(q, k, v, segment_ids=segment_ids, scale=scale)
 
         return dataclasses.replace(core, attend=attend)
 
     for i, block in enumerate(model.blocks):
         block.attn.core = recording(block.attn.core, cfg.layer_spec(i)[1] == "moba")
-    model(jnp.zeros((1, seq_len), jnp.int32))
-    return sum(total), param_counts(model)
+    jax.eval_shape(model, jnp.zeros((1, seq_len), jnp.int32))
+    total = 0.0
+    for (b, s, h, d_qk), d_v, is_moba in seen:
+        if is_moba:
+            q = jax.random.normal(jax.random.key(0), (b, s, h, d_qk))
+            routing = moba_routing(q, q, block_size=cfg.moba.block_size, top_k=cfg.moba.top_k)
+            pairs = float(moba_reference_mask(routing, block_size=cfg.moba.block_size).sum()) / h
+        else:
+            pairs = float(np.tril(np.ones((s, s))).sum())
+        total += 3 * 2 * (d_qk + d_v) * h * pairs / s
+    return total, param_counts(model)
 
 
 @pytest.mark.parametrize("kind", ["mha", "mla", "eg_mla"])

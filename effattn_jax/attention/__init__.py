@@ -57,7 +57,14 @@ def _moba_core(cfg) -> Core:
     moba = cfg.moba
 
     def decode_mask(q, k_cache, positions):  # the training routing, over the cache
-        r = moba_routing(q, k_cache, block_size=moba.block_size, top_k=moba.top_k, query_positions=positions)
+        r = moba_routing(
+            q,
+            k_cache,
+            block_size=moba.block_size,
+            top_k=moba.top_k,
+            query_positions=positions,
+            query_chunk=moba.routing_chunk,
+        )
         return moba_reference_mask(
             r, block_size=moba.block_size, query_positions=positions, num_keys=k_cache.shape[1]
         )

@@ -171,10 +171,9 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict:
         run_dir, keep_last=ckpt_cfg.keep_last, keep_every=ckpt_cfg.keep_every, async_save=ckpt_cfg.async_save
     )
     step, state = checkpoint.restore_latest(manager, setup.abstract_state, data_iter)
-    if state is None:
+    resumed = state is not None
+    if not resumed:
         step, state = 0, init_state(setup)
-    else:
-        print(f"resumed from step {step} in {run_dir}", file=sys.stderr)
 
     counts = param_counts(setup.model(state["params"]))
     phase_at = _phase_schedule(cfg, setup, counts["non_embedding"])
@@ -187,7 +186,9 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict:
     batch_sharding = setup.batch_sharding()
     writer = ScalarWriter(run_dir)
     stop = _StopFlag()
-    stop.install()
+    stop.install()  # before the "resumed" line: a signal from then on is a clean preemption
+    if resumed:
+        print(f"resumed from step {step} in {run_dir}", file=sys.stderr)
     bar = tqdm(
         total=train_cfg.steps,
         initial=step,
