@@ -20,6 +20,23 @@ WORDS = (
 ).split()
 
 
+# Config overrides of a tiny model (and its MLA / EG-MLA widths) shared by the model tests.
+TINY_MODEL = [
+    "model.vocab_size=128",
+    "model.d_model=32",
+    "model.num_layers=2",
+    "model.num_heads=4",
+    "model.mlp_dim=64",
+]
+TINY_MLA = TINY_MODEL + [
+    "mla.kv_lora_rank=16",
+    "mla.qk_nope_head_dim=8",
+    "mla.qk_rope_head_dim=4",
+    "mla.v_head_dim=6",
+    "eg_mla.gate_dim=8",
+]
+
+
 def write_corpus(root, n_docs=8, words_per_doc=(40, 400), seed=0):
     """Small deterministic text files: train/*.txt and val/*.txt."""
     rng = np.random.default_rng(seed)

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tiny_overrides
+from conftest import TINY_MLA, tiny_overrides
 from flax import nnx
 
 from effattn_jax.config import load_config
@@ -13,19 +13,7 @@ from effattn_jax.generate import Generator, main, sample
 from effattn_jax.model import Transformer, init_cache
 from effattn_jax.train.loop import run
 
-TINY = [
-    "model.vocab_size=128",
-    "model.d_model=32",
-    "model.num_layers=2",
-    "model.num_heads=4",
-    "model.mlp_dim=64",
-    "mla.kv_lora_rank=16",
-    "mla.qk_nope_head_dim=8",
-    "mla.qk_rope_head_dim=4",
-    "mla.v_head_dim=6",
-    "eg_mla.gate_dim=8",
-    "data.seq_len=16",
-]
+TINY = TINY_MLA + ["data.seq_len=16"]
 MOBA = ["attention.core=moba", "moba.block_size=4", "moba.top_k=2"]
 KINDS = {
     "mha": [],

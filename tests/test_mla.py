@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import TINY_MLA
 from flax import nnx
 
 from effattn_jax.config import load_config
@@ -12,18 +13,7 @@ from effattn_jax.model import Transformer, param_counts
 from effattn_jax.ops.dense import causal_segment_mask, masked_attention
 from effattn_jax.ops.segments import segment_positions
 
-TINY = [
-    "model.vocab_size=128",
-    "model.d_model=32",
-    "model.num_layers=2",
-    "model.num_heads=4",
-    "model.mlp_dim=64",
-    "mla.kv_lora_rank=16",
-    "mla.qk_nope_head_dim=8",
-    "mla.qk_rope_head_dim=4",
-    "mla.v_head_dim=6",
-    "eg_mla.gate_dim=8",
-]
+TINY = TINY_MLA
 VARIANTS = {
     "mla": ["attention.kind=mla"],
     "mla_q_lora": ["attention.kind=mla", "mla.q_lora_rank=12"],

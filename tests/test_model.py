@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import TINY_MODEL
 from flax import nnx
 
 from effattn_jax.attention.eg_mla import EGMLA
@@ -16,13 +17,7 @@ from effattn_jax.ops.moba import moba_reference_mask
 from effattn_jax.ops.routing import moba_routing
 from effattn_jax.ops.segments import segment_positions
 
-TINY = [
-    "model.vocab_size=128",
-    "model.d_model=32",
-    "model.num_layers=2",
-    "model.num_heads=4",
-    "model.mlp_dim=64",
-]
+TINY = TINY_MODEL
 
 
 def make(*over):
