@@ -55,7 +55,7 @@ class ModelConfig:
 
 @dataclass
 class LastLayersConfig:
-    """ "The last `n` layers use this kind/core" (empty string = the default)."""
+    """The last `n` layers use this kind and core (an empty string keeps the default)."""
 
     n: int = 0
     kind: str = ""

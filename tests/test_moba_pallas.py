@@ -118,7 +118,9 @@ def test_block_sizes_are_checked_and_impls_resolve():
     q = jnp.zeros((1, 32, 2, 8))
     r = moba_routing(q, q, block_size=8, top_k=2)
     with pytest.raises(ValueError, match="power of two >= 16"):
-        moba_pallas(q, q, q, r.own_start, r.past_start, 8, 1.0, "gpu", False, BlockSizes(q_tile=8, kv_block=8))
+        moba_pallas(
+            q, q, q, r.own_start, r.past_start, 8, 1.0, "gpu", False, BlockSizes(q_tile=8, kv_block=8)
+        )
     assert resolve_impl("auto", "cpu") == ("xla", None, False)
     assert resolve_impl("auto", "tpu") == ("pallas", "tpu", False)
     assert resolve_impl("auto", "gpu") == ("pallas", "gpu", False)

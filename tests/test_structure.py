@@ -101,6 +101,8 @@ ALLOWED = {
     "ops": {"ops", "config", "sharding", "pallas_kernels"},
     "layers": set(),
     "attention": {"attention", "ops", "layers", "config", "sharding", "pallas_kernels"},
+    "model": {"attention", "ops", "layers", "config", "sharding"},
+    "flops": {"config"},
     "data": {"data", "config"},
 }
 
@@ -113,6 +115,13 @@ def test_imports_run_one_way(graph):
         if layer_of(name) in ALLOWED and layer_of(target) not in ALLOWED[layer_of(name)]
     ]
     assert not wrong, "\n".join(wrong)
+
+
+def test_each_kernel_backend_stands_alone(graph):
+    """The GPU kernels do not import the TPU ones (or the reverse): shared code is in common.py."""
+    assert graph["pallas_kernels.moba.gpu"] == {"pallas_kernels.moba.common"}
+    assert graph["pallas_kernels.moba.tpu"] == {"pallas_kernels.moba.common"}
+    assert graph["pallas_kernels.moba.common"] == set()
 
 
 def test_kernels_and_ops_know_nothing_of_flax():

@@ -111,10 +111,11 @@ def _to_global(batch: dict, sharding) -> dict:
 
 
 def evaluate(eval_step, params, batches, sharding) -> float:
+    """Mean token NLL over the validation batches."""
     total, count = 0.0, 0.0
-    for b in batches:
-        s, n = eval_step(params, _to_global(b, sharding))
-        total, count = total + float(s), count + float(n)
+    for batch in batches:
+        loss_sum, tokens = eval_step(params, _to_global(batch, sharding))
+        total, count = total + float(loss_sum), count + float(tokens)
     return total / max(count, 1.0)
 
 
@@ -266,5 +267,5 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict:
 
 
 def final_line(result: dict) -> str:
-    r = result
-    return f"val_loss={r['val_loss']:.4f} unigram_loss={r['unigram_loss']:.4f} run_dir={r['run_dir']}"
+    losses = f"val_loss={result['val_loss']:.4f} unigram_loss={result['unigram_loss']:.4f}"
+    return f"{losses} run_dir={result['run_dir']}"
