@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from effattn_jax.ops.dense import dense_attention
 from effattn_jax.ops.moba import moba_attention
 from effattn_jax.ops.routing import moba_routing
+from pallas_kernels.moba.common import BlockSizes
 
 
 def rand_qkv(seed, b, s, hq, hkv, d, dv=None, dtype=jnp.float32):
@@ -59,6 +60,32 @@ def test_xla_matches_reference_float32(name):
     if name == "batch_rows_route_differently":
         past = moba_routing(q, k, block_size=c, top_k=k_top).past_start
         assert not all(bool((past[0] == past[i]).all()) for i in range(1, b))
+
+
+def test_tile_and_chunk_knobs_change_the_schedule_not_the_result(monkeypatch):
+    """moba.q_tile reaches the XLA path's tiles and moba.routing_chunk the gate's query chunks
+    (small values: several tiles per block, several chunks plus a padded one)."""
+    from effattn_jax.ops import moba_xla
+
+    q_tiles = []
+    schedule = moba_xla.past_tiles
+    monkeypatch.setattr(
+        moba_xla, "past_tiles", lambda *a, **kw: q_tiles.append(kw["q_tile"]) or schedule(*a, **kw)
+    )
+    q, k, v = rand_qkv(3, 2, 50, 2, 1, 8)
+    kw = dict(block_size=4, top_k=3, segment_ids=segments(2, [13, 20, 17]))
+    want = jax.jit(lambda q, k, v: moba_attention(q, k, v, impl="reference", **kw))(q, k, v)
+    xla = lambda q, k, v: moba_attention(
+        q, k, v, impl="xla", block_sizes=BlockSizes(q_tile=3), routing_chunk=7, **kw
+    )
+    got = jax.jit(xla)(q, k, v)
+    assert q_tiles == [3]
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    chunked, whole = (
+        moba_routing(q, k, block_size=4, top_k=3, segment_ids=kw["segment_ids"], query_chunk=chunk)
+        for chunk in (7, 512)
+    )
+    np.testing.assert_array_equal(chunked.past_start, whole.past_start)
 
 
 def test_xla_matches_reference_bfloat16():
