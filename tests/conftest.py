@@ -10,6 +10,18 @@ os.environ["XLA_FLAGS"] = (
 # libtpu (the `tpu` extra, for ahead-of-time TPU compiles) must not probe for TPU hardware here.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # AOT compiles only; no TPU is opened
+# Many tests compile the same tiny programs (train steps of the same tiny model, also in the
+# subprocesses they start): jax's persistent compilation cache, fresh for each test session,
+# compiles each once.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="effattn-test-jax-cache-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
