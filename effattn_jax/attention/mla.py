@@ -25,12 +25,8 @@ class MLA(nnx.Module):
     def __init__(self, cfg, *, core, rngs: nnx.Rngs):
         m, a = cfg.model, cfg.mla
         h, dtype, std = m.num_heads, jnp.dtype(m.dtype), m.init_std
-        self.num_heads, self.nope, self.rope_dim, self.v_dim = (
-            h,
-            a.qk_nope_head_dim,
-            a.qk_rope_head_dim,
-            a.v_head_dim,
-        )
+        self.num_heads, self.v_dim = h, a.v_head_dim
+        self.nope, self.rope_dim = a.qk_nope_head_dim, a.qk_rope_head_dim
         self.dkv = Dense([m.d_model], [a.kv_lora_rank], ("embed", "kv_lora"), rngs=rngs, std=std, dtype=dtype)
         self.kv_norm = RMSNorm(a.kv_lora_rank, eps=m.norm_eps)
         self.kr = Dense(

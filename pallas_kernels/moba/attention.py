@@ -52,14 +52,12 @@ def _plans(own_start, past_start, *, hq, hkv, block_size, bs: BlockSizes, nkb):
     return plans, past
 
 
-def _tile_args(tiles, ck):
+def _tile_inputs(tiles, qf, kf, vf, ck):
+    """The leading arguments every tile kernel takes: (query rows [T, Qt, D], K, V,
+    lo [T, Qt, 1], hi [T, Qt, 1], kv_row [T], first key sub-block [T])."""
     col = lambda x: x[..., None].astype(jnp.int32)
-    return (
-        col(tiles.lo),
-        col(tiles.hi),
-        tiles.kv_row.astype(jnp.int32),
-        (tiles.key_start // ck).astype(jnp.int32),
-    )
+    kv_row, first = tiles.kv_row.astype(jnp.int32), (tiles.key_start // ck).astype(jnp.int32)
+    return _gather_rows(qf, tiles.rows), kf, vf, col(tiles.lo), col(tiles.hi), kv_row, first
 
 
 def _chunked(tiles, chunk):
@@ -89,16 +87,9 @@ def _forward(q, k, v, own_start, past_start, *, block_size, scale, backend, inte
     kern = _kernels(backend)
     outs = []
     for tiles, nsub in plans:
-        lo, hi, kv_row, first = _tile_args(tiles, ck)
         outs.append(
             kern.tile_attention_fwd(
-                _gather_rows(qf, tiles.rows),
-                kf,
-                vf,
-                lo,
-                hi,
-                kv_row,
-                first,
+                *_tile_inputs(tiles, qf, kf, vf, ck),
                 scale=scale,
                 nsub=nsub,
                 block_sizes=block_sizes,
@@ -168,16 +159,11 @@ def _bwd(block_size, scale, backend, interpret, block_sizes, res, d_out):
     def chunk_grads(grads, tiles, nsub):
         """Backward kernels over one chunk of tiles, summed into (dq, dk, dv)."""
         dq, dk, dv = grads
-        lo, hi, kv_row, first = _tile_args(tiles, ck)
+        inputs = _tile_inputs(tiles, qf, kf, vf, ck)
+        kv_row, first = inputs[5:]
         real = (tiles.rows >= 0)[..., None]
         dq_t, dk_t, dv_t = kern.tile_attention_bwd(
-            _gather_rows(qf, tiles.rows),
-            kf,
-            vf,
-            lo,
-            hi,
-            kv_row,
-            first,
+            *inputs,
             _gather_rows(do_f, tiles.rows),
             jnp.where(real, _gather_rows(lse_f, tiles.rows), 0.0),
             jnp.where(real, _gather_rows(delta, tiles.rows), 0.0),
