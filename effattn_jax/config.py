@@ -215,6 +215,11 @@ class Config:
         by_tokens = -(-moba.full_attention_from_tokens // (self.data.batch_size * self.data.seq_len))
         return min((x for x in (moba.full_attention_from_step, by_tokens) if x > 0), default=0)
 
+    def at_step(self, step: int) -> Config:
+        """The attention a checkpoint at `step` was trained with: dense after a MoBA -> dense switch."""
+        switch = self.full_attention_from_step
+        return self.with_full_attention() if switch and step >= switch else self
+
     def with_full_attention(self) -> Config:
         """The same config with every MoBA layer switched to dense (same parameter tree)."""
         cfg = copy.deepcopy(self)

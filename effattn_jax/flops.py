@@ -35,19 +35,39 @@ def attention_widths(cfg: Config, kind: str) -> tuple[int, int]:
     return cfg.mla.qk_nope_head_dim + cfg.mla.qk_rope_head_dim, cfg.mla.v_head_dim
 
 
-def train_flops_per_token(cfg: Config, non_embedding_params: int) -> float:
-    """Model FLOPs of one training token (forward + backward) under this config's cores; after a
-    MoBA -> dense switch, pass `cfg.with_full_attention()`."""
-    model = cfg.model
-    head = model.d_model * model.vocab_size  # output projection (tied or not, it is a matmul)
+def attention_flops_per_token(cfg: Config) -> float:
+    """Score and value matmul FLOPs of one training token (forward + backward), all layers."""
     attn = 0.0
-    for layer in range(model.num_layers):
+    for layer in range(cfg.model.num_layers):
         kind, core = cfg.layer_spec(layer)
         d_qk, d_v = attention_widths(cfg, kind)
         keys = mean_attended_keys(cfg.data.seq_len, core, cfg.moba.block_size, cfg.moba.top_k)
-        attn += 2 * (d_qk + d_v) * model.num_heads * keys
-    return 6.0 * (non_embedding_params + head) + 3.0 * attn
+        attn += 2 * (d_qk + d_v) * cfg.model.num_heads * keys
+    return 3.0 * attn
+
+
+def train_flops_per_token(cfg: Config, non_embedding_params: int) -> float:
+    """Model FLOPs of one training token (forward + backward) under this config's cores; after a
+    MoBA -> dense switch, pass `cfg.with_full_attention()`."""
+    head = cfg.model.d_model * cfg.model.vocab_size  # output projection (tied or not, it is a matmul)
+    return 6.0 * (non_embedding_params + head) + attention_flops_per_token(cfg)
 
 
 def pflops_days(non_embedding_params: int, tokens: float) -> float:
     return 6.0 * non_embedding_params * tokens / PFLOPS_DAY
+
+
+def run_pflops_days(cfg: Config, non_embedding_params: int, step: int, *, attention: bool = False) -> float:
+    """Training compute of a run up to `step`: 6 N D, plus (attention=True) the attention matmuls
+    with MoBA's sparsity, counting the steps after a MoBA -> dense switch as dense."""
+    tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
+    total = pflops_days(non_embedding_params, step * tokens_per_step)
+    if attention:
+        switch = cfg.full_attention_from_step or step
+        before, after = min(step, switch), max(step - switch, 0)
+        flops = (
+            attention_flops_per_token(cfg) * before
+            + attention_flops_per_token(cfg.with_full_attention()) * after
+        )
+        total += flops * tokens_per_step / PFLOPS_DAY
+    return total

@@ -94,12 +94,18 @@ class Transformer(nnx.Module):
         """tokens, positions [B, T] (one document per row) -> (float32 logits [B, T, vocab], caches).
         Writes the tokens' cache entries, then attends over everything cached so far. kw
         (e.g. absorb=False for MLA) goes to the attention modules that take it."""
+        x, caches = self.decode_hidden(tokens, positions, caches, **kw)
+        return self.logits(x), caches
+
+    def decode_hidden(self, tokens: jax.Array, positions: jax.Array, caches: list[dict], **kw):
+        """`decode` without the output head: (hidden states [B, T, d_model] before the final norm,
+        caches), for callers that need logits at a few positions only (`logits(x)` gives them)."""
         x = jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype)
         new = []
         for block, cache in zip(self.blocks, caches, strict=True):
             x, cache = block.decode(x, positions, tokens, cache, **kw)
             new.append(cache)
-        return self.logits(x), new
+        return x, new
 
 
 def init_cache(model: Transformer, batch: int, max_len: int, dtype=jnp.float32) -> list[dict]:

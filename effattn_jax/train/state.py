@@ -74,6 +74,19 @@ def param_specs(cfg: Config, mesh: Mesh) -> tuple[Any, dict]:
     return graphdef, traversals.unflatten_mapping(flat)
 
 
+def abstract_params(cfg: Config, mesh: Mesh) -> tuple[Any, dict]:
+    """(graphdef, pure dict of ShapeDtypeStructs sharded over `mesh`): what a restore targets."""
+    graphdef, pspecs = param_specs(cfg, mesh)
+    shapes = jax.eval_shape(lambda: nnx.to_pure_dict(nnx.split(_new_model(cfg))[1]))
+    is_spec = lambda x: isinstance(x, PartitionSpec)
+    return graphdef, jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s)),
+        shapes,
+        pspecs,
+        is_leaf=is_spec,
+    )
+
+
 def make_setup(cfg: Config, mesh: Mesh) -> TrainSetup:
     """Raises ConfigError (before anything compiles) when the batch does not split over the mesh."""
     check_batch_divides(cfg, dict(mesh.shape))

@@ -1,0 +1,66 @@
+"""`python -m eval <command> ...`: evaluate runs' checkpoints and draw the papers' figures.
+
+    lm-loss     validation loss: overall, by in-document position, trailing
+    downstream  zero-shot accuracy on the seven tasks of the EG-MLA paper's average (+ SciQ, LAMBADA)
+    curves      accuracy and validation loss against training tokens, every kept checkpoint
+    scaling     loss against training compute, power-law fits per attention kind
+    report      the EG-MLA four-panel figure and its table
+
+The benchmark scripts stay modules of their own: `python -m eval.efficiency`, `eval.bench_train`,
+`eval.bench_attention`, `eval.aot_compile`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+COMMANDS = {
+    "lm-loss": "eval.lm_loss",
+    "downstream": "eval.downstream",
+    "curves": "eval.curves",
+    "scaling": "eval.scaling",
+    "report": "eval.report",
+}
+
+
+def main(argv=None) -> int:
+    import importlib
+
+    parser = argparse.ArgumentParser(
+        prog="python -m eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    modules = {}
+    for name, module in COMMANDS.items():
+        modules[name] = importlib.import_module(module)
+        doc = (modules[name].__doc__ or "").strip().splitlines()[0]
+        modules[name].add_arguments(
+            sub.add_parser(
+                name,
+                help=doc,
+                description=modules[name].__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter,
+            )
+        )
+    args = parser.parse_args(argv)
+    from absl import logging as absl_logging
+
+    absl_logging.set_verbosity(absl_logging.ERROR)  # Orbax's read-only notices: not the user's concern
+    from effattn_jax.checkpoint import CheckpointError
+    from effattn_jax.config import ConfigError
+    from effattn_jax.data.corpus import DataError
+    from eval.tasks import TaskError
+
+    try:
+        return modules[args.command].command(args)
+    except (CheckpointError, ConfigError, DataError, TaskError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""Average downstream accuracy and validation loss against training tokens, every kept
+checkpoint of each run, one line per run labelled by its attention (the EG-MLA paper's
+accuracy-vs-tokens panel). Keep milestones with `checkpoint.keep_every`. Each checkpoint's
+results are cached in <run>/eval/, so a rerun (or `report`) only evaluates new checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from effattn_jax import checkpoint
+from eval.runs import cached
+
+
+def _step_point(run_dir: Path, step: int, names: list[str], limit: int | None, bucket: int) -> dict:
+    """Tokens seen, average accuracy and validation loss of one kept step (each cached)."""
+    import functools
+
+    from flax import nnx
+
+    from effattn_jax.sharding import make_mesh
+    from eval.downstream import run_downstream
+    from eval.lm_loss import lm_loss
+
+    load = functools.cache(lambda: checkpoint.load_params(run_dir, step))  # only if a result is missing
+
+    def downstream():
+        cfg, graphdef, params = load()
+        return run_downstream(nnx.merge(graphdef, params), cfg, names, limit=limit, progress=False)
+
+    def loss():
+        cfg, graphdef, params = load()
+        mesh = make_mesh(1, 1, 1)
+        return lm_loss(cfg, graphdef, params, mesh, seq_len=cfg.data.seq_len, bucket=bucket, progress=False)
+
+    cfg = checkpoint.load_run_config(run_dir, step)
+    acc = cached(run_dir, step, "downstream", {"tasks": names, "limit": limit}, downstream)
+    val = cached(run_dir, step, "lm_loss", {"seq_len": cfg.data.seq_len, "bucket": bucket}, loss)
+    tokens = step * cfg.data.batch_size * cfg.data.seq_len
+    return {"step": step, "tokens": tokens, "avg_acc": acc["avg_acc"], "val_loss": val["loss"]}
+
+
+def checkpoint_points(
+    run_dir: Path, names: list[str], limit: int | None, *, bucket: int = 2048
+) -> list[dict]:
+    """One point per kept step of a run."""
+    return [_step_point(run_dir, step, names, limit, bucket) for step in checkpoint.kept_steps(run_dir)]
+
+
+def collect(runs: list[Path], names: list[str], limit: int | None) -> list[dict]:
+    """Per run: its label, scale and checkpoint points."""
+    from flax import nnx
+    from tqdm import tqdm
+
+    from effattn_jax.model import Transformer, param_counts
+    from eval.scaling import attention_label
+
+    out = []
+    for run in tqdm(runs, desc="runs"):
+        steps = checkpoint.kept_steps(run)
+        cfg = checkpoint.load_run_config(run, steps[-1])
+        counts = param_counts(nnx.eval_shape(lambda cfg=cfg: Transformer(cfg, rngs=nnx.Rngs(0))))
+        out.append(
+            {
+                "run": str(run),
+                "label": attention_label(cfg),
+                "params": counts,
+                "points": checkpoint_points(run, names, limit),
+            }
+        )
+    return out
+
+
+def scale_note(runs: list[dict]) -> str:
+    params = [r["params"]["total"] for r in runs]
+    tokens = [p["tokens"] for r in runs for p in r["points"]]
+    return f"scale: {min(params):,}-{max(params):,} params, up to {max(tokens):,} tokens"
+
+
+def plot(runs: list[dict], path: Path, limit: int | None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (acc_ax, loss_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for r in runs:
+        tokens = [p["tokens"] for p in r["points"]]
+        acc_ax.plot(tokens, [100 * p["avg_acc"] for p in r["points"]], "o-", label=r["label"])
+        loss_ax.plot(tokens, [p["val_loss"] for p in r["points"]], "o-", label=r["label"])
+    acc_ax.set_xlabel("training tokens")
+    acc_ax.set_ylabel("avg. accuracy (%)" + (f", {limit} questions/task" if limit else ""))
+    loss_ax.set_xlabel("training tokens")
+    loss_ax.set_ylabel("validation loss (nats/token)")
+    acc_ax.legend(fontsize=8)
+    fig.suptitle(scale_note(runs), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_table(runs: list[dict], out: Path, stem: str) -> None:
+    (out / f"{stem}.json").write_text(json.dumps(runs, indent=1))
+    with open(out / f"{stem}.csv", "w") as f:
+        f.write("label,run,step,tokens,avg_acc,val_loss\n")
+        for r in runs:
+            for p in r["points"]:
+                f.write(
+                    f"{r['label']},{r['run']},{p['step']},{p['tokens']},{p['avg_acc']:.6f},{p['val_loss']:.6f}\n"
+                )
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--runs", required=True, help="run directories (globs), comma-separated")
+    p.add_argument(
+        "--tasks", default=None, help="comma-separated names, or all (default: the seven of the average)"
+    )
+    p.add_argument("--limit", type=int, default=None, help="a fixed, seeded subset of K questions per task")
+    p.add_argument("--out", default="eval_out/curves", help="directory for curves.png/.json/.csv")
+
+
+def command(args) -> int:
+    from eval.scaling import expand_runs
+    from eval.tasks import parse_tasks
+
+    names = parse_tasks(args.tasks)
+    runs = collect(expand_runs(args.runs), names, args.limit)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_table(runs, out, "curves")
+    plot(runs, out / "curves.png", args.limit)
+    for r in runs:
+        last = r["points"][-1]
+        print(
+            f"{r['label']}: {len(r['points'])} checkpoints, last step {last['step']}: "
+            f"avg_acc={last['avg_acc']:.4f} val_loss={last['val_loss']:.4f}"
+        )
+    print(f"wrote {out / 'curves.png'} {out / 'curves.json'} {out / 'curves.csv'}")
+    return 0

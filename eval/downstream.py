@@ -1,0 +1,184 @@
+"""Zero-shot multiple-choice accuracy on the downstream tasks, by log-likelihood.
+
+For each question every choice's continuation is scored given its context (eval/scoring.py);
+the prediction is the choice with the highest
+- `acc`: sum of the continuation's token log-probs,
+- `acc_norm`: that sum divided by the continuation's length in characters
+  (lm-evaluation-harness's per-character normalisation),
+each with its standard error sqrt(p (1 - p) / (n - 1)). The average is the EG-MLA paper's
+"Avg. Accuracy" (AVERAGE_RULE). SciQ and LAMBADA are reported beside it; LAMBADA's figures are
+last-word accuracy (every continuation token is the greedy choice) and perplexity
+exp(-mean log-likelihood of the last word).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from eval.scoring import encode_requests, score_requests
+from eval.tasks import TASKS, Task, load_task
+
+AVERAGE_RULE = (
+    "avg_acc: mean of acc_norm (piqa, arc_easy, arc_challenge, hellaswag, siqa) and acc (winogrande, mmlu); "
+    "sciq and lambada are not in it"
+)
+
+
+def stderr(correct: np.ndarray) -> float:
+    n = len(correct)
+    p = float(np.mean(correct)) if n else 0.0
+    return math.sqrt(p * (1 - p) / (n - 1)) if n > 1 else 0.0
+
+
+def choice_metrics(logprobs: list[np.ndarray], char_lengths: list[np.ndarray], gold: np.ndarray) -> dict:
+    """acc / acc_norm and their standard errors from each question's per-choice scores."""
+    pred = np.array([int(np.argmax(lp)) for lp in logprobs])
+    pred_norm = np.array(
+        [int(np.argmax(lp / np.maximum(n, 1))) for lp, n in zip(logprobs, char_lengths, strict=True)]
+    )
+    acc, acc_norm = (pred == gold).astype(float), (pred_norm == gold).astype(float)
+    return {
+        "acc": float(acc.mean()),
+        "acc_stderr": stderr(acc),
+        "acc_norm": float(acc_norm.mean()),
+        "acc_norm_stderr": stderr(acc_norm),
+    }
+
+
+@dataclass
+class TaskResult:
+    name: str
+    split: str
+    questions: int
+    continuations: int
+    metrics: dict
+
+    def row(self) -> dict:
+        return {
+            "task": self.name,
+            "split": self.split,
+            "questions": self.questions,
+            "continuations": self.continuations,
+            **self.metrics,
+        }
+
+
+def evaluate_task(
+    model, tokenizer, eos: int, task: Task, *, max_len: int, progress: bool = True
+) -> tuple[TaskResult, dict]:
+    """(result, throughput figures) of one task."""
+    pairs = [(c, x) for q in task.questions for c, x in zip(q.contexts, q.continuations, strict=True)]
+    requests = encode_requests(tokenizer, eos, pairs)
+    start = time.perf_counter()
+    scores = score_requests(model, requests, max_len=max_len, desc=task.name, progress=progress)
+    seconds = time.perf_counter() - start
+    if task.name == "lambada":
+        lp = scores.logprob
+        metrics = {
+            "acc": float(scores.greedy.mean()),
+            "acc_stderr": stderr(scores.greedy.astype(float)),
+            "perplexity": float(np.exp(-lp.mean())),
+        }
+    else:
+        bounds = np.cumsum([0] + [len(q.continuations) for q in task.questions])
+        logprobs = [scores.logprob[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+        chars = [np.array([len(x) for x in q.continuations]) for q in task.questions]
+        metrics = choice_metrics(logprobs, chars, np.array([q.gold for q in task.questions]))
+    speed = {
+        "seconds": seconds,
+        "tokens": int(scores.context_tokens + scores.tokens.sum()),
+        "continuations": len(requests),
+        "truncated_contexts": scores.truncated,
+    }
+    return TaskResult(task.name, task.split, len(task.questions), len(requests), metrics), speed
+
+
+def average_accuracy(results: dict[str, TaskResult]) -> float:
+    """The paper's average (AVERAGE_RULE) over the evaluated tasks that belong to it (nan if none)."""
+    picks = [r.metrics[TASKS[name][1]] for name, r in results.items() if TASKS[name][1]]
+    return float(np.mean(picks)) if picks else float("nan")
+
+
+def run_downstream(model, cfg, names: list[str], *, limit: int | None, progress: bool = True) -> dict:
+    """Every figure of one checkpoint on the named tasks, as a JSON-ready dict."""
+    from effattn_jax.data.tokenizer import load_tokenizer
+
+    tokenizer, eos, _ = load_tokenizer(cfg.data.tokenizer)
+    results, speed = {}, {}
+    for name in names:
+        task = load_task(name, limit=limit)
+        results[name], speed[name] = evaluate_task(
+            model, tokenizer, eos, task, max_len=cfg.data.seq_len, progress=progress
+        )
+    seconds = sum(s["seconds"] for s in speed.values())
+    tokens = sum(s["tokens"] for s in speed.values())
+    continuations = sum(r.continuations for r in results.values())
+    return {
+        "avg_acc": average_accuracy(results),
+        "average_rule": AVERAGE_RULE,
+        "tasks": [results[n].row() | {"source_split": results[n].split} for n in names],
+        "limit": limit,
+        "continuations": continuations,
+        "seconds": seconds,
+        "tokens_per_sec": tokens / seconds if seconds else float("nan"),
+        "continuations_per_sec": continuations / seconds if seconds else float("nan"),
+        "speed": speed,
+    }
+
+
+def format_report(report: dict) -> str:
+    """The table, the averaging rule, and the last line scripts parse."""
+    lines = [f"{'task':<14} {'split':<10} {'questions':>9} {'contin.':>8} {'acc':>15} {'acc_norm':>15}"]
+    for r in report["tasks"]:
+        norm = (
+            f"{r['acc_norm']:.4f}±{r['acc_norm_stderr']:.4f}"
+            if "acc_norm" in r
+            else f"ppl {r['perplexity']:.2f}"
+        )
+        lines.append(
+            f"{r['task']:<14} {r['split']:<10} {r['questions']:>9} {r['continuations']:>8} "
+            f"{r['acc']:.4f}±{r['acc_stderr']:.4f} {norm:>15}"
+        )
+    lines.append(report["average_rule"])
+    lines.append(
+        f"avg_acc={report['avg_acc']:.4f} tasks={len(report['tasks'])} "
+        f"continuations={report['continuations']} seconds={report['seconds']:.1f}"
+    )
+    return "\n".join(lines)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--run", required=True, help="run directory")
+    p.add_argument("--step", default="latest", help="N, latest or all (kept checkpoints)")
+    p.add_argument(
+        "--tasks", default=None, help="comma-separated names, or all (default: the seven of the average)"
+    )
+    p.add_argument("--limit", type=int, default=None, help="a fixed, seeded subset of K questions per task")
+    p.add_argument("--json", default=None, help="write every figure to this file")
+
+
+def command(args) -> int:
+    import json
+
+    from effattn_jax import checkpoint
+    from eval.tasks import parse_tasks
+
+    names = parse_tasks(args.tasks)
+    if args.limit is not None and args.limit <= 0:
+        raise ValueError(f"--limit={args.limit}: must be positive")
+    reports = []
+    for step in checkpoint.select_steps(args.run, args.step):
+        cfg, graphdef, params = checkpoint.load_params(args.run, step)
+        from flax import nnx
+
+        report = run_downstream(nnx.merge(graphdef, params), cfg, names, limit=args.limit) | {"step": step}
+        reports.append(report)
+        print(format_report(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(reports if len(reports) > 1 else reports[0], f, indent=1)
+    return 0

@@ -1,0 +1,204 @@
+"""The eval suite: prefix-shared scoring against a plain forward pass, the accuracy metrics,
+position-wise loss, power-law fits, loading a sharded run on one device, and the CLI's
+figures from tiny runs made here."""
+
+import json
+import math
+
+import jax
+import numpy as np
+import pytest
+from conftest import TINY_MLA, tiny_overrides
+from flax import nnx
+
+from effattn_jax import checkpoint
+from effattn_jax.config import load_config
+from effattn_jax.model import Transformer
+from effattn_jax.sharding import make_mesh
+from effattn_jax.train.loop import run
+from eval.__main__ import main as eval_main
+from eval.downstream import average_accuracy, choice_metrics
+from eval.lm_loss import lm_loss, position_report, token_nll
+from eval.scaling import fit_power_law
+from eval.scoring import direct_loglikelihood, score_requests
+
+
+def _requests(rng, vocab, n_questions=7):
+    """Questions of 1-4 choices sharing a context (one of a single choice, as WinoGrande), and
+    lengths that cross the padding buckets; contexts up to 30 tokens, continuations up to 12."""
+    out = []
+    for q in range(n_questions):
+        ctx = tuple(int(t) for t in rng.integers(0, vocab, int(rng.integers(1, 31))))
+        for _ in range(1 if q == 0 else int(rng.integers(2, 5))):
+            out.append((ctx, tuple(int(t) for t in rng.integers(0, vocab, int(rng.integers(1, 13))))))
+    return out
+
+
+@pytest.mark.parametrize("kind,core", [("mha", "dense"), ("eg_mla", "moba")])
+def test_prefix_shared_scoring_equals_direct_forward(kind, core):
+    overrides = [
+        *TINY_MLA,
+        f"attention.kind={kind}",
+        f"attention.core={core}",
+        "moba.block_size=8",
+        "moba.top_k=2",
+    ]
+    model = Transformer(load_config(None, overrides), rngs=nnx.Rngs(1))
+    requests = _requests(np.random.default_rng(0), 128)
+    scores = score_requests(model, requests, max_len=64, progress=False)
+    direct = [direct_loglikelihood(model, c, x) for c, x in requests]
+    np.testing.assert_allclose(scores.logprob, [lp for lp, _ in direct], rtol=1e-4, atol=1e-4)
+    assert list(scores.tokens) == [len(x) for _, x in requests]
+    assert list(scores.greedy) == [greedy for _, greedy in direct]
+
+
+def test_contexts_are_cut_from_the_left_to_fit():
+    model = Transformer(load_config(None, TINY_MLA), rngs=nnx.Rngs(1))
+    ctx, cont = tuple(range(1, 41)), (5, 6, 7)
+    scores = score_requests(model, [(ctx, cont)], max_len=16, progress=False)
+    assert scores.truncated == 1
+    np.testing.assert_allclose(scores.logprob[0], direct_loglikelihood(model, ctx[-13:], cont)[0], rtol=1e-4)
+
+
+def test_accuracy_metrics_on_a_hand_made_task():
+    # q1: acc right (-1 > -2), acc_norm wrong (-1/1 < -2/10); q2: both right; q3: both wrong
+    logprobs = [np.array([-1.0, -2.0]), np.array([-5.0, -3.0]), np.array([-2.0, -4.0, -9.0])]
+    chars = [np.array([1, 10]), np.array([5, 5]), np.array([1, 8, 9])]
+    m = choice_metrics(logprobs, chars, np.array([0, 1, 2]))
+    assert m["acc"] == pytest.approx(2 / 3) and m["acc_norm"] == pytest.approx(1 / 3)
+    # sample standard error of a mean of 0/1 values: sqrt(p (1 - p) / (n - 1))
+    assert m["acc_stderr"] == pytest.approx(math.sqrt(2 / 9 / 2))
+    assert m["acc_norm_stderr"] == pytest.approx(math.sqrt(2 / 9 / 2))
+
+
+def test_average_takes_each_tasks_own_metric():
+    from eval.downstream import TaskResult
+
+    def result(name, acc, acc_norm):
+        return TaskResult(name, "validation", 1, 2, {"acc": acc, "acc_norm": acc_norm})
+
+    results = {
+        "piqa": result("piqa", 0.0, 0.5),  # acc_norm counts
+        "winogrande": result("winogrande", 0.7, 0.0),  # acc counts
+        "sciq": result("sciq", 1.0, 1.0),  # not in the average
+    }
+    assert average_accuracy(results) == pytest.approx(0.6)
+
+
+def test_position_wise_loss_of_a_constant_model_is_analytic():
+    rng = np.random.default_rng(0)
+    vocab, seq_len, bucket = 11, 20, 8
+    logp = np.log(rng.dirichlet(np.ones(vocab)))
+    docs = [rng.integers(0, vocab, n).astype(np.int32) for n in (3, 9, 21, 40, 17, 30)]
+    from eval.lm_loss import document_rows
+
+    tokens, counts = document_rows(docs, seq_len)
+    nll, mask = token_nll(
+        lambda inputs, targets: -logp[targets], tokens, counts, batch_size=4, progress=False
+    )
+    report = position_report(nll, mask, bucket)
+    for b in report["buckets"]:  # positions [start, end): predictions of tokens start+1 .. end
+        targets = [
+            d[i + 1] for d in docs for i in range(b["start"], b["end"]) if i + 1 < min(len(d), seq_len + 1)
+        ]
+        assert b["tokens"] == len(targets)
+        assert b["loss"] == pytest.approx(-logp[targets].mean())
+    full = [d for d in docs if len(d) >= seq_len + 1]
+    trailing = [d[i + 1] for d in full for i in range(seq_len - bucket, seq_len)]
+    assert report["trailing"]["documents"] == len(full) == 3
+    assert report["trailing"]["loss"] == pytest.approx(-logp[trailing].mean())
+    every = [d[i + 1] for d in docs for i in range(min(len(d), seq_len + 1) - 1)]
+    assert report["loss"] == pytest.approx(-logp[every].mean()) and report["tokens"] == len(every)
+
+
+def test_power_law_fit_recovers_a_and_b():
+    c = np.geomspace(0.01, 10, 6)
+    exact = fit_power_law(c, 2.6 * c**-0.063)
+    assert exact["a"] == pytest.approx(2.6, rel=1e-9) and exact["b"] == pytest.approx(-0.063, abs=1e-9)
+    noisy = 2.6 * c**-0.063 * np.exp(np.random.default_rng(0).normal(0, 0.002, len(c)))
+    fit = fit_power_law(c, noisy)
+    assert fit["a"] == pytest.approx(2.6, rel=0.02) and fit["b"] == pytest.approx(-0.063, abs=0.005)
+    assert 0 < fit["b_stderr"] < 0.01  # and the stated uncertainty covers the truth
+    assert abs(fit["b"] + 0.063) < 4 * fit["b_stderr"]
+
+
+def _train(corpus_dir, run_dir, **extra):
+    return run(load_config(None, tiny_overrides(corpus_dir, run_dir, **extra)))
+
+
+def test_run_saved_on_eight_devices_evaluates_the_same_on_one(tmp_path, corpus_dir):
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 (simulated) devices")
+    run_dir = tmp_path / "run"
+    _train(corpus_dir, run_dir, **{"train.steps": 2, "mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2})
+    losses = {}
+    for sizes in ((2, 2, 2), (1, 1, 1)):
+        mesh = make_mesh(*sizes)
+        cfg, graphdef, params = checkpoint.load_params(run_dir, 2, mesh)
+        assert {d for leaf in jax.tree.leaves(params) for d in leaf.devices()} == set(mesh.devices.flat)
+        losses[sizes] = lm_loss(cfg, graphdef, params, mesh, seq_len=32, bucket=16, progress=False)
+    assert losses[(1, 1, 1)]["loss"] == pytest.approx(losses[(2, 2, 2)]["loss"], rel=1e-5)
+    assert losses[(1, 1, 1)]["tokens"] == losses[(2, 2, 2)]["tokens"] > 0
+
+
+def test_bad_runs_and_steps_fail_with_one_line(tmp_path, corpus_dir, capsys):
+    assert eval_main(["lm-loss", "--run", str(tmp_path / "missing")]) == 2
+    assert "not a run directory" in capsys.readouterr().err
+    _train(corpus_dir, tmp_path / "run", **{"train.steps": 2})
+    assert eval_main(["downstream", "--run", str(tmp_path / "run"), "--step", "7"]) == 2
+    assert "no checkpoint at step 7; kept steps: [2]" in capsys.readouterr().err
+    saved_config = tmp_path / "run" / "checkpoints" / "2" / "config" / "metadata"  # Orbax's JsonSave file
+    saved = json.loads(saved_config.read_text())
+    saved["model"]["no_such_key"] = 1  # a config this version cannot read
+    saved_config.write_text(json.dumps(saved))
+    assert eval_main(["lm-loss", "--run", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "cannot read the run's config" in err and "no_such_key" in err and len(err.strip().splitlines()) == 1
+    )
+
+
+def test_figure_commands_write_png_and_data(tmp_path, corpus_dir, capsys):
+    runs = tmp_path / "runs"
+    keep = {"checkpoint.every_steps": 2, "checkpoint.keep_every": 2}
+    _train(corpus_dir, runs / "mha_small", **{"train.steps": 2, **keep})
+    _train(corpus_dir, runs / "mha_long", **{"train.steps": 4, **keep})
+    _train(
+        corpus_dir, runs / "egmla", **{"train.steps": 2, "attention.kind": "eg_mla", **TINY_MLA_KEYS, **keep}
+    )
+    tasks = ["--tasks", "piqa,winogrande", "--limit", "3"]
+
+    assert (
+        eval_main(["downstream", "--run", str(runs / "mha_long"), *tasks, "--json", str(tmp_path / "d.json")])
+        == 0
+    )
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("avg_acc=") and " tasks=2 continuations=12 seconds=" in last
+    d = json.loads((tmp_path / "d.json").read_text())
+    assert [t["split"] for t in d["tasks"]] == ["validation", "validation"]
+
+    out = tmp_path / "out"
+    assert (
+        eval_main(["curves", "--runs", f"{runs}/mha_long,{runs}/egmla", *tasks, "--out", str(out / "c")]) == 0
+    )
+    curves = json.loads((out / "c" / "curves.json").read_text())
+    assert [len(r["points"]) for r in curves] == [2, 1]  # every kept checkpoint
+    assert eval_main(["scaling", "--runs", f"{runs}/mha_*", "--out", str(out / "s")]) == 0
+    scaling = json.loads((out / "s" / "scaling.json").read_text())
+    assert scaling["fits"]["mha dense"]["points"] == 2
+    assert (
+        eval_main(["report", "--runs", f"{runs}/*", *tasks, "--context", "64", "--out", str(out / "r")]) == 0
+    )
+    for path in (
+        "c/curves.png",
+        "c/curves.csv",
+        "s/scaling.png",
+        "s/scaling.csv",
+        "r/report.png",
+        "r/report.md",
+    ):
+        assert (out / path).stat().st_size > 0, path
+    assert "scale:" in (out / "r" / "report.md").read_text()
+
+
+TINY_MLA_KEYS = dict(o.split("=", 1) for o in TINY_MLA if o.startswith(("mla.", "eg_mla.")))
