@@ -86,9 +86,12 @@ class Transformer(nnx.Module):
         return constrain(self.logits(x), ("batch", "length", "vocab"), self.rules)
 
     def logits(self, x):
-        x = self.final_norm(x)
+        return jnp.dot(self.final_norm(x), self.output_projection(), preferred_element_type=jnp.float32)
+
+    def output_projection(self) -> jax.Array:
+        """[d_model, vocab] in the compute dtype: the tied embedding's transpose or the head."""
         w = self.embed[...].T if self.lm_head is None else self.lm_head[...]
-        return jnp.dot(x, w.astype(self.dtype), preferred_element_type=jnp.float32)
+        return w.astype(self.dtype)
 
     def decode(self, tokens: jax.Array, positions: jax.Array, caches: list[dict], **kw):
         """tokens, positions [B, T] (one document per row) -> (float32 logits [B, T, vocab], caches).

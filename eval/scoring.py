@@ -32,8 +32,9 @@ from tqdm import tqdm
 from effattn_jax.model import init_cache
 
 TOKEN_BUDGET = 8192  # context (and continuation) tokens per batch, padding included
-HEAD_CHUNK = 512  # output-head rows per step: [512, vocab] float32 logits at a time
-HEAD_ROWS = 8 * HEAD_CHUNK  # continuation positions per output-head call
+HEAD_CHUNK = 1024  # output-head rows per step
+VOCAB_TILE = 2048  # output-head columns per step: [1024, <=2048] float32 logits at a time
+HEAD_ROWS = 4 * HEAD_CHUNK  # continuation positions per output-head call
 
 
 @dataclass
@@ -136,18 +137,37 @@ def _hidden(graphdef, params, ctx, ctx_len, cont, prefix):
     return jnp.concatenate([h_first[:, None], h_cont[:, :-1]], axis=1)
 
 
+def _vocab_tile(vocab: int) -> int:
+    """The largest divisor of the vocabulary up to VOCAB_TILE (the whole vocabulary if small)."""
+    tile = max(t for t in range(1, min(vocab, VOCAB_TILE) + 1) if vocab % t == 0)
+    return tile if tile >= 256 else vocab
+
+
 @functools.partial(jax.jit, static_argnums=0)
 def _head(graphdef, params, h, targets):
-    """(log p(target), target is the argmax) per row of h [HEAD_ROWS, d], HEAD_CHUNK rows at a time."""
+    """(log p(target), target is the argmax) per row of h [HEAD_ROWS, d]: HEAD_CHUNK rows at a
+    time, the vocabulary in tiles with a running max and sum of exponentials (an online
+    logsumexp), so no [rows, vocab] logits are ever held and each tile stays in cache."""
     m = nnx.merge(graphdef, params)
+    rows = m.output_projection().T  # [V, d]: the tied embedding itself
+    vt = _vocab_tile(rows.shape[0])
+    tiles = rows.reshape(-1, vt, rows.shape[1])  # [V / vt, vt, d]
 
-    def chunk(args):  # log p = logit - logsumexp; greedy when the target's logit is the max
-        hc, tc = args
-        logits = m.logits(hc)
-        top = jnp.max(logits, axis=-1)
-        lse = top + jnp.log(jnp.sum(jnp.exp(logits - top[:, None]), axis=-1))
-        target = jnp.take_along_axis(logits, tc[:, None], axis=-1)[:, 0]
-        return target - lse, target >= top
+    def chunk(args):
+        x, t = args
+        x = m.final_norm(x)
+
+        def tile(carry, wt):
+            top, total = carry
+            logits = jnp.einsum("nd,vd->nv", x, wt, preferred_element_type=jnp.float32)
+            new_top = jnp.maximum(top, logits.max(-1))
+            total = total * jnp.exp(top - new_top) + jnp.exp(logits - new_top[:, None]).sum(-1)
+            return (new_top, total), None
+
+        start = (jnp.full(x.shape[:1], -jnp.inf), jnp.zeros(x.shape[:1]))
+        (top, total), _ = jax.lax.scan(tile, start, tiles)
+        target = jnp.einsum("nd,nd->n", x, rows[t], preferred_element_type=jnp.float32)
+        return target - (top + jnp.log(total)), target >= top
 
     lp, greedy = jax.lax.map(chunk, (h.reshape(-1, HEAD_CHUNK, h.shape[-1]), targets.reshape(-1, HEAD_CHUNK)))
     return lp.reshape(-1), greedy.reshape(-1)
