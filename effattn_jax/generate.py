@@ -83,18 +83,12 @@ class Generator:
 
 
 def load_run(run_dir: str) -> tuple[Transformer, object]:
-    """The newest checkpoint's model (parameters restored) and resolved config of a run."""
+    """The newest checkpoint's model (parameters only, on this process's first device) and config."""
     from effattn_jax import checkpoint
-    from effattn_jax.config import config_from_dict
-    from effattn_jax.sharding import make_mesh
-    from effattn_jax.train.state import make_setup
 
-    cfg = config_from_dict(checkpoint.restore_config(run_dir))
-    setup = make_setup(cfg, make_mesh(1, 1, 1))
-    step, state = checkpoint.restore_latest(checkpoint.manager(run_dir, read_only=True), setup.abstract_state)
-    if state is None:
-        raise checkpoint.CheckpointError(f"{run_dir}: no checkpoint to load")
-    return setup.model(state["params"]), cfg
+    step = checkpoint.kept_steps(run_dir)[-1]
+    cfg, graphdef, params = checkpoint.load_params(run_dir, step)
+    return nnx.merge(graphdef, params), cfg
 
 
 def main(argv=None) -> int:
@@ -109,9 +103,14 @@ def main(argv=None) -> int:
         "--naive", action="store_true", help="MLA: rebuild per-head K/V instead of weight absorption"
     )
     args = p.parse_args(argv)
+    from effattn_jax.checkpoint import CheckpointError
     from effattn_jax.data.tokenizer import load_tokenizer
 
-    model, cfg = load_run(args.run)
+    try:
+        model, cfg = load_run(args.run)
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     tok, _, _ = load_tokenizer(cfg.data.tokenizer)
     prompts = [tok.encode(t, add_special_tokens=False).ids for t in args.prompt]
     outs = Generator(model, absorb=not args.naive).generate(

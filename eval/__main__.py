@@ -27,6 +27,18 @@ COMMANDS = {
 }
 
 
+def _persistent_compilation_cache() -> None:
+    """Compiled scoring programs are kept across runs (a rerun, or curves over many checkpoints in
+    separate processes, compiles nothing): jax's persistent cache under the data cache, unless
+    JAX_COMPILATION_CACHE_DIR already says where."""
+    import jax
+
+    from effattn_jax.data.fetch import cache_root
+
+    if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        jax.config.update("jax_compilation_cache_dir", str(cache_root() / "jax_compilation_cache"))
+
+
 def main(argv=None) -> int:
     import importlib
 
@@ -47,6 +59,7 @@ def main(argv=None) -> int:
             )
         )
     args = parser.parse_args(argv)
+    _persistent_compilation_cache()
     from absl import logging as absl_logging
 
     absl_logging.set_verbosity(absl_logging.ERROR)  # Orbax's read-only notices: not the user's concern

@@ -32,6 +32,7 @@ from tqdm import tqdm
 from effattn_jax.model import init_cache
 
 TOKEN_BUDGET = 8192  # context (and continuation) tokens per batch, padding included
+CHOICES = 4  # the usual number of choices per context: sizes context rows against continuation rows
 HEAD_CHUNK = 1024  # output-head rows per step
 VOCAB_TILE = 2048  # output-head columns per step: [1024, <=2048] float32 logits at a time
 HEAD_ROWS = 4 * HEAD_CHUNK  # continuation positions per output-head call
@@ -49,8 +50,10 @@ class Scores:
     truncated: int  # contexts cut from the left to fit the model's length
 
 
-def _bucket(n: int, minimum: int) -> int:
-    return max(minimum, 1 << math.ceil(math.log2(max(n, 1))))
+def _bucket(n: int, minimum: int, *, fine: bool = False) -> int:
+    """The padded length of n: the smallest power of two >= n (fine: or 1.5 x a power of two)."""
+    power = 1 << math.ceil(math.log2(max(n, 1)))
+    return max(minimum, power * 3 // 4 if fine and n <= power * 3 // 4 else power)
 
 
 def _round_up(n: int, m: int) -> int:
@@ -85,14 +88,15 @@ def _units(requests, max_len: int):
 def _batches(units, requests):
     """Yields (Lc, Tc, P, R, units of one batch). Units are grouped by their padded context and
     continuation lengths; a batch's shape depends on (Lc, Tc) only, so every task and checkpoint
-    reuses the same few compiled programs: P = budget / Lc context rows and R = budget / Tc
-    continuation rows, filled until one of them is full."""
+    reuses the same few compiled programs: R = budget / Tc continuation rows and P context rows
+    (budget / Lc, at most R / CHOICES), filled until one of them is full."""
     groups = defaultdict(list)
     for ctx, members in units:
-        tc = _bucket(max(len(requests[i][1]) for i in members), 8)
+        tc = _bucket(max(len(requests[i][1]) for i in members), 8, fine=True)
         groups[(_bucket(len(ctx), 32), tc)].append((ctx, members))
     for (lc, tc), group in sorted(groups.items()):
-        p, r = TOKEN_BUDGET // lc, TOKEN_BUDGET // tc
+        r = TOKEN_BUDGET // tc
+        p = max(1, min(TOKEN_BUDGET // lc, r // CHOICES))
         batch, rows = [], 0
         for unit in group:
             if batch and (len(batch) == p or rows + len(unit[1]) > r):

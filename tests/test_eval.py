@@ -4,6 +4,7 @@ figures from tiny runs made here."""
 
 import json
 import math
+import shutil
 
 import jax
 import numpy as np
@@ -141,12 +142,28 @@ def test_run_saved_on_eight_devices_evaluates_the_same_on_one(tmp_path, corpus_d
     assert losses[(1, 1, 1)]["tokens"] == losses[(2, 2, 2)]["tokens"] > 0
 
 
-def test_bad_runs_and_steps_fail_with_one_line(tmp_path, corpus_dir, capsys):
+@pytest.fixture(scope="module")
+def tiny_runs(tmp_path_factory):
+    """Three tiny runs: two MHA of different lengths (a scaling fit), one EG-MLA; every
+    checkpoint kept (curves)."""
+    from conftest import write_corpus
+
+    root = tmp_path_factory.mktemp("eval_runs")
+    corpus = write_corpus(root / "corpus")
+    keep = {"checkpoint.every_steps": 2, "checkpoint.keep_every": 2}
+    _train(corpus, root / "runs" / "mha_small", **{"train.steps": 2, **keep})
+    _train(corpus, root / "runs" / "mha_long", **{"train.steps": 4, **keep})
+    mla = dict(o.split("=", 1) for o in TINY_MLA if o.startswith(("mla.", "eg_mla.")))
+    _train(corpus, root / "runs" / "egmla", **{"train.steps": 2, "attention.kind": "eg_mla", **mla, **keep})
+    return root / "runs"
+
+
+def test_bad_runs_and_steps_fail_with_one_line(tmp_path, tiny_runs, capsys):
     assert eval_main(["lm-loss", "--run", str(tmp_path / "missing")]) == 2
     assert "not a run directory" in capsys.readouterr().err
-    _train(corpus_dir, tmp_path / "run", **{"train.steps": 2})
-    assert eval_main(["downstream", "--run", str(tmp_path / "run"), "--step", "7"]) == 2
+    assert eval_main(["downstream", "--run", str(tiny_runs / "mha_small"), "--step", "7"]) == 2
     assert "no checkpoint at step 7; kept steps: [2]" in capsys.readouterr().err
+    shutil.copytree(tiny_runs / "mha_small", tmp_path / "run")
     saved_config = tmp_path / "run" / "checkpoints" / "2" / "config" / "metadata"  # Orbax's JsonSave file
     saved = json.loads(saved_config.read_text())
     saved["model"]["no_such_key"] = 1  # a config this version cannot read
@@ -158,14 +175,8 @@ def test_bad_runs_and_steps_fail_with_one_line(tmp_path, corpus_dir, capsys):
     )
 
 
-def test_figure_commands_write_png_and_data(tmp_path, corpus_dir, capsys):
-    runs = tmp_path / "runs"
-    keep = {"checkpoint.every_steps": 2, "checkpoint.keep_every": 2}
-    _train(corpus_dir, runs / "mha_small", **{"train.steps": 2, **keep})
-    _train(corpus_dir, runs / "mha_long", **{"train.steps": 4, **keep})
-    _train(
-        corpus_dir, runs / "egmla", **{"train.steps": 2, "attention.kind": "eg_mla", **TINY_MLA_KEYS, **keep}
-    )
+def test_figure_commands_write_png_and_data(tmp_path, tiny_runs, capsys):
+    runs = tiny_runs
     tasks = ["--tasks", "piqa,winogrande", "--limit", "3"]
 
     assert (
@@ -175,14 +186,17 @@ def test_figure_commands_write_png_and_data(tmp_path, corpus_dir, capsys):
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("avg_acc=") and " tasks=2 continuations=12 seconds=" in last
     d = json.loads((tmp_path / "d.json").read_text())
-    assert [t["split"] for t in d["tasks"]] == ["validation", "validation"]
+    assert [(t["task"], t["split"], t["questions"]) for t in d["tasks"]] == [
+        ("piqa", "validation", 3),
+        ("winogrande", "validation", 3),
+    ]
 
     out = tmp_path / "out"
     assert (
         eval_main(["curves", "--runs", f"{runs}/mha_long,{runs}/egmla", *tasks, "--out", str(out / "c")]) == 0
     )
     curves = json.loads((out / "c" / "curves.json").read_text())
-    assert [len(r["points"]) for r in curves] == [2, 1]  # every kept checkpoint
+    assert {r["label"]: len(r["points"]) for r in curves} == {"mha dense": 2, "eg_mla emb8 dense": 1}
     assert eval_main(["scaling", "--runs", f"{runs}/mha_*", "--out", str(out / "s")]) == 0
     scaling = json.loads((out / "s" / "scaling.json").read_text())
     assert scaling["fits"]["mha dense"]["points"] == 2
@@ -199,6 +213,3 @@ def test_figure_commands_write_png_and_data(tmp_path, corpus_dir, capsys):
     ):
         assert (out / path).stat().st_size > 0, path
     assert "scale:" in (out / "r" / "report.md").read_text()
-
-
-TINY_MLA_KEYS = dict(o.split("=", 1) for o in TINY_MLA if o.startswith(("mla.", "eg_mla.")))
