@@ -50,10 +50,10 @@ class Scores:
     truncated: int  # contexts cut from the left to fit the model's length
 
 
-def _bucket(n: int, minimum: int, *, fine: bool = False) -> int:
-    """The padded length of n: the smallest power of two >= n (fine: or 1.5 x a power of two)."""
-    power = 1 << math.ceil(math.log2(max(n, 1)))
-    return max(minimum, power * 3 // 4 if fine and n <= power * 3 // 4 else power)
+def _bucket(n: int, minimum: int) -> int:
+    """The padded length of n: the smallest power of two >= n (few shapes: finer steps cost more
+    compiles than their padding saves, measured on the seven tasks)."""
+    return max(minimum, 1 << math.ceil(math.log2(max(n, 1))))
 
 
 def _round_up(n: int, m: int) -> int:
@@ -92,11 +92,11 @@ def _batches(units, requests):
     (budget / Lc, at most R / CHOICES), filled until one of them is full."""
     groups = defaultdict(list)
     for ctx, members in units:
-        tc = _bucket(max(len(requests[i][1]) for i in members), 8, fine=True)
+        tc = _bucket(max(len(requests[i][1]) for i in members), 8)
         groups[(_bucket(len(ctx), 32), tc)].append((ctx, members))
+    _merge_small_groups(groups)
     for (lc, tc), group in sorted(groups.items()):
-        r = TOKEN_BUDGET // tc
-        p = max(1, min(TOKEN_BUDGET // lc, r // CHOICES))
+        p, r = _units_per_batch(lc, tc), TOKEN_BUDGET // tc
         batch, rows = [], 0
         for unit in group:
             if batch and (len(batch) == p or rows + len(unit[1]) > r):
@@ -105,6 +105,22 @@ def _batches(units, requests):
             batch.append(unit)
             rows += len(unit[1])
         yield lc, tc, p, r, batch
+
+
+def _units_per_batch(lc: int, tc: int) -> int:
+    return max(1, min(TOKEN_BUDGET // lc, TOKEN_BUDGET // tc // CHOICES))
+
+
+def _merge_small_groups(groups: dict) -> None:
+    """Moves the units of a group that does not fill one batch into the smallest larger shape
+    present (longer context and continuation rows): one compile fewer for some padding."""
+    for key in sorted(groups, key=lambda k: len(groups[k])):
+        lc, tc = key
+        if len(groups[key]) >= _units_per_batch(lc, tc):
+            continue
+        hosts = [k for k in groups if k != key and k[0] >= lc and k[1] >= tc]
+        if hosts:
+            groups[min(hosts, key=lambda k: k[0] * k[1])].extend(groups.pop(key))
 
 
 def _pack(batch, requests, lc, tc, p, r):
