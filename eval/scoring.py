@@ -88,15 +88,15 @@ def _units(requests, max_len: int):
 def _batches(units, requests):
     """Yields (Lc, Tc, P, R, units of one batch). Units are grouped by their padded context and
     continuation lengths; a batch's shape depends on (Lc, Tc) only, so every task and checkpoint
-    reuses the same few compiled programs: R = budget / Tc continuation rows and P context rows
-    (budget / Lc, at most R / CHOICES), filled until one of them is full."""
+    reuses the same few compiled programs (`_batch_rows`), filled until P contexts or R
+    continuations."""
     groups = defaultdict(list)
     for ctx, members in units:
         tc = _bucket(max(len(requests[i][1]) for i in members), 8)
         groups[(_bucket(len(ctx), 32), tc)].append((ctx, members))
     _merge_small_groups(groups)
     for (lc, tc), group in sorted(groups.items()):
-        p, r = _units_per_batch(lc, tc), TOKEN_BUDGET // tc
+        p, r = _batch_rows(lc, tc)
         batch, rows = [], 0
         for unit in group:
             if batch and (len(batch) == p or rows + len(unit[1]) > r):
@@ -107,8 +107,11 @@ def _batches(units, requests):
         yield lc, tc, p, r, batch
 
 
-def _units_per_batch(lc: int, tc: int) -> int:
-    return max(1, min(TOKEN_BUDGET // lc, TOKEN_BUDGET // tc // CHOICES))
+def _batch_rows(lc: int, tc: int) -> tuple[int, int]:
+    """(P context rows, R continuation rows) of a batch: each within the token budget, and R
+    the continuations of P contexts of CHOICES choices (no rows idle when contexts are long)."""
+    p = max(1, min(TOKEN_BUDGET // lc, TOKEN_BUDGET // tc // CHOICES))
+    return p, p * CHOICES
 
 
 def _merge_small_groups(groups: dict) -> None:
@@ -116,7 +119,7 @@ def _merge_small_groups(groups: dict) -> None:
     present (longer context and continuation rows): one compile fewer for some padding."""
     for key in sorted(groups, key=lambda k: len(groups[k])):
         lc, tc = key
-        if len(groups[key]) >= _units_per_batch(lc, tc):
+        if len(groups[key]) >= _batch_rows(lc, tc)[0]:
             continue
         hosts = [k for k in groups if k != key and k[0] >= lc and k[1] >= tc]
         if hosts:
