@@ -151,8 +151,10 @@ def tiny_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("eval_runs")
     corpus = write_corpus(root / "corpus")
     keep = {"checkpoint.every_steps": 2, "checkpoint.keep_every": 2}
-    _train(corpus, root / "runs" / "mha_small", **{"train.steps": 2, **keep})
     _train(corpus, root / "runs" / "mha_long", **{"train.steps": 4, **keep})
+    # a shorter run of the same model: the long one's copy without its last checkpoint
+    shutil.copytree(root / "runs" / "mha_long", root / "runs" / "mha_small")
+    shutil.rmtree(root / "runs" / "mha_small" / "checkpoints" / "4")
     mla = dict(o.split("=", 1) for o in TINY_MLA if o.startswith(("mla.", "eg_mla.")))
     _train(corpus, root / "runs" / "egmla", **{"train.steps": 2, "attention.kind": "eg_mla", **mla, **keep})
     return root / "runs"
@@ -213,3 +215,22 @@ def test_figure_commands_write_png_and_data(tmp_path, tiny_runs, capsys):
     ):
         assert (out / path).stat().st_size > 0, path
     assert "scale:" in (out / "r" / "report.md").read_text()
+
+
+def test_training_compute_counts_6nd_and_optionally_sparse_attention():
+    from effattn_jax.flops import PFLOPS_DAY, attention_flops_per_token, run_pflops_days
+
+    cfg = load_config(None, ["attention.core=moba", "moba.block_size=64", "moba.top_k=2"])
+    tokens = 10 * cfg.data.batch_size * cfg.data.seq_len
+    assert run_pflops_days(cfg, 1000, 10) == pytest.approx(6 * 1000 * tokens / PFLOPS_DAY)
+    moba, dense = attention_flops_per_token(cfg), attention_flops_per_token(cfg.with_full_attention())
+    assert 0 < moba < dense
+    with_attention = run_pflops_days(cfg, 1000, 10, attention=True)
+    assert with_attention == pytest.approx((6 * 1000 + moba) * tokens / PFLOPS_DAY)
+    # a MoBA -> dense switch at step 4: 4 steps sparse, 6 dense
+    switched = load_config(
+        None, ["attention.core=moba", "moba.block_size=64", "moba.top_k=2", "moba.full_attention_from_step=4"]
+    )
+    per_step = cfg.data.batch_size * cfg.data.seq_len
+    expected = (6 * 1000 * 10 * per_step + (4 * moba + 6 * dense) * per_step) / PFLOPS_DAY
+    assert run_pflops_days(switched, 1000, 10, attention=True) == pytest.approx(expected)
