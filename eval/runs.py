@@ -1,6 +1,5 @@
-"""What the eval commands share about runs: tokens seen at a step and per-checkpoint result
-caches (so curves over many checkpoints are instant to rerun). Loading is
-`effattn_jax.checkpoint.load_params`."""
+"""Per-checkpoint result caches of the eval commands (curves over many checkpoints, and
+reruns, evaluate only what is new). Loading runs is `effattn_jax.checkpoint.load_params`."""
 
 from __future__ import annotations
 
@@ -8,12 +7,6 @@ import hashlib
 import json
 from collections.abc import Callable
 from pathlib import Path
-
-from effattn_jax.config import Config
-
-
-def tokens_seen(cfg: Config, step: int) -> int:
-    return step * cfg.data.batch_size * cfg.data.seq_len
 
 
 def cached(run_dir: str | Path, step: int, name: str, key: dict, compute: Callable[[], dict]) -> dict:
