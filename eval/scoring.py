@@ -56,10 +56,6 @@ def _bucket(n: int, minimum: int) -> int:
     return max(minimum, 1 << math.ceil(math.log2(max(n, 1))))
 
 
-def _round_up(n: int, m: int) -> int:
-    return max(m, -(-n // m) * m)
-
-
 def encode_requests(tokenizer, eos: int, pairs: list[tuple[str, str]]) -> list[tuple[tuple, tuple]]:
     """(context, continuation) strings -> token id tuples; each distinct string encoded once."""
     texts = sorted({t for pair in pairs for t in pair})
