@@ -10,33 +10,24 @@ import json
 from pathlib import Path
 
 from effattn_jax import checkpoint
-from eval.runs import cached
+from eval.runs import attention_label, cached, expand_runs, model_param_counts
+from eval.tasks import add_task_arguments
 
 
 def _step_point(run_dir: Path, step: int, names: list[str], limit: int | None, bucket: int) -> dict:
     """Tokens seen, average accuracy and validation loss of one kept step (each cached)."""
-    import functools
-
     from flax import nnx
 
-    from effattn_jax.sharding import make_mesh
     from eval.downstream import run_downstream
-    from eval.lm_loss import lm_loss
-
-    load = functools.cache(lambda: checkpoint.load_params(run_dir, step))  # only if a result is missing
+    from eval.lm_loss import checkpoint_lm_loss
 
     def downstream():
-        cfg, graphdef, params = load()
+        cfg, graphdef, params = checkpoint.load_params(run_dir, step)
         return run_downstream(nnx.merge(graphdef, params), cfg, names, limit=limit, progress=False)
-
-    def loss():
-        cfg, graphdef, params = load()
-        mesh = make_mesh(1, 1, 1)
-        return lm_loss(cfg, graphdef, params, mesh, seq_len=cfg.data.seq_len, bucket=bucket, progress=False)
 
     cfg = checkpoint.load_run_config(run_dir, step)
     acc = cached(run_dir, step, "downstream", {"tasks": names, "limit": limit}, downstream)
-    val = cached(run_dir, step, "lm_loss", {"seq_len": cfg.data.seq_len, "bucket": bucket}, loss)
+    val = checkpoint_lm_loss(run_dir, step, seq_len=cfg.data.seq_len, bucket=bucket)
     tokens = step * cfg.data.batch_size * cfg.data.seq_len
     return {"step": step, "tokens": tokens, "avg_acc": acc["avg_acc"], "val_loss": val["loss"]}
 
@@ -50,17 +41,13 @@ def checkpoint_points(
 
 def collect(runs: list[Path], names: list[str], limit: int | None) -> list[dict]:
     """Per run: its label, scale and checkpoint points."""
-    from flax import nnx
     from tqdm import tqdm
-
-    from effattn_jax.model import Transformer, param_counts
-    from eval.scaling import attention_label
 
     out = []
     for run in tqdm(runs, desc="runs"):
         steps = checkpoint.kept_steps(run)
         cfg = checkpoint.load_run_config(run, steps[-1])
-        counts = param_counts(nnx.eval_shape(lambda cfg=cfg: Transformer(cfg, rngs=nnx.Rngs(0))))
+        counts = model_param_counts(cfg)
         out.append(
             {
                 "run": str(run),
@@ -113,15 +100,11 @@ def write_table(runs: list[dict], out: Path, stem: str) -> None:
 
 def add_arguments(p) -> None:
     p.add_argument("--runs", required=True, help="run directories (globs), comma-separated")
-    p.add_argument(
-        "--tasks", default=None, help="comma-separated names, or all (default: the seven of the average)"
-    )
-    p.add_argument("--limit", type=int, default=None, help="a fixed, seeded subset of K questions per task")
+    add_task_arguments(p)
     p.add_argument("--out", default="eval_out/curves", help="directory for curves.png/.json/.csv")
 
 
 def command(args) -> int:
-    from eval.scaling import expand_runs
     from eval.tasks import parse_tasks
 
     names = parse_tasks(args.tasks)

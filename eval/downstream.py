@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from eval.scoring import encode_requests, score_requests
-from eval.tasks import TASKS, Task, load_task
+from eval.tasks import TASKS, Task, add_task_arguments, load_task
 
 AVERAGE_RULE = (
     "avg_acc: mean of acc_norm (piqa, arc_easy, arc_challenge, hellaswag, siqa) and acc (winogrande, mmlu); "
@@ -156,27 +156,22 @@ def format_report(report: dict) -> str:
 def add_arguments(p) -> None:
     p.add_argument("--run", required=True, help="run directory")
     p.add_argument("--step", default="latest", help="N, latest or all (kept checkpoints)")
-    p.add_argument(
-        "--tasks", default=None, help="comma-separated names, or all (default: the seven of the average)"
-    )
-    p.add_argument("--limit", type=int, default=None, help="a fixed, seeded subset of K questions per task")
+    add_task_arguments(p)
     p.add_argument("--json", default=None, help="write every figure to this file")
 
 
 def command(args) -> int:
     import json
 
+    from flax import nnx
+
     from effattn_jax import checkpoint
     from eval.tasks import parse_tasks
 
     names = parse_tasks(args.tasks)
-    if args.limit is not None and args.limit <= 0:
-        raise ValueError(f"--limit={args.limit}: must be positive")
     reports = []
     for step in checkpoint.select_steps(args.run, args.step):
         cfg, graphdef, params = checkpoint.load_params(args.run, step)
-        from flax import nnx
-
         report = run_downstream(nnx.merge(graphdef, params), cfg, names, limit=args.limit) | {"step": step}
         reports.append(report)
         print(format_report(report))

@@ -140,10 +140,26 @@ def parse_mesh(spec: str):
 
     try:
         sizes = [int(x) for x in spec.split(",")]
-        assert len(sizes) == 3
-    except (ValueError, AssertionError):
-        raise ValueError(f"--mesh={spec!r}: expected data,fsdp,tensor sizes, e.g. 1,1,1") from None
+    except ValueError:
+        sizes = []
+    if len(sizes) != 3:
+        raise ValueError(f"--mesh={spec!r}: expected data,fsdp,tensor sizes, e.g. 1,1,1")
     return make_mesh(*sizes)
+
+
+def checkpoint_lm_loss(run_dir, step: int, *, seq_len: int, bucket: int) -> dict:
+    """The position report of one kept step on one device, cached in <run>/eval/ (shared by
+    `curves` and `scaling`)."""
+    from effattn_jax import checkpoint
+    from effattn_jax.sharding import make_mesh
+    from eval.runs import cached
+
+    def evaluate():
+        mesh = make_mesh(1, 1, 1)
+        cfg, graphdef, params = checkpoint.load_params(run_dir, step, mesh)
+        return lm_loss(cfg, graphdef, params, mesh, seq_len=seq_len, bucket=bucket, progress=False)
+
+    return cached(run_dir, step, "lm_loss", {"seq_len": seq_len, "bucket": bucket}, evaluate)
 
 
 def command(args) -> int:

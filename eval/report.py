@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from effattn_jax import checkpoint
+from eval.tasks import add_task_arguments
 
 
 def efficiency(run: str, context: int) -> dict:
@@ -91,17 +92,14 @@ def markdown(runs: list[dict], context: int, note: str) -> str:
 
 def add_arguments(p) -> None:
     p.add_argument("--runs", required=True, help="run directories (globs), comma-separated")
-    p.add_argument(
-        "--tasks", default=None, help="comma-separated names, or all (default: the seven of the average)"
-    )
-    p.add_argument("--limit", type=int, default=None, help="a fixed, seeded subset of K questions per task")
+    add_task_arguments(p)
     p.add_argument("--context", type=int, default=2048, help="context length of the decode-latency panel")
     p.add_argument("--out", default="eval_out/report", help="directory for report.png/.md/.json")
 
 
 def command(args) -> int:
     from eval.curves import collect, scale_note
-    from eval.scaling import expand_runs
+    from eval.runs import expand_runs
     from eval.tasks import parse_tasks
 
     if args.context <= 0:

@@ -1,12 +1,17 @@
-"""Per-checkpoint result caches of the eval commands (curves over many checkpoints, and
-reruns, evaluate only what is new). Loading runs is `effattn_jax.checkpoint.load_params`."""
+"""What the eval commands share about runs: finding them (`--runs` globs), naming their
+attention, counting their parameters, and per-checkpoint result caches (curves over many
+checkpoints, and reruns, evaluate only what is new). Loading runs is
+`effattn_jax.checkpoint.load_params`."""
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 from collections.abc import Callable
 from pathlib import Path
+
+from effattn_jax.config import Config
 
 
 def cached(run_dir: str | Path, step: int, name: str, key: dict, compute: Callable[[], dict]) -> dict:
@@ -21,3 +26,44 @@ def cached(run_dir: str | Path, step: int, name: str, key: dict, compute: Callab
     tmp.write_text(json.dumps(result, indent=1))
     tmp.rename(path)
     return result
+
+
+def expand_runs(spec: str) -> list[Path]:
+    """Comma-separated globs of run directories -> the run directories (sorted, each once)."""
+    runs = sorted(
+        {
+            Path(p)
+            for pattern in spec.split(",")
+            for p in glob.glob(pattern.strip())
+            if Path(p, "checkpoints").is_dir()
+        }
+    )
+    if not runs:
+        raise ValueError(f"--runs={spec!r}: matches no run directory (one with checkpoints/ inside)")
+    return runs
+
+
+def attention_label(cfg: Config) -> str:
+    """The attention of a run in a few words: kind and core, hybrids and EG-MLA's table width."""
+    specs = [cfg.layer_spec(i) for i in range(cfg.model.num_layers)]
+    kinds = sorted({k for k, _ in specs})
+    cores = [c for _, c in specs]
+    kind = "+".join(kinds)
+    if kinds == ["eg_mla"]:
+        kind += f" emb{cfg.eg_mla.gate_dim}"
+    if len(set(cores)) == 1:
+        label = f"{kind} {cores[0]}"
+    else:
+        label = f"{kind} {'/'.join(f'{c}x{cores.count(c)}' for c in dict.fromkeys(cores))}"
+    if cfg.full_attention_from_step:
+        label += f" (dense from step {cfg.full_attention_from_step})"
+    return label
+
+
+def model_param_counts(cfg: Config) -> dict[str, int]:
+    """`param_counts` of the model a config builds, without allocating it."""
+    from flax import nnx
+
+    from effattn_jax.model import Transformer, param_counts
+
+    return param_counts(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))

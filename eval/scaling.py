@@ -11,14 +11,13 @@ uncertainties are standard errors from the residuals (none with two points).
 
 from __future__ import annotations
 
-import glob
 import json
 import math
 from pathlib import Path
 
 import numpy as np
 
-from effattn_jax.config import Config
+from eval.runs import attention_label, expand_runs, model_param_counts
 
 
 def fit_power_law(compute, loss) -> dict:
@@ -37,23 +36,6 @@ def fit_power_law(compute, loss) -> dict:
         se_log_a = se_b = float("nan")
     a = math.exp(coef[0])
     return {"a": a, "a_stderr": a * se_log_a, "b": float(coef[1]), "b_stderr": se_b, "points": len(x)}
-
-
-def attention_label(cfg: Config) -> str:
-    """The attention of a run in a few words: kind and core, hybrids and EG-MLA's table width."""
-    specs = [cfg.layer_spec(i) for i in range(cfg.model.num_layers)]
-    kinds = sorted({k for k, _ in specs})
-    cores = [c for _, c in specs]
-    kind = "+".join(kinds)
-    if kinds == ["eg_mla"]:
-        kind += f" emb{cfg.eg_mla.gate_dim}"
-    if len(set(cores)) == 1:
-        label = f"{kind} {cores[0]}"
-    else:
-        label = f"{kind} {'/'.join(f'{c}x{cores.count(c)}' for c in dict.fromkeys(cores))}"
-    if cfg.full_attention_from_step:
-        label += f" (dense from step {cfg.full_attention_from_step})"
-    return label
 
 
 def parse_loss(spec: str) -> tuple[str, int | None, int | None]:
@@ -81,46 +63,18 @@ def pick_loss(report: dict, kind: str, a: int | None, b: int | None) -> float:
     raise ValueError(f"bucket {a}-{b} is not one of this evaluation's buckets (context {report['seq_len']})")
 
 
-def expand_runs(spec: str) -> list[Path]:
-    """Comma-separated globs of run directories -> the run directories (sorted, each once)."""
-    runs = sorted(
-        {
-            Path(p)
-            for pattern in spec.split(",")
-            for p in glob.glob(pattern.strip())
-            if Path(p, "checkpoints").is_dir()
-        }
-    )
-    if not runs:
-        raise ValueError(f"--runs={spec!r}: matches no run directory (one with checkpoints/ inside)")
-    return runs
-
-
 def run_point(run_dir: Path, *, loss: str, seq_len: int | None, bucket: int, compute: str) -> dict:
     """The scaling point of a run's newest checkpoint (cached lm-loss evaluation)."""
-    from flax import nnx
-
     from effattn_jax import checkpoint
     from effattn_jax.flops import run_pflops_days
-    from effattn_jax.model import Transformer, param_counts
-    from eval.lm_loss import lm_loss
-    from eval.runs import cached
+    from eval.lm_loss import checkpoint_lm_loss
 
     kind, a, b = parse_loss(loss)
     step = checkpoint.kept_steps(run_dir)[-1]
     cfg = checkpoint.load_run_config(run_dir, step)
-    length = seq_len or cfg.data.seq_len
     bucket = (b - a) if kind == "bucket" else bucket
-
-    def evaluate():
-        from effattn_jax.sharding import make_mesh
-
-        mesh = make_mesh(1, 1, 1)
-        c, graphdef, params = checkpoint.load_params(run_dir, step, mesh)
-        return lm_loss(c, graphdef, params, mesh, seq_len=length, bucket=bucket, progress=False)
-
-    report = cached(run_dir, step, "lm_loss", {"seq_len": length, "bucket": bucket}, evaluate)
-    n = param_counts(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))["non_embedding"]
+    report = checkpoint_lm_loss(run_dir, step, seq_len=seq_len or cfg.data.seq_len, bucket=bucket)
+    n = model_param_counts(cfg)["non_embedding"]
     return {
         "run": str(run_dir),
         "label": attention_label(cfg),

@@ -67,6 +67,23 @@ def parse_tasks(spec: str | None) -> list[str]:
     return names
 
 
+def add_task_arguments(parser) -> None:
+    """`--tasks` and `--limit`, as every command that runs the downstream tasks takes them."""
+    parser.add_argument(
+        "--tasks", default=None, help="comma-separated names, or all (default: the seven of the average)"
+    )
+    parser.add_argument(
+        "--limit", type=positive_int, default=None, help="a fixed, seeded subset of K questions per task"
+    )
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise ValueError(f"{text}: must be positive")
+    return value
+
+
 def _read_requests(name: str, path: Path) -> tuple[str, list[Question]]:
     if not path.is_file():
         raise TaskError(f"task {name}: request file missing: {path}")
