@@ -146,9 +146,11 @@ def _hidden(graphdef, params, ctx, ctx_len, cont, prefix):
     [R, Tc] int32 token rows; prefix [R] the context row of each continuation."""
     m = nnx.merge(graphdef, params)
     p, lc = ctx.shape
-    caches = init_cache(m, p, lc + cont.shape[1], jnp.float32)
+    tc = cont.shape[1]
+    caches = init_cache(m, p, lc, jnp.float32)  # the context attends over its own slots only
     h_ctx, caches = m.decode_hidden(ctx, jnp.broadcast_to(jnp.arange(lc), ctx.shape), caches)
-    caches = jax.tree.map(lambda a: a[prefix], caches)  # one cache copy per continuation
+    # one cache copy per continuation, with Tc free slots after the context's
+    caches = jax.tree.map(lambda a: jnp.pad(a[prefix], [(0, 0), (0, tc)] + [(0, 0)] * (a.ndim - 2)), caches)
     positions = ctx_len[prefix][:, None] + jnp.arange(cont.shape[1])[None, :]
     h_cont, _ = m.decode_hidden(cont, positions, caches)
     # the state predicting continuation token j: the context's last for j = 0, else token j - 1's
