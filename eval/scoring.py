@@ -235,14 +235,24 @@ def score_requests(model, requests, *, max_len: int, desc: str = "score", progre
     tokens = np.array([len(x) for _, x in requests])
     head = _HeadQueue(graphdef, params, int(tokens.sum()))
     order = []  # request index of each continuation, in the order the head sees them
+
+    def take(h, rows):
+        h = np.asarray(h)
+        for row, i in enumerate(rows):
+            head.add(h[row, : tokens[i]], np.asarray(requests[i][1], np.int32))
+        order.extend(rows)
+
+    previous = None  # one batch in flight: the next is packed, compiled and dispatched meanwhile
     for lc, tc, p, r, batch in tqdm(
         list(_batches(units, requests)), desc=desc, disable=not progress, leave=False
     ):
         arrays, rows = _pack(batch, requests, lc, tc, p, r)
-        h = np.asarray(_hidden(graphdef, params, *arrays))
-        for row, i in enumerate(rows):
-            head.add(h[row, : tokens[i]], np.asarray(requests[i][1], np.int32))
-        order += rows
+        current = (_hidden(graphdef, params, *arrays), rows)
+        if previous is not None:
+            take(*previous)
+        previous = current
+    if previous is not None:
+        take(*previous)
     lp, greedy = head.flush()
     ends = np.cumsum(tokens[order])
     logprob, all_greedy = np.zeros(len(requests)), np.zeros(len(requests), bool)
