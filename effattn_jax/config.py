@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -246,13 +247,31 @@ def _deep_merge(base: dict, over: dict) -> dict:
     return out
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML as users write it: PyYAML follows YAML 1.1, where `1e-3` (no dot) is a string;
+    YAML 1.2 and every other reader take it as a float, and so do we."""
+
+    yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
+def _load_yaml(text: str):
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+
+
 def read_yaml(path: str | Path, _seen: tuple = ()) -> dict:
     """Reads a YAML config; a top-level `base: other.yaml` (relative to it) is merged under it."""
     path = Path(path).resolve()
     if path in _seen:
         raise ConfigError("base", str(path), "inheritance cycle")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = _load_yaml(path.read_text()) or {}
     except FileNotFoundError:
         raise ConfigError("--config", str(path), "file does not exist") from None
     except yaml.YAMLError as e:
@@ -270,7 +289,7 @@ def apply_override(tree: dict, dotted: str) -> dict:
     if "=" not in dotted:
         raise ConfigError(dotted, None, "overrides look like key.sub=value")
     key, text = dotted.split("=", 1)
-    value = yaml.safe_load(text) if text.strip() else ""
+    value = _load_yaml(text) if text.strip() else ""
     node = tree
     parts = key.split(".")
     for p in parts[:-1]:

@@ -51,6 +51,18 @@ def test_inheritance_and_overrides(tmp_path):
     assert load_config(tmp_path / "resolved.yaml") == cfg
 
 
+def test_scientific_notation_is_a_number_in_files_and_overrides(tmp_path):
+    (tmp_path / "c.yaml").write_text("train:\n  lr: 1e-3\n  min_lr_ratio: 5E-2\n  weight_decay: .5e-1\n")
+    cfg = load_config(tmp_path / "c.yaml", ["train.grad_clip=2e+0"])
+    assert (cfg.train.lr, cfg.train.min_lr_ratio, cfg.train.weight_decay, cfg.train.grad_clip) == (
+        1e-3,
+        5e-2,
+        5e-2,
+        2.0,
+    )
+    assert load_config(None, ["train.run_dir=1e3x"]).train.run_dir == "1e3x"  # still a string
+
+
 def test_cli_exits_2_with_one_line(tmp_path):
     res = subprocess.run(
         [
