@@ -88,6 +88,20 @@ def restore_config(run_dir: str | Path, step: int | None = None) -> dict:
     return mngr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
 
 
+def saved_config(run_dir: str | Path) -> dict | None:
+    """The config saved with the newest checkpoint whose config reads (a resumed run is checked
+    against it); None for a directory without checkpoints."""
+    if not (Path(run_dir) / "checkpoints").is_dir():
+        return None
+    mngr = manager(run_dir, read_only=True)
+    for step in sorted(mngr.all_steps(), reverse=True):
+        try:
+            return mngr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+        except Exception:  # noqa: BLE001, S112 - an unreadable step is restore_latest's to report
+            continue
+    return None
+
+
 def kept_steps(run_dir: str | Path) -> list[int]:
     """The committed checkpoint steps of a run, oldest first; a clear error when there is no run."""
     run_dir = Path(run_dir)

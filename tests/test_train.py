@@ -109,3 +109,31 @@ def test_grad_accumulation_matches_one_batch(tmp_path, corpus_dir):
     assert out[0][0] == pytest.approx(out[1][0], rel=1e-6)
     for a, b in zip(jax.tree.leaves(out[0][1]), jax.tree.leaves(out[1][1]), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_run_dir_has_one_writer_and_keeps_its_config(tmp_path, corpus_dir):
+    import json
+    import os
+    import socket
+    import subprocess
+
+    from effattn_jax.config import ConfigError
+
+    run_dir = tmp_path / "run"
+    run(tiny_cfg(corpus_dir, run_dir, **{"train.steps": 2}))
+    saved = (run_dir / "config.yaml").read_text()
+    with pytest.raises(ConfigError) as e:  # another model on the same run: refused, nothing written
+        run(tiny_cfg(corpus_dir, run_dir, **{"train.steps": 4, "model.d_model": 64, "train.lr": 1e-3}))
+    assert "model.d_model: 32 -> 64" in str(e.value) and "train.lr: 0.01 -> 0.001" in str(e.value)
+    assert (run_dir / "config.yaml").read_text() == saved and checkpoint.kept_steps(run_dir) == [2]
+
+    lock = run_dir / "run.lock"
+    lock.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": "now"}))
+    with pytest.raises(ConfigError, match=f"in use by pid {os.getpid()}"):
+        run(tiny_cfg(corpus_dir, run_dir, **{"train.steps": 4}))
+    dead = subprocess.Popen(["true"])  # a pid that has exited
+    dead.wait()
+    lock.write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid, "since": "then"}))
+    # a stale lock is replaced; steps, logging and checkpointing may change on resume
+    res = run(tiny_cfg(corpus_dir, run_dir, **{"train.steps": 4, "checkpoint.every_steps": 4}))
+    assert res["step"] == 4 and not lock.exists()

@@ -8,6 +8,7 @@ SIGTERM/SIGINT finishes its step, checkpoints, prints
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
@@ -28,6 +29,7 @@ from effattn_jax.data.pipeline import build_corpus, train_iterator, unigram_loss
 from effattn_jax.flops import train_flops_per_token
 from effattn_jax.model import param_counts
 from effattn_jax.sharding import make_mesh
+from effattn_jax.train import run_dir as run_guard
 from effattn_jax.train.metrics import ScalarWriter
 from effattn_jax.train.state import init_state, make_setup
 from effattn_jax.train.step import make_eval_step, make_train_step
@@ -150,10 +152,11 @@ def _phase_schedule(cfg: Config, setup, non_embedding_params: int) -> Callable[[
 def run(cfg: Config, *, stop_at: int | None = None) -> dict:
     """Trains (or resumes) the run in `cfg.train.run_dir`; returns its final metrics.
 
-    `stop_at`: behave as if preempted after that step (for tests and external schedulers)."""
-    train_cfg, data_cfg, ckpt_cfg = cfg.train, cfg.data, cfg.checkpoint
-    run_dir = Path(train_cfg.run_dir).absolute()
-    corpus = build_corpus(data_cfg)
+    `stop_at`: behave as if preempted after that step (for tests and external schedulers).
+    The directory is locked for the run (one writer) and a resumed run must keep its config
+    (effattn_jax/train/run_dir.py), both checked before anything in it is written."""
+    run_dir = Path(cfg.train.run_dir).absolute()
+    corpus = build_corpus(cfg.data)
     if corpus.vocab_size > cfg.model.vocab_size:
         raise ConfigError(
             "model.vocab_size", cfg.model.vocab_size, f"must be >= the tokenizer's {corpus.vocab_size} tokens"
@@ -161,7 +164,15 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict:
     mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
     setup = make_setup(cfg, mesh)
     run_dir.mkdir(parents=True, exist_ok=True)
-    record_provenance(run_dir, cfg)
+    with run_guard.exclusive(run_dir) if jax.process_index() == 0 else contextlib.nullcontext():
+        run_guard.check_resumable(checkpoint.saved_config(run_dir), cfg)
+        record_provenance(run_dir, cfg)
+        return _train(cfg, corpus, setup, run_dir, stop_at)
+
+
+def _train(cfg: Config, corpus, setup, run_dir: Path, stop_at: int | None) -> dict:
+    train_cfg, data_cfg, ckpt_cfg = cfg.train, cfg.data, cfg.checkpoint
+    mesh = setup.mesh
 
     process = {"process_index": jax.process_index(), "process_count": jax.process_count()}
     data_iter = train_iterator(corpus.train, batch_size=data_cfg.batch_size, seed=data_cfg.seed, **process)

@@ -1,0 +1,113 @@
+"""Guards of a run directory, checked before training touches it: one writer at a time (a lock
+file naming its host and pid), and a resumed run trains the model it was started with."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+from effattn_jax.config import Config, ConfigError, config_from_dict
+
+LOCK_NAME = "run.lock"
+# what a resumed run may change; any other difference from the saved config is refused
+RESUMABLE = ("train.steps", "train.log_every", "train.progress", "train.profile_steps", "train.run_dir")
+RESUMABLE_SECTIONS = ("checkpoint", "eval", "mesh")
+
+
+def _holder(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None  # gone, or cut short while being written
+
+
+def _is_stale(holder: dict | None) -> bool:
+    """A lock is stale when unreadable or held by a process of this host that no longer runs;
+    one from another host cannot be checked from here, so it holds."""
+    if holder is None:
+        return True
+    if holder.get("host") != socket.gethostname():
+        return False
+    try:
+        os.kill(int(holder["pid"]), 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, KeyError, ValueError, TypeError):
+        return False
+    return False
+
+
+@contextlib.contextmanager
+def exclusive(run_dir: Path):
+    """Holds `<run_dir>/run.lock` for the body; a second launch on the directory fails with one
+    line naming the holder. A stale lock (its process is gone, e.g. after kill -9) is replaced."""
+    path = run_dir / LOCK_NAME
+    mine = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    while True:
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            holder = _holder(path)
+            if not _is_stale(holder):
+                raise ConfigError(
+                    "train.run_dir",
+                    str(run_dir),
+                    f"in use by pid {holder.get('pid')} on {holder.get('host')} since {holder.get('since')} "
+                    f"(one writer per run; if that process is gone, delete {path})",
+                ) from None
+            print(f"removing a stale lock of a finished process: {path} {holder}", file=sys.stderr)
+            path.unlink(missing_ok=True)
+            continue
+        with os.fdopen(fd, "w") as f:
+            json.dump(mine, f)
+        break
+    try:
+        yield
+    finally:
+        if _holder(path) == mine:
+            path.unlink(missing_ok=True)
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict) and not (prefix == "mesh." and k == "rules"):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def config_changes(saved: dict, cfg: Config) -> list[str]:
+    """`key: saved -> new` for every difference a resumed run may not make."""
+    with contextlib.suppress(ConfigError):  # with this version's defaults filled in, as the run will be read
+        saved = config_from_dict(saved).to_dict()
+    old, new = _flat(saved), _flat(cfg.to_dict())
+    changes = []
+    for key in sorted(set(old) | set(new)):
+        if key in RESUMABLE or key.split(".")[0] in RESUMABLE_SECTIONS:
+            continue
+        if old.get(key, "<unset>") != new.get(key, "<unset>"):
+            changes.append(f"{key}: {old.get(key, '<unset>')!r} -> {new.get(key, '<unset>')!r}")
+    return changes
+
+
+def check_resumable(saved: dict | None, cfg: Config) -> None:
+    """Refuses (one line, before anything is written) a rerun whose model, data or optimizer
+    config differs from the one the run's checkpoints were trained with."""
+    if saved is None:
+        return
+    changes = config_changes(saved, cfg)
+    if changes:
+        allowed = ", ".join(RESUMABLE + tuple(f"{s}.*" for s in RESUMABLE_SECTIONS))
+        raise ConfigError(
+            "train.run_dir",
+            cfg.train.run_dir,
+            f"the run was trained with a different config ({'; '.join(changes)}); a resumed run may "
+            f"change only {allowed}: use another run_dir or the run's own config",
+        )
