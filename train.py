@@ -1,7 +1,8 @@
 """Train a language model: `python train.py --config configs/<file>.yaml key.sub=value ...`
 
 Rerunning the same command resumes from the run directory's last checkpoint.
-Exit status: 0 done, 2 bad config or data, 143 preempted (SIGTERM/SIGINT).
+Exit status: 0 done, 1 non-finite loss (train.nonfinite=stop), 2 bad config or data,
+143 preempted (SIGTERM/SIGINT).
 """
 
 from __future__ import annotations
@@ -21,14 +22,23 @@ def main(argv: list[str] | None = None) -> int:
     from effattn_jax.config import ConfigError, load_config
     from effattn_jax.data.corpus import DataError
 
-    try:
-        cfg = load_config(args.config, args.overrides)
-        from effattn_jax.train.loop import final_line, run
-
-        result = run(cfg)
-    except (ConfigError, DataError) as e:
+    def user_error(e) -> int:
         print(str(e) if isinstance(e, ConfigError) else f"data error: {e}", file=sys.stderr)
         return 2
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        return user_error(e)
+    from effattn_jax.train.loop import NonFiniteError, final_line, run
+
+    try:
+        result = run(cfg)
+    except (ConfigError, DataError) as e:
+        return user_error(e)
+    except NonFiniteError as e:
+        print(f"stopped: {e}", file=sys.stderr)
+        return 1
     print(final_line(result), flush=True)
     return 0
 

@@ -138,6 +138,9 @@ class TrainConfig:
     log_every: int = 10
     profile_steps: list[int] = field(default_factory=list)  # [start, stop]
     progress: bool = True
+    # a step with a non-finite loss or gradient: stop (exit 1, nothing new saved) or skip
+    # (parameters and optimizer state left as they were; counted as nonfinite_steps)
+    nonfinite: str = "stop"
 
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -518,6 +521,7 @@ def _validate_data_and_train(cfg: Config) -> None:
     _positive(data, "data", ["seq_len", "batch_size"])
 
     _positive(train, "train", ["steps", "lr", "grad_accum", "log_every"])
+    _check(train.nonfinite in ("stop", "skip"), "train.nonfinite", train.nonfinite, "allowed: stop, skip")
     _positive(train, "train", ["warmup_steps", "weight_decay", "grad_clip"], allow_zero=True)
     _check(0.0 <= train.min_lr_ratio <= 1.0, "train.min_lr_ratio", train.min_lr_ratio, "must be in [0, 1]")
     _check(0.0 <= train.b1 < 1.0, "train.b1", train.b1, "must be in [0, 1)")

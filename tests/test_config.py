@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
         ("mesh.data=3", "data.batch_size"),  # 16 rows do not split over 3 devices
         ("eg_mla.gate_at=middle", "eg_mla.gate_at"),
         ("moba.kv_block=12", "moba.kv_block"),
+        ("train.nonfinite=maybe", "train.nonfinite"),
     ],
 )
 def test_bad_values_name_the_key(override, key):

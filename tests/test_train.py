@@ -137,3 +137,34 @@ def test_run_dir_has_one_writer_and_keeps_its_config(tmp_path, corpus_dir):
     # a stale lock is replaced; steps, logging and checkpointing may change on resume
     res = run(tiny_cfg(corpus_dir, run_dir, **{"train.steps": 4, "checkpoint.every_steps": 4}))
     assert res["step"] == 4 and not lock.exists()
+
+
+def test_nonfinite_step_is_skipped_or_stops_before_any_save(tmp_path, corpus_dir):
+    from effattn_jax.train.loop import NonFiniteError
+    from effattn_jax.train.step import all_finite
+
+    # skip: a step whose loss is NaN leaves parameters and optimizer state exactly as they were
+    setup = make_setup(
+        tiny_cfg(corpus_dir, tmp_path / "r", **{"train.nonfinite": "skip"}), make_mesh(1, 1, 1)
+    )
+    state = init_state(setup)
+    state["params"]["embed"] = state["params"]["embed"].at[0, 0].set(np.nan)
+    before = jax.device_get(state)
+    batch = random_batch(0)
+    batch["inputs"][0, 0] = 0  # reads the poisoned row
+    new, metrics = make_train_step(setup)(state, jax.device_put(batch, setup.batch_sharding()))
+    assert int(metrics["nonfinite"]) == 1 and int(new["step"]) == 1
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(jax.device_get(new)), strict=True):
+        assert a.shape == () or np.array_equal(a, b, equal_nan=True)
+
+    # stop: training diverges (lr 1e30); the run stops naming the step, nothing non-finite is saved
+    run_dir = tmp_path / "diverges"
+    with pytest.raises(NonFiniteError, match="non-finite loss or gradients at step"):
+        run(tiny_cfg(corpus_dir, run_dir, **{"train.lr": 1e30, "train.warmup_steps": 1}))
+    abstract = make_setup(tiny_cfg(corpus_dir, run_dir), make_mesh(1, 1, 1)).abstract_state
+    mngr = checkpoint.manager(run_dir)
+    for step in mngr.all_steps():
+        restored = mngr.restore(
+            step, args=checkpoint.ocp.args.Composite(state=checkpoint.ocp.args.StandardRestore(abstract))
+        )
+        assert bool(all_finite(restored["state"]))

@@ -20,7 +20,6 @@ from importlib import metadata
 from pathlib import Path
 
 import jax
-import numpy as np
 from tqdm import tqdm
 
 from effattn_jax import checkpoint
@@ -32,7 +31,7 @@ from effattn_jax.sharding import make_mesh
 from effattn_jax.train import run_dir as run_guard
 from effattn_jax.train.metrics import ScalarWriter
 from effattn_jax.train.state import init_state, make_setup
-from effattn_jax.train.step import make_eval_step, make_train_step
+from effattn_jax.train.step import all_finite, make_eval_step, make_train_step
 
 PREEMPTED_EXIT = 143
 PACKAGES = (
@@ -50,6 +49,17 @@ PACKAGES = (
 
 class Preempted(SystemExit):
     pass
+
+
+class NonFiniteError(RuntimeError):
+    """A step's loss or gradients, or the state about to be saved, is not finite
+    (`train.nonfinite=stop`); the message is one line naming the last good checkpoint."""
+
+
+def _nonfinite_steps(flags: list) -> list[int]:
+    """The steps among (step, device flag) pairs whose flag is set: one host transfer for all."""
+    values = jax.device_get([f for _, f in flags]) if flags else []
+    return [s for (s, _), v in zip(flags, values, strict=True) if int(v)]
 
 
 def _git_commit() -> str:
@@ -211,6 +221,26 @@ def _train(cfg: Config, corpus, setup, run_dir: Path, stop_at: int | None) -> di
     )
     profile = train_cfg.profile_steps
     last_saved = step
+    flags, nonfinite_steps = [], 0  # per-step non-finite flags not yet read; steps found so far
+
+    def check_finite(state=None) -> None:
+        """Reads the pending flags (at log and save steps only: no extra host sync per step);
+        with train.nonfinite=stop, or a state about to be saved that is not finite, stops."""
+        nonlocal flags, nonfinite_steps
+        bad, flags = _nonfinite_steps(flags), []
+        nonfinite_steps += len(bad)
+        why = None
+        if bad and train_cfg.nonfinite == "stop":
+            why = f"non-finite loss or gradients at step {bad[0]}"
+        elif state is not None and not bool(all_finite(state)):
+            why = f"the state after step {step} is not finite"
+        if why:
+            kept = f"step {last_saved}" if last_saved else "none"
+            raise NonFiniteError(
+                f"{why}; nothing saved after it; last good checkpoint: {kept} in {run_dir / 'checkpoints'} "
+                "(lower train.lr, or train.nonfinite=skip to skip such steps)"
+            )
+
     try:
         tick, tick_step = time.perf_counter(), step
         while step < train_cfg.steps:
@@ -219,11 +249,13 @@ def _train(cfg: Config, corpus, setup, run_dir: Path, stop_at: int | None) -> di
             phase = phase_at(step)
             state, metrics = phase.train_step(state, _to_global(next(data_iter), batch_sharding))
             step += 1
+            flags.append((step, metrics["nonfinite"]))
             bar.update(1)
             if profile and step == profile[1]:
                 jax.block_until_ready(state)
                 jax.profiler.stop_trace()
             if step % train_cfg.log_every == 0 or step == train_cfg.steps:
+                check_finite()
                 logged = {k: float(v) for k, v in jax.device_get(metrics).items()}
                 now = time.perf_counter()
                 tokens_per_sec = (step - tick_step) * tokens_per_step / (now - tick)
@@ -237,11 +269,10 @@ def _train(cfg: Config, corpus, setup, run_dir: Path, stop_at: int | None) -> di
                         "tokens_per_sec": tokens_per_sec,
                         "tokens_seen": step * tokens_per_step,
                         "model_flops_per_sec": tokens_per_sec * phase.flops_per_token,
+                        "nonfinite_steps": nonfinite_steps,
                     },
                 )
                 bar.set_postfix(loss=f"{logged['loss']:.3f}", tok_s=f"{tokens_per_sec:,.0f}")
-                if not np.isfinite(logged["loss"]):
-                    raise FloatingPointError(f"loss became {logged['loss']} at step {step}")
             if step % cfg.eval.every_steps == 0 and step < train_cfg.steps:
                 val_loss = evaluate(phase_at(step).eval_step, state["params"], val, batch_sharding)
                 writer.scalars(step, {"val_loss": val_loss})
@@ -249,6 +280,7 @@ def _train(cfg: Config, corpus, setup, run_dir: Path, stop_at: int | None) -> di
                 tick = time.perf_counter()  # tokens/s counts training time only
             preempt = stop.signal is not None or step == stop_at
             if step % ckpt_cfg.every_steps == 0 or step == train_cfg.steps or preempt:
+                check_finite(state)
                 checkpoint.save(manager, step, state, data_iter, cfg.to_dict(), force=True)
                 last_saved = step
             if preempt:
@@ -258,6 +290,7 @@ def _train(cfg: Config, corpus, setup, run_dir: Path, stop_at: int | None) -> di
                 print(f"preempted step={step} run_dir={run_dir}", flush=True)
                 raise Preempted(PREEMPTED_EXIT)
         if last_saved != step:
+            check_finite(state)
             checkpoint.save(manager, step, state, data_iter, cfg.to_dict(), force=True)
         bar.close()
         val_loss = evaluate(phase_at(step).eval_step, state["params"], val, batch_sharding)

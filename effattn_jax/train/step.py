@@ -41,8 +41,10 @@ def split_micro_batches(batch: dict, accum: int, rules) -> dict:
 def make_train_step(setup: TrainSetup):
     """state, batch -> (state, metrics). Batch leaves are [batch, seq]; with
     `train.grad_accum` = A the batch is split into A micro-batches whose summed
-    gradients are normalised by the total token count (same as one big batch)."""
+    gradients are normalised by the total token count (same as one big batch). `nonfinite` in
+    the metrics is 1 for a step whose loss or gradient is not finite (`train.nonfinite`)."""
     accum, rules = setup.cfg.train.grad_accum, sharding_rules(setup.cfg)
+    skip_nonfinite = setup.cfg.train.nonfinite == "skip"
 
     def micro_grads(params, micro):
         (loss_sum, tokens), grads = jax.value_and_grad(
@@ -66,17 +68,19 @@ def make_train_step(setup: TrainSetup):
                 )
         tokens = jnp.maximum(tokens, 1.0)
         grads = jax.tree.map(lambda g: g / tokens, grads)
+        loss, grad_norm = loss_sum / tokens, optax.tree.norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)  # any non-finite gradient makes the norm so
         updates, opt_state = setup.tx.update(grads, state["opt_state"], params)
-        new = {
-            "params": optax.apply_updates(params, updates),
-            "opt_state": opt_state,
-            "step": state["step"] + 1,
-        }
+        new = {"params": optax.apply_updates(params, updates), "opt_state": opt_state}
+        if skip_nonfinite:  # the step happens (its batch is consumed), its update does not
+            new = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, {k: state[k] for k in new})
+        new["step"] = state["step"] + 1
         metrics = {
-            "loss": loss_sum / tokens,
-            "grad_norm": optax.tree.norm(grads),
+            "loss": loss,
+            "grad_norm": grad_norm,
             "lr": setup.schedule(state["step"]),
             "tokens": tokens,
+            "nonfinite": 1 - finite.astype(jnp.int32),
         }
         return new, metrics
 
@@ -102,3 +106,10 @@ def make_eval_step(setup: TrainSetup):
         in_shardings=(setup.state_shardings["params"], setup.batch_sharding()),
         out_shardings=replicated,
     )
+
+
+@jax.jit
+def all_finite(tree) -> jax.Array:
+    """Whether every floating-point array of a tree is finite (checked before each save)."""
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
