@@ -160,7 +160,11 @@ def test_nonfinite_step_is_skipped_or_stops_before_any_save(tmp_path, corpus_dir
     # stop: training diverges (lr 1e30); the run stops naming the step, nothing non-finite is saved
     run_dir = tmp_path / "diverges"
     with pytest.raises(NonFiniteError, match="non-finite loss or gradients at step"):
-        run(tiny_cfg(corpus_dir, run_dir, **{"train.lr": 1e30, "train.warmup_steps": 1}))
+        run(
+            tiny_cfg(
+                corpus_dir, run_dir, **{"train.lr": 1e30, "train.warmup_steps": 1, "eval.every_steps": 100}
+            )
+        )
     abstract = make_setup(tiny_cfg(corpus_dir, run_dir), make_mesh(1, 1, 1)).abstract_state
     mngr = checkpoint.manager(run_dir)
     for step in mngr.all_steps():
