@@ -93,10 +93,9 @@ def saved_config(run_dir: str | Path) -> dict | None:
     against it); None for a directory without checkpoints."""
     if not (Path(run_dir) / "checkpoints").is_dir():
         return None
-    mngr = manager(run_dir, read_only=True)
-    for step in sorted(mngr.all_steps(), reverse=True):
+    for step in sorted(manager(run_dir, read_only=True).all_steps(), reverse=True):
         try:
-            return mngr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+            return restore_config(run_dir, step)
         except Exception:  # noqa: BLE001, S112 - an unreadable step is restore_latest's to report
             continue
     return None

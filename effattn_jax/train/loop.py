@@ -238,7 +238,7 @@ def _train(cfg: Config, corpus, setup, run_dir: Path, stop_at: int | None) -> di
             kept = f"step {last_saved}" if last_saved else "none"
             raise NonFiniteError(
                 f"{why}; nothing saved after it; last good checkpoint: {kept} in {run_dir / 'checkpoints'} "
-                "(lower train.lr, or train.nonfinite=skip to skip such steps)"
+                "(train.nonfinite=skip resumes skipping such steps; a lower train.lr needs a new run_dir)"
             )
 
     try:

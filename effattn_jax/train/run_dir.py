@@ -15,7 +15,14 @@ from effattn_jax.config import Config, ConfigError, config_from_dict
 
 LOCK_NAME = "run.lock"
 # what a resumed run may change; any other difference from the saved config is refused
-RESUMABLE = ("train.steps", "train.log_every", "train.progress", "train.profile_steps", "train.run_dir")
+RESUMABLE = (
+    "train.steps",
+    "train.log_every",
+    "train.progress",
+    "train.profile_steps",
+    "train.nonfinite",
+    "train.run_dir",
+)
 RESUMABLE_SECTIONS = ("checkpoint", "eval", "mesh")
 
 
@@ -76,7 +83,7 @@ def exclusive(run_dir: Path):
 def _flat(tree: dict, prefix: str = "") -> dict:
     out = {}
     for k, v in tree.items():
-        if isinstance(v, dict) and not (prefix == "mesh." and k == "rules"):
+        if isinstance(v, dict):
             out.update(_flat(v, f"{prefix}{k}."))
         else:
             out[prefix + k] = v
