@@ -151,7 +151,7 @@ def _hidden(graphdef, params, ctx, ctx_len, cont, prefix):
     h_ctx, caches = m.decode_hidden(ctx, jnp.broadcast_to(jnp.arange(lc), ctx.shape), caches)
     # one cache copy per continuation, with Tc free slots after the context's
     caches = jax.tree.map(lambda a: jnp.pad(a[prefix], [(0, 0), (0, tc)] + [(0, 0)] * (a.ndim - 2)), caches)
-    positions = ctx_len[prefix][:, None] + jnp.arange(cont.shape[1])[None, :]
+    positions = ctx_len[prefix][:, None] + jnp.arange(tc)[None, :]
     h_cont, _ = m.decode_hidden(cont, positions, caches)
     # the state predicting continuation token j: the context's last for j = 0, else token j - 1's
     h_first = h_ctx[prefix, ctx_len[prefix] - 1]

@@ -41,11 +41,11 @@ def _is_stale(holder: dict | None) -> bool:
     if holder.get("host") != socket.gethostname():
         return False
     try:
-        os.kill(int(holder["pid"]), 0)
+        os.kill(int(holder["pid"]), 0)  # signal 0: only asks whether the process exists
     except ProcessLookupError:
         return True
     except (PermissionError, KeyError, ValueError, TypeError):
-        return False
+        pass  # alive under another user, or a lock we cannot read the pid of: it holds
     return False
 
 
