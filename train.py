@@ -1,6 +1,8 @@
 """Train a language model: `python train.py --config configs/<file>.yaml key.sub=value ...`
 
-Rerunning the same command resumes from the run directory's last checkpoint.
+Rerunning the same command resumes from the run directory's last checkpoint. Several processes
+(a TPU pod slice, multi-GPU hosts, or `python -m effattn_jax.launch` here) join through
+jax.distributed: see effattn_jax/launch.py.
 Exit status: 0 done, 1 non-finite loss (train.nonfinite=stop), 2 bad config or data,
 143 preempted (SIGTERM/SIGINT).
 """
@@ -30,16 +32,21 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
         return user_error(e)
+    from effattn_jax import launch
     from effattn_jax.train.loop import NonFiniteError, final_line, run
 
     try:
+        launch.initialize(cfg.distributed)
         result = run(cfg)
     except (ConfigError, DataError) as e:
         return user_error(e)
     except NonFiniteError as e:
         print(f"stopped: {e}", file=sys.stderr)
         return 1
-    print(final_line(result), flush=True)
+    import jax
+
+    if jax.process_index() == 0:
+        print(final_line(result), flush=True)
     return 0
 
 

@@ -1,10 +1,10 @@
-"""Orbax checkpoints of a run: train state, Grain iterator state and the resolved
+"""Orbax checkpoints of a run: train state, data iterator state and the resolved
 config, in `<run_dir>/checkpoints/<step>/`. Train, eval and generate all load runs here.
 
 Orbax writes each step to a temporary directory and renames it when complete,
-so a save cut short (even by kill -9) is never listed. A committed step that
-fails to restore (corrupt or truncated files) is reported and skipped in favour
-of the previous one; it is never loaded.
+so a save cut short (even by kill -9) is never listed. A checksum manifest written
+after that (effattn_jax/checksums.py) is verified before a step is loaded: a step
+that fails (flipped, truncated or missing files) is never loaded.
 
 Evaluation loads parameters only (`load_params`), restored straight into the shardings of
 the evaluating process's mesh, whatever mesh the run was trained on.
@@ -12,12 +12,18 @@ the evaluating process's mesh, whatever mesh the run was trained on.
 
 from __future__ import annotations
 
+import shutil
 import sys
+import threading
+import time
 from pathlib import Path
 
 import grain
+import jax
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
+from effattn_jax import checksums
 from effattn_jax.config import ConfigError, config_from_dict
 from effattn_jax.sharding import make_mesh
 from effattn_jax.train.state import abstract_params
@@ -28,55 +34,118 @@ class CheckpointError(RuntimeError):
 
 
 def manager(
-    run_dir: str | Path,
-    *,
-    keep_last: int = 2,
-    keep_every: int = 0,
-    async_save: bool = True,
-    read_only: bool = False,
+    run_dir: str | Path, *, async_save: bool = True, read_only: bool = False
 ) -> ocp.CheckpointManager:
+    """The Orbax manager of `<run_dir>/checkpoints`; retention is `Checkpoints`', not Orbax's."""
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=keep_last,
-        keep_period=keep_every or None,
-        enable_async_checkpointing=async_save,
-        create=not read_only,
-        read_only=read_only,
+        max_to_keep=None, enable_async_checkpointing=async_save, create=not read_only, read_only=read_only
     )
     return ocp.CheckpointManager(Path(run_dir).absolute() / "checkpoints", options=options)
 
 
-def save(
-    mngr: ocp.CheckpointManager, step: int, state, data_iter, config: dict, *, force: bool = False
-) -> None:
-    args = {"state": ocp.args.StandardSave(state), "config": ocp.args.JsonSave(config)}
-    if data_iter is not None:
-        args["data"] = grain.checkpoint.CheckpointSave(data_iter)
-    mngr.save(step, args=ocp.args.Composite(**args), force=force)
+def sync(name: str) -> None:
+    """A barrier of all processes (nothing with one)."""
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
 
 
-def restore_latest(mngr: ocp.CheckpointManager, abstract_state, data_iter=None):
-    """(step, state) from the newest checkpoint that restores cleanly, restoring `data_iter` in
-    place; (None, None) when the run has no checkpoint."""
-    steps = sorted(mngr.all_steps(), reverse=True)
-    errors = []
-    for step in steps:
-        args = {"state": ocp.args.StandardRestore(abstract_state)}
+class Checkpoints:
+    """A run's checkpoints as training writes and resumes them.
+
+    Each save is completed by a checksum manifest (written by process 0 in a background thread
+    once Orbax has committed the step). Older steps are deleted only after a newer one is complete
+    and checksummed, so a run always keeps a good step. On resume each step is verified before it
+    is restored; a step that fails is moved to `checkpoints/corrupt/` (reported once) so the run
+    can save that step again. The data iterator's state is saved as JSON (the same on every
+    process), so a run may resume with another process count."""
+
+    def __init__(
+        self, run_dir: str | Path, *, keep_last: int = 2, keep_every: int = 0, async_save: bool = True
+    ):
+        self.mngr = manager(run_dir, async_save=async_save)
+        self.directory = Path(self.mngr.directory)
+        self.keep_last, self.keep_every = keep_last, keep_every
+        self._pending: tuple[int, threading.Thread] | None = None
+
+    def all_steps(self) -> list[int]:
+        return sorted(self.mngr.all_steps())
+
+    def _step_dir(self, step: int) -> Path:
+        return self.directory / str(step)
+
+    def _quarantine(self, step: int, why: str) -> None:
+        dest = self.directory / "corrupt" / str(step)
+        if jax.process_index() == 0:
+            if dest.exists():
+                dest = dest.with_name(f"{step}-{time.strftime('%Y%m%d-%H%M%S')}")
+            dest.parent.mkdir(exist_ok=True)
+            shutil.move(self._step_dir(step), dest)
+            print(f"checkpoint step {step} is corrupt ({why[:200]}); moved to {dest}", file=sys.stderr)
+        sync(f"quarantine-{step}")
+        self.mngr.reload()
+
+    def restore_latest(self, abstract_state, data_iter=None):
+        """(step, state) of the newest step that verifies and restores, restoring `data_iter` in
+        place; (None, None) when none does (a run with no checkpoint, or only corrupt ones)."""
+        for step in sorted(self.mngr.all_steps(), reverse=True):
+            try:
+                verified = checksums.verify(self._step_dir(step))
+                args = _restore_args(self._step_dir(step), abstract_state, data_iter)
+                restored = self.mngr.restore(step, args=args)
+            except Exception as e:  # noqa: BLE001 - any failure means this step is unusable
+                self._quarantine(step, f"{type(e).__name__}: {e}".splitlines()[0])
+                continue
+            if "data_state" in restored:
+                data_iter.set_state(restored["data_state"])
+            if not verified and jax.process_index() == 0:  # it restored: its files are whole
+                checksums.write_manifest(self._step_dir(step))
+            return step, restored["state"]
+        return None, None
+
+    def save(self, step: int, state, data_iter, config: dict) -> None:
+        """Starts saving `step` (async unless configured otherwise) after completing the previous save."""
+        self.finish()
+        items = {"state": ocp.args.StandardSave(state), "config": ocp.args.JsonSave(config)}
         if data_iter is not None:
-            args["data"] = grain.checkpoint.CheckpointRestore(data_iter)
-        try:
-            restored = mngr.restore(step, args=ocp.args.Composite(**args))
-        except Exception as e:  # noqa: BLE001 - any failure means this step is unusable
-            msg = (
-                f"checkpoint step {step} in {mngr.directory} is corrupt or incomplete, skipped: "
-                f"{type(e).__name__}: {e}"
-            )
-            print(msg.splitlines()[0][:300], file=sys.stderr)
-            errors.append(step)
-            continue
-        return step, restored["state"]
-    if errors:
-        raise CheckpointError(f"no checkpoint in {mngr.directory} could be restored (tried steps {errors})")
-    return None, None
+            items["data_state"] = ocp.args.JsonSave(data_iter.get_state())
+        self.mngr.save(step, args=ocp.args.Composite(**items), force=True)
+        thread = threading.Thread(target=self._complete, args=(step,), daemon=True)
+        thread.start()
+        self._pending = (step, thread)
+
+    def _complete(self, step: int) -> None:
+        self.mngr.wait_until_finished()
+        if jax.process_index() == 0:
+            checksums.write_manifest(self._step_dir(step))
+
+    def finish(self) -> None:
+        """Waits for the pending save and its manifest, then applies retention."""
+        if self._pending is None:
+            return
+        step, thread = self._pending
+        thread.join()
+        self._pending = None
+        self.mngr.check_for_errors()
+        sync(f"checksummed-{step}")
+        steps = self.all_steps()
+        keep = set(steps[-self.keep_last :]) | {step}
+        keep |= {s for s in steps if self.keep_every and s % self.keep_every == 0}
+        for s in steps:
+            if s < step and s not in keep:
+                self.mngr.delete(s)
+
+    def close(self) -> None:
+        self.finish()
+        self.mngr.close()
+
+
+def _restore_args(step_dir: Path, abstract_state, data_iter) -> ocp.args.Composite:
+    items = {"state": ocp.args.StandardRestore(abstract_state)}
+    if data_iter is not None and (step_dir / "data_state").is_dir():
+        items["data_state"] = ocp.args.JsonRestore()
+    elif data_iter is not None:  # saved by an earlier version: Grain's own per-process files
+        items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
+    return ocp.args.Composite(**items)
 
 
 def restore_config(run_dir: str | Path, step: int | None = None) -> dict:
@@ -151,6 +220,7 @@ def load_params(run_dir: str | Path, step: int, mesh=None):
         partial_restore=True,
     )
     try:
+        checksums.verify(Path(mngr.directory) / str(step))
         restored = mngr.restore(step, args=ocp.args.Composite(state=args))
     except Exception as e:  # noqa: BLE001 - any failure means this step cannot be evaluated
         raise CheckpointError(

@@ -141,6 +141,8 @@ class TrainConfig:
     # a step with a non-finite loss or gradient: stop (exit 1, nothing new saved) or skip
     # (parameters and optimizer state left as they were; counted as nonfinite_steps)
     nonfinite: str = "stop"
+    # false: start over, moving the run directory's checkpoints and metrics aside (previous-<time>/)
+    resume: bool = True
 
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -176,6 +178,17 @@ class CheckpointConfig:
 
 
 @dataclass
+class DistributedConfig:
+    """Multi-process runs (effattn_jax/launch.py): unset values fall back to the environment
+    variables JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID."""
+
+    coordinator: str = ""  # host:port of process 0
+    num_processes: int = 0
+    process_id: int = -1
+    auto_detect: bool = True  # join a cluster jax detects by itself (TPU pod slice, SLURM, ...)
+
+
+@dataclass
 class EvalConfig:
     every_steps: int = 100
     max_batches: int = 8  # validation batches per evaluation (fixed, unshuffled)
@@ -193,6 +206,7 @@ class Config:
     mesh: MeshConfig = field(default_factory=MeshConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     @property
     def num_kv_heads(self) -> int:
@@ -398,6 +412,22 @@ def validate(cfg: Config) -> None:
     _positive(cfg.checkpoint, "checkpoint", ["every_steps", "keep_last"])
     _positive(cfg.checkpoint, "checkpoint", ["keep_every"], allow_zero=True)
     _positive(cfg.eval, "eval", ["every_steps", "max_batches"])
+    dist = cfg.distributed
+    _positive(dist, "distributed", ["num_processes"], allow_zero=True)
+    _check(dist.process_id >= -1, "distributed.process_id", dist.process_id, "a process index, or -1 (unset)")
+    _check(
+        dist.num_processes == 0 or dist.process_id < dist.num_processes,
+        "distributed.process_id",
+        dist.process_id,
+        f"must be below distributed.num_processes={dist.num_processes}",
+    )
+    host, _, port = dist.coordinator.rpartition(":")
+    _check(
+        not dist.coordinator or (host and port.isdigit()),
+        "distributed.coordinator",
+        dist.coordinator,
+        "host:port",
+    )
 
 
 def _validate_model(cfg: Config) -> None:

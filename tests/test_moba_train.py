@@ -33,7 +33,7 @@ def test_moba_model_learns_and_is_sparse(tmp_path, corpus_dir):
     loss = [v for _, v in read_scalars(tmp_path / "run")["loss"]]
     assert sum(loss[-3:]) / 3 < sum(loss[:3]) / 3 - 1.0
     setup = make_setup(cfg, make_mesh(1, 1, 1))
-    _, state = checkpoint.restore_latest(checkpoint.manager(tmp_path / "run"), setup.abstract_state)
+    _, state = checkpoint.Checkpoints(tmp_path / "run").restore_latest(setup.abstract_state)
     tokens = jax.random.randint(jax.random.key(0), (2, 32), 0, 128)
     logits = lambda c: jax.jit(lambda p, t: make_setup(c, make_mesh(1, 1, 1)).model(p)(t))(
         state["params"], tokens
@@ -73,9 +73,7 @@ def test_hybrids_train_and_resume_across_the_switch(tmp_path, corpus_dir):
     setup = make_setup(cfg, make_mesh(1, 1, 1))
     corpus = build_corpus(cfg.data)
     data_iter = train_iterator(corpus.train, batch_size=cfg.data.batch_size, seed=cfg.data.seed)
-    step, state = checkpoint.restore_latest(
-        checkpoint.manager(tmp_path / "cut"), setup.abstract_state, data_iter
-    )
+    step, state = checkpoint.Checkpoints(tmp_path / "cut").restore_latest(setup.abstract_state, data_iter)
     assert step == 4
     batch = next(data_iter)
     settings = {

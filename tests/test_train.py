@@ -31,48 +31,86 @@ def test_tiny_run_learns_and_logs(tmp_path, corpus_dir):
     )  # the profiler window wrote a trace
 
 
-def test_resume_is_bitwise_identical(tmp_path, corpus_dir):
+def _corrupt(step_dir, how):
+    """Damages the largest file of a checkpoint step: flip 16 bytes, truncate, or delete it."""
+    f = max((p for p in (step_dir / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    data = bytearray(f.read_bytes())
+    if how == "flip":
+        data[len(data) // 2 : len(data) // 2 + 16] = bytes(
+            b ^ 0xFF for b in data[len(data) // 2 : len(data) // 2 + 16]
+        )
+        f.write_bytes(bytes(data))
+    elif how == "truncate":
+        f.write_bytes(bytes(data[: len(data) // 2]))
+    else:
+        f.unlink()
+
+
+def test_resume_is_bitwise_identical_past_corrupt_steps(tmp_path, corpus_dir, capsys):
+    """A run cut short resumes to the uninterrupted run's losses and state bitwise, also when its
+    newest step is corrupt each time it resumes (flipped, truncated, deleted file): the step is
+    quarantined (reported once), the run resumes from the step before and saves that step again."""
     full = run(tiny_cfg(corpus_dir, tmp_path / "full"))
+    cut = tmp_path / "cut"
     with pytest.raises(Preempted) as stopped:
-        run(tiny_cfg(corpus_dir, tmp_path / "cut"), stop_at=3)
+        run(tiny_cfg(corpus_dir, cut), stop_at=3)
     assert stopped.value.code == 143
-    resumed = run(tiny_cfg(corpus_dir, tmp_path / "cut"))
-    la, lb = read_scalars(tmp_path / "full")["loss"], read_scalars(tmp_path / "cut")["loss"]
+    assert checkpoint.kept_steps(cut) == [2, 3]
+    capsys.readouterr()
+    for how, newest, stop_at, kept in (
+        ("flip", 3, 4, [2, 4]),
+        ("truncate", 4, 5, [4, 5]),
+        ("delete", 5, None, [4, 6]),
+    ):
+        _corrupt(cut / "checkpoints" / str(newest), how)
+        if stop_at is None:
+            resumed = run(tiny_cfg(corpus_dir, cut))
+        else:
+            with pytest.raises(Preempted):
+                run(tiny_cfg(corpus_dir, cut), stop_at=stop_at)
+        err = capsys.readouterr().err
+        assert err.count("is corrupt") == 1 and f"checkpoint step {newest} is corrupt" in err, err
+        assert "Traceback" not in err and "Event loop is closed" not in err
+        assert checkpoint.kept_steps(cut) == kept
+    assert sorted(p.name.split("-")[0] for p in (cut / "checkpoints" / "corrupt").iterdir()) == [
+        "3",
+        "4",
+        "5",
+    ]
+    la, lb = read_scalars(tmp_path / "full")["loss"], read_scalars(cut)["loss"]
     assert la[-1][0] == lb[-1][0] == 6 and la[-1][1] == lb[-1][1]
     assert resumed["val_loss"] == full["val_loss"]
-    cfg = tiny_cfg(corpus_dir, tmp_path / "full")
-    setup = make_setup(cfg, make_mesh(1, 1, 1))
+    setup = make_setup(tiny_cfg(corpus_dir, tmp_path / "full"), make_mesh(1, 1, 1))
     states = [
-        checkpoint.restore_latest(checkpoint.manager(tmp_path / r), setup.abstract_state)[1]
-        for r in ("full", "cut")
+        checkpoint.Checkpoints(tmp_path / r).restore_latest(setup.abstract_state)[1] for r in ("full", "cut")
     ]
     for a, b in zip(jax.tree.leaves(states[0]), jax.tree.leaves(states[1]), strict=True):
         assert np.array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_checkpoint_round_trip_and_corruption(tmp_path, corpus_dir, capsys):
+def test_checkpoint_round_trip_and_retention(tmp_path, corpus_dir):
     run(tiny_cfg(corpus_dir, tmp_path / "run", **{"train.steps": 4}))
     cfg = tiny_cfg(corpus_dir, tmp_path / "run")
     setup = make_setup(cfg, make_mesh(1, 1, 1))
-    mngr = checkpoint.manager(tmp_path / "run")
-    assert mngr.all_steps() == [2, 4]
-    step, state = checkpoint.restore_latest(mngr, setup.abstract_state)
+    ckpts = checkpoint.Checkpoints(tmp_path / "run", keep_last=1)
+    assert ckpts.all_steps() == [2, 4]
+    step, state = ckpts.restore_latest(setup.abstract_state)
     assert step == 4 and int(state["step"]) == 4
-    # save/restore round trip of a fresh state, equal leaf for leaf
+    # save/restore round trip of a fresh state, equal leaf for leaf; retention waits for the manifest
     fresh = init_state(setup)
-    checkpoint.save(mngr, 10, fresh, None, cfg.to_dict(), force=True)
-    mngr.wait_until_finished()
-    step, back = checkpoint.restore_latest(mngr, setup.abstract_state)
+    ckpts.save(10, fresh, None, cfg.to_dict())
+    ckpts.finish()
+    assert ckpts.all_steps() == [10] and (tmp_path / "run/checkpoints/10/checksums.json").is_file()
+    step, back = ckpts.restore_latest(setup.abstract_state)
     assert step == 10
     for a, b in zip(jax.tree.leaves(fresh), jax.tree.leaves(back), strict=True):
         assert np.array_equal(np.asarray(a), np.asarray(b))
+    ckpts.close()
     assert checkpoint.restore_config(tmp_path / "run")["model"]["d_model"] == 32
-    # a corrupt newest checkpoint is detected and skipped, never loaded
-    for f in (tmp_path / "run" / "checkpoints" / "10" / "state").rglob("*"):
-        if f.is_file():
-            f.write_bytes(b"garbage")
-    step, _ = checkpoint.restore_latest(checkpoint.manager(tmp_path / "run"), setup.abstract_state)
-    assert step == 4 and "step 10" in capsys.readouterr().err
+    # eval verifies too: a corrupt step is refused, not loaded
+    _corrupt(tmp_path / "run/checkpoints/10", "flip")
+    with pytest.raises(checkpoint.CheckpointError, match="does not match its checksum"):
+        checkpoint.load_params(tmp_path / "run", 10)
 
 
 def test_sharded_step_matches_single_device(tmp_path, corpus_dir):

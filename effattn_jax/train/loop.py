@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from importlib import metadata
 from pathlib import Path
 
 import jax
+from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from effattn_jax import checkpoint
@@ -102,20 +104,31 @@ def record_provenance(run_dir: Path, cfg: Config) -> None:
 
 
 class _StopFlag:
-    """Set by SIGTERM/SIGINT; the loop checks it after each step."""
+    """SIGTERM/SIGINT, checked after each step. One process: a flag set by our handler. Several:
+    jax's preemption service owns SIGTERM (SIGINT is turned into a SIGTERM) and agrees on one step
+    at which every process stops, whichever process got the signal."""
 
     def __init__(self):
         self.signal = None
+        self.multi = jax.process_count() > 1
 
     def __call__(self, signum, frame):
+        if self.multi:
+            os.kill(os.getpid(), signal.SIGTERM)  # to jax's preemption notifier
         self.signal = signum
 
     def install(self):
-        self.previous = {s: signal.signal(s, self) for s in (signal.SIGTERM, signal.SIGINT)}
+        signals = (signal.SIGINT,) if self.multi else (signal.SIGTERM, signal.SIGINT)
+        self.previous = {s: signal.signal(s, self) for s in signals}
 
     def restore(self):
         for s, h in self.previous.items():
             signal.signal(s, h)
+
+    def reached(self, step: int) -> bool:
+        if self.multi:
+            return multihost_utils.reached_preemption_sync_point(step)
+        return self.signal is not None
 
 
 def _to_global(batch: dict, sharding) -> dict:
@@ -171,12 +184,19 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict:
         raise ConfigError(
             "model.vocab_size", cfg.model.vocab_size, f"must be >= the tokenizer's {corpus.vocab_size} tokens"
         )
-    mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    try:
+        mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    except ValueError as e:
+        raise ConfigError("mesh", f"{cfg.mesh.data}x{cfg.mesh.fsdp}x{cfg.mesh.tensor}", str(e)) from None
     setup = make_setup(cfg, mesh)
     run_dir.mkdir(parents=True, exist_ok=True)
     with run_guard.exclusive(run_dir) if jax.process_index() == 0 else contextlib.nullcontext():
+        if not cfg.train.resume and jax.process_index() == 0:
+            run_guard.set_aside(run_dir)
         run_guard.check_resumable(checkpoint.saved_config(run_dir), cfg)
-        record_provenance(run_dir, cfg)
+        if jax.process_index() == 0:
+            record_provenance(run_dir, cfg)
+        checkpoint.sync("run directory ready")
         return _train(cfg, corpus, setup, run_dir, stop_at)
 
 
@@ -189,10 +209,10 @@ def _train(cfg: Config, corpus, setup, run_dir: Path, stop_at: int | None) -> di
     val = list(
         val_batches(corpus.val, batch_size=data_cfg.batch_size, max_batches=cfg.eval.max_batches, **process)
     )
-    manager = checkpoint.manager(
+    checkpoints = checkpoint.Checkpoints(
         run_dir, keep_last=ckpt_cfg.keep_last, keep_every=ckpt_cfg.keep_every, async_save=ckpt_cfg.async_save
     )
-    step, state = checkpoint.restore_latest(manager, setup.abstract_state, data_iter)
+    step, state = checkpoints.restore_latest(setup.abstract_state, data_iter)
     resumed = state is not None
     if not resumed:
         step, state = 0, init_state(setup)
@@ -200,21 +220,23 @@ def _train(cfg: Config, corpus, setup, run_dir: Path, stop_at: int | None) -> di
     counts = param_counts(setup.model(state["params"]))
     phase_at = _phase_schedule(cfg, setup, counts["non_embedding"])
     tokens_per_step = data_cfg.batch_size * data_cfg.seq_len
-    print(
+    lead = jax.process_index() == 0  # logs, progress and TensorBoard come from process 0 only
+    log = (lambda msg: print(msg, file=sys.stderr)) if lead else (lambda msg: None)
+    log(
         f"params: {counts['total']:,} ({counts['non_embedding']:,} non-embedding); "
-        f"{phase_at(step).flops_per_token / 1e6:.1f} MFLOP/token; mesh {dict(mesh.shape)}",
-        file=sys.stderr,
+        f"{phase_at(step).flops_per_token / 1e6:.1f} MFLOP/token; mesh {dict(mesh.shape)}"
+        + (f"; {jax.process_count()} processes" if jax.process_count() > 1 else "")
     )
     batch_sharding = setup.batch_sharding()
-    writer = ScalarWriter(run_dir)
+    writer = ScalarWriter(run_dir, enabled=lead)
     stop = _StopFlag()
     stop.install()  # before the "resumed" line: a signal from then on is a clean preemption
     if resumed:
-        print(f"resumed from step {step} in {run_dir}", file=sys.stderr)
+        log(f"resumed from step {step} in {run_dir}")
     bar = tqdm(
         total=train_cfg.steps,
         initial=step,
-        disable=not train_cfg.progress,
+        disable=not (train_cfg.progress and lead),
         dynamic_ncols=True,
         desc="train",
         file=sys.stderr,
@@ -278,29 +300,31 @@ def _train(cfg: Config, corpus, setup, run_dir: Path, stop_at: int | None) -> di
                 writer.scalars(step, {"val_loss": val_loss})
                 writer.flush()
                 tick = time.perf_counter()  # tokens/s counts training time only
-            preempt = stop.signal is not None or step == stop_at
+            preempt = stop.reached(step) or step == stop_at
             if step % ckpt_cfg.every_steps == 0 or step == train_cfg.steps or preempt:
                 check_finite(state)
-                checkpoint.save(manager, step, state, data_iter, cfg.to_dict(), force=True)
+                checkpoints.save(step, state, data_iter, cfg.to_dict())
                 last_saved = step
             if preempt:
-                manager.wait_until_finished()
+                checkpoints.finish()
                 bar.close()
                 writer.close()
                 print(f"preempted step={step} run_dir={run_dir}", flush=True)
                 raise Preempted(PREEMPTED_EXIT)
         if last_saved != step:
             check_finite(state)
-            checkpoint.save(manager, step, state, data_iter, cfg.to_dict(), force=True)
+            checkpoints.save(step, state, data_iter, cfg.to_dict())
         bar.close()
         val_loss = evaluate(phase_at(step).eval_step, state["params"], val, batch_sharding)
         writer.scalars(step, {"val_loss": val_loss})
-        unigram = unigram_loss(corpus.train_token_counts, val)
-        manager.wait_until_finished()
+        # on the whole validation set (the same rows as val_loss), not this process's share
+        val_rows = val_batches(corpus.val, batch_size=data_cfg.batch_size, max_batches=cfg.eval.max_batches)
+        unigram = unigram_loss(corpus.train_token_counts, val_rows)
+        checkpoints.finish()
     finally:
         stop.restore()
         writer.close()
-        manager.close()
+        checkpoints.close()
     return {
         "val_loss": val_loss,
         "unigram_loss": unigram,

@@ -10,20 +10,26 @@ from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
 
 class ScalarWriter:
-    def __init__(self, logdir: str | Path):
-        self._writer = EventFileWriter(str(logdir))
+    """Writes on process 0 only (`enabled=False` elsewhere): one event stream per run."""
+
+    def __init__(self, logdir: str | Path, enabled: bool = True):
+        self._writer = EventFileWriter(str(logdir)) if enabled else None
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
+        if self._writer is None:
+            return
         summary = summary_pb2.Summary(
             value=[summary_pb2.Summary.Value(tag=k, simple_value=float(v)) for k, v in values.items()]
         )
         self._writer.add_event(event_pb2.Event(wall_time=time.time(), step=int(step), summary=summary))
 
     def flush(self) -> None:
-        self._writer.flush()
+        if self._writer is not None:
+            self._writer.flush()
 
     def close(self) -> None:
-        self._writer.close()
+        if self._writer is not None:
+            self._writer.close()
 
 
 def read_scalars(logdir: str | Path) -> dict[str, list[tuple[int, float]]]:

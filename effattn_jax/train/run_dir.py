@@ -21,9 +21,10 @@ RESUMABLE = (
     "train.progress",
     "train.profile_steps",
     "train.nonfinite",
+    "train.resume",
     "train.run_dir",
 )
-RESUMABLE_SECTIONS = ("checkpoint", "eval", "mesh")
+RESUMABLE_SECTIONS = ("checkpoint", "eval", "mesh", "distributed")
 
 
 def _holder(path: Path) -> dict | None:
@@ -78,6 +79,20 @@ def exclusive(run_dir: Path):
     finally:
         if _holder(path) == mine:
             path.unlink(missing_ok=True)
+
+
+def set_aside(run_dir: Path) -> Path | None:
+    """`train.resume=false`: moves the run's checkpoints, metrics and saved config into
+    `<run_dir>/previous-<time>/` (nothing is deleted); None when there was nothing to move."""
+    old = [p for p in run_dir.iterdir() if p.name in ("checkpoints", "config.yaml") or ".tfevents." in p.name]
+    if not old:
+        return None
+    dest = run_dir / f"previous-{time.strftime('%Y%m%d-%H%M%S')}"
+    dest.mkdir()
+    for p in old:
+        p.rename(dest / p.name)
+    print(f"train.resume=false: the previous run's checkpoints and metrics moved to {dest}", file=sys.stderr)
+    return dest
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:

@@ -1,0 +1,170 @@
+"""Multi-process runs through jax.distributed, and a local launcher for trying them.
+
+`initialize(cfg.distributed)` (train.py calls it before touching a device) joins the processes
+into one JAX runtime when the run is multi-process:
+- explicitly, from `distributed.coordinator` / `num_processes` / `process_id`, or from the
+  environment variables JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID when the
+  config leaves them unset (all three or none);
+- or, with `distributed.auto_detect` (the default), wherever jax detects a cluster by itself
+  (Cloud TPU pod slices, SLURM, Open MPI, ...).
+Otherwise the run is one process. On CPU the processes' collectives go through gloo.
+
+    python -m effattn_jax.launch --processes 2 [--devices-per-process 2] -- <train.py args>
+
+starts N train.py processes on loopback (a free port; simulated CPU devices per process, else
+the caller's XLA_FLAGS), streams process 0's output (the others' goes to files named in the
+first line), forwards SIGTERM/SIGINT to all, and stops the rest when one fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from effattn_jax.config import ConfigError
+
+ENV = {
+    "coordinator": "JAX_COORDINATOR_ADDRESS",
+    "num_processes": "JAX_NUM_PROCESSES",
+    "process_id": "JAX_PROCESS_ID",
+}
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _explicit(dist) -> dict:
+    """The coordinator / process count / id asked for by the config, else by the environment."""
+    given = {
+        "coordinator": dist.coordinator or os.environ.get(ENV["coordinator"], ""),
+        "num_processes": dist.num_processes or int(os.environ.get(ENV["num_processes"], 0) or 0),
+        "process_id": dist.process_id if dist.process_id >= 0 else int(os.environ.get(ENV["process_id"], -1)),
+    }
+    unset = {"coordinator": "", "num_processes": 0, "process_id": -1}
+    missing = [k for k in given if given[k] == unset[k]]
+    if len(missing) not in (0, len(given)):
+        names = ", ".join(f"distributed.{k} (or {ENV[k]})" for k in missing)
+        raise ConfigError("distributed", f"missing {names}", "a multi-process run needs all three or none")
+    return {} if missing else given
+
+
+def initialize(dist) -> None:
+    """Joins this process into a multi-process run when one is asked for (see the module doc)."""
+    import jax
+
+    explicit = _explicit(dist)
+    if not explicit and not dist.auto_detect:
+        return
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if explicit:
+        jax.distributed.initialize(
+            explicit["coordinator"],
+            num_processes=explicit["num_processes"],
+            process_id=explicit["process_id"],
+        )
+        return
+    try:
+        jax.distributed.initialize()  # jax's own cluster detection
+    except ValueError as e:
+        if "should be defined" not in str(e):
+            raise  # a cluster was detected but could not be joined
+        # no cluster detected: one process
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(index: int, count: int, port: int, devices: int | None) -> dict:
+    env = dict(os.environ)
+    env.update({ENV["coordinator"]: f"127.0.0.1:{port}", ENV["num_processes"]: str(count)})
+    env[ENV["process_id"]] = str(index)
+    if devices:
+        flags = [
+            f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f
+        ]
+        env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])
+        env.setdefault("JAX_PLATFORMS", "cpu")
+    return env
+
+
+def launch(
+    train_args: list[str], processes: int, devices_per_process: int | None, grace_s: float = 120.0
+) -> int:
+    """Runs the processes to the end; the exit status is the first failure's, else process 0's."""
+    port = _free_port()
+    logs = Path(tempfile.mkdtemp(prefix="effattn-launch-"))
+    cmd = [sys.executable, str(ROOT / "train.py"), *train_args]
+    procs = []
+    for i in range(processes):
+        out = None if i == 0 else open(logs / f"process_{i}.log", "w")  # noqa: SIM115 - closed with the run
+        procs.append(
+            subprocess.Popen(cmd, env=_env(i, processes, port, devices_per_process), stdout=out, stderr=out)
+        )
+    if processes > 1:
+        print(
+            f"launch: {processes} processes on 127.0.0.1:{port}; processes 1.. log to {logs}", file=sys.stderr
+        )
+
+    def forward(signum, frame):
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        failed, first_exit = None, None
+        while any(p.poll() is None for p in procs):
+            codes = [p.poll() for p in procs]
+            bad = [c for c in codes if c not in (None, 0, 143)]
+            if bad and failed is None:
+                failed = bad[0]
+                break
+            if first_exit is None and any(c is not None for c in codes):
+                first_exit = time.monotonic()
+            if first_exit is not None and time.monotonic() - first_exit > grace_s:
+                print(f"launch: a process exited; the rest did not within {grace_s:.0f} s", file=sys.stderr)
+                failed = 1
+                break
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        for s, h in previous.items():
+            signal.signal(s, h)
+    if failed is not None:
+        print(
+            f"launch: a process failed (exit {failed}); stopped the others; logs in {logs}", file=sys.stderr
+        )
+        return failed
+    codes = [p.returncode for p in procs]
+    return next((c for c in codes if c != 0), 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m effattn_jax.launch",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--processes", type=int, required=True, help="number of train.py processes")
+    parser.add_argument("--devices-per-process", type=int, help="simulated CPU devices per process")
+    parser.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then the train.py arguments")
+    args = parser.parse_args(argv)
+    train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
+    if args.processes < 1 or (args.devices_per_process is not None and args.devices_per_process < 1):
+        parser.error("--processes and --devices-per-process must be at least 1")
+    return launch(train_args, args.processes, args.devices_per_process)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
