@@ -12,13 +12,16 @@ Otherwise the run is one process. On CPU the processes' collectives go through g
     python -m effattn_jax.launch --processes 2 [--devices-per-process 2] -- <train.py args>
 
 starts N train.py processes on loopback (a free port; simulated CPU devices per process, else
-the caller's XLA_FLAGS), streams process 0's output (the others' goes to files named in the
-first line), forwards SIGTERM/SIGINT to all, and stops the rest when one fails.
+the caller's XLA_FLAGS), streams process 0's output (the others' goes to `--log-dir`, named in
+the first line), forwards SIGTERM/SIGINT to all, and stops the rest when one fails (or when
+they do not follow one that exited within two minutes); the children die with the launcher.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import os
 import signal
 import socket
@@ -95,19 +98,29 @@ def _env(index: int, count: int, port: int, devices: int | None) -> dict:
     return env
 
 
+def _die_with_parent() -> None:
+    """In each child: killed when the launcher dies, however it dies (Linux)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def launch(
-    train_args: list[str], processes: int, devices_per_process: int | None, grace_s: float = 120.0
+    train_args: list[str],
+    processes: int,
+    devices_per_process: int | None,
+    log_dir: str | None = None,
+    grace_s: float = 120.0,
 ) -> int:
     """Runs the processes to the end; the exit status is the first failure's, else process 0's."""
     port = _free_port()
-    logs = Path(tempfile.mkdtemp(prefix="effattn-launch-"))
+    logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="effattn-launch-"))
+    logs.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, str(ROOT / "train.py"), *train_args]
     procs = []
     for i in range(processes):
         out = None if i == 0 else open(logs / f"process_{i}.log", "w")  # noqa: SIM115 - closed with the run
-        procs.append(
-            subprocess.Popen(cmd, env=_env(i, processes, port, devices_per_process), stdout=out, stderr=out)
-        )
+        env = _env(i, processes, port, devices_per_process)
+        procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=out, preexec_fn=_die_with_parent))  # noqa: PLW1509
     if processes > 1:
         print(
             f"launch: {processes} processes on 127.0.0.1:{port}; processes 1.. log to {logs}", file=sys.stderr
@@ -158,12 +171,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--processes", type=int, required=True, help="number of train.py processes")
     parser.add_argument("--devices-per-process", type=int, help="simulated CPU devices per process")
+    parser.add_argument("--log-dir", help="where processes 1.. write their output (default: a new temp dir)")
     parser.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then the train.py arguments")
     args = parser.parse_args(argv)
     train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
     if args.processes < 1 or (args.devices_per_process is not None and args.devices_per_process < 1):
         parser.error("--processes and --devices-per-process must be at least 1")
-    return launch(train_args, args.processes, args.devices_per_process)
+    return launch(train_args, args.processes, args.devices_per_process, args.log_dir)
 
 
 if __name__ == "__main__":
