@@ -9,14 +9,13 @@ Exit status: 0 done, 1 non-finite loss (train.nonfinite=stop), 2 bad config or d
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    from effattn_jax.cli import ArgumentParser
+
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument("--config", help="YAML config (may name a `base:` file)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=100")
     args = parser.parse_args(argv)

@@ -14,7 +14,6 @@ absorbed weights unless --naive.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import jax
@@ -22,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from effattn_jax.cli import ArgumentParser, non_negative_float, positive_int, probability
 from effattn_jax.model import Transformer, init_cache
 
 
@@ -92,12 +92,12 @@ def load_run(run_dir: str) -> tuple[Transformer, object]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__)
     p.add_argument("--run", required=True, help="run directory with checkpoints")
     p.add_argument("--prompt", action="append", required=True, help="repeat for a batch of prompts")
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=positive_int, default=32)
+    p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0: greedy")
+    p.add_argument("--top-p", type=probability, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--naive", action="store_true", help="MLA: rebuild per-head K/V instead of weight absorption"
@@ -113,6 +113,14 @@ def main(argv=None) -> int:
         return 2
     tok, _, _ = load_tokenizer(cfg.data.tokenizer)
     prompts = [tok.encode(t, add_special_tokens=False).ids for t in args.prompt]
+    longest = max(len(ids) for ids in prompts)
+    if longest == 0:
+        p.error("--prompt: an empty prompt has no token to continue from")
+    if longest + args.max_new_tokens > cfg.data.seq_len:
+        p.error(
+            f"--max-new-tokens={args.max_new_tokens}: the longest prompt ({longest} tokens) plus the new "
+            f"tokens must fit the model's context of {cfg.data.seq_len} tokens (its data.seq_len)"
+        )
     outs = Generator(model, absorb=not args.naive).generate(
         prompts, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
     )

@@ -31,6 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from effattn_jax.cli import ArgumentParser, positive_int
 from effattn_jax.config import ConfigError
 
 ENV = {
@@ -56,12 +57,25 @@ def _explicit(dist) -> dict:
     return {} if missing else given
 
 
+def _cluster_detected() -> bool:
+    """Whether jax's own cluster detection (what `jax.distributed.initialize()` without arguments
+    uses) finds a multi-process environment here. Its registry is not public API: if a jax
+    version moves it, nothing is detected and the explicit settings still work."""
+    try:
+        from jax._src import clusters
+
+        kinds = clusters.ClusterEnv._cluster_types
+        return any(not k.opt_in_only_method and k.is_env_present() for k in kinds)
+    except (ImportError, AttributeError):
+        return False
+
+
 def initialize(dist) -> None:
     """Joins this process into a multi-process run when one is asked for (see the module doc)."""
     import jax
 
     explicit = _explicit(dist)
-    if not explicit and not dist.auto_detect:
+    if not explicit and not (dist.auto_detect and _cluster_detected()):
         return
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if explicit:
@@ -70,13 +84,8 @@ def initialize(dist) -> None:
             num_processes=explicit["num_processes"],
             process_id=explicit["process_id"],
         )
-        return
-    try:
-        jax.distributed.initialize()  # jax's own cluster detection
-    except ValueError as e:
-        if "should be defined" not in str(e):
-            raise  # a cluster was detected but could not be joined
-        # no cluster detected: one process
+    else:
+        jax.distributed.initialize()
 
 
 def _free_port() -> int:
@@ -164,19 +173,13 @@ def launch(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m effattn_jax.launch",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--processes", type=int, required=True, help="number of train.py processes")
-    parser.add_argument("--devices-per-process", type=int, help="simulated CPU devices per process")
+    parser = ArgumentParser(prog="python -m effattn_jax.launch", description=__doc__)
+    parser.add_argument("--processes", type=positive_int, required=True, help="number of train.py processes")
+    parser.add_argument("--devices-per-process", type=positive_int, help="simulated CPU devices per process")
     parser.add_argument("--log-dir", help="where processes 1.. write their output (default: a new temp dir)")
     parser.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then the train.py arguments")
     args = parser.parse_args(argv)
     train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
-    if args.processes < 1 or (args.devices_per_process is not None and args.devices_per_process < 1):
-        parser.error("--processes and --devices-per-process must be at least 1")
     return launch(train_args, args.processes, args.devices_per_process, args.log_dir)
 
 

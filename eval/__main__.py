@@ -42,9 +42,9 @@ def _persistent_compilation_cache() -> None:
 def main(argv=None) -> int:
     import importlib
 
-    parser = argparse.ArgumentParser(
-        prog="python -m eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    from effattn_jax.cli import ArgumentParser
+
+    parser = ArgumentParser(prog="python -m eval", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     modules = {}
     for name, module in COMMANDS.items():

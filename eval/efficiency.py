@@ -25,7 +25,6 @@ reduced for a CPU by the overrides, default data.batch_size=2 data.seq_len=256).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -38,6 +37,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from effattn_jax.cli import ArgumentParser, positive_int, positive_int_list  # noqa: E402
 from effattn_jax.config import ConfigError, load_config  # noqa: E402
 from effattn_jax.model import Transformer, init_cache, param_counts  # noqa: E402
 from effattn_jax.sharding import make_mesh  # noqa: E402
@@ -148,7 +148,7 @@ def train_cost(cfg, steps: int = 3) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     kv = sub.add_parser("kv-cache", help="KV-cache elements and bytes per token")
     kv.add_argument("--config", required=True)
@@ -156,8 +156,8 @@ def main(argv=None) -> int:
     kv.add_argument("overrides", nargs="*")
     dl = sub.add_parser("decode-latency", help="ms/token of batch-1 greedy decoding per context length")
     dl.add_argument("--config", action="append", default=[])
-    dl.add_argument("--context", default="1024,4096,16384")
-    dl.add_argument("--repeats", type=int, default=5)
+    dl.add_argument("--context", type=positive_int_list, default="1024,4096,16384")
+    dl.add_argument("--repeats", type=positive_int, default=5)
     dl.add_argument("overrides", nargs="*")
     tc = sub.add_parser("train-cost", help="tokens/s and compiled memory of one train step")
     tc.add_argument("--config", action="append", default=[])
@@ -192,7 +192,7 @@ def main(argv=None) -> int:
 
 
 def _print_decode_latency(args) -> int:
-    contexts = [int(c) for c in args.context.split(",")]
+    contexts = args.context
     print(
         f"jax {jax.__version__} on {jax.devices()[0].device_kind}; batch 1, one decode step at each context; "
         "the cache is filled synthetically (random entries), no prefill was run"

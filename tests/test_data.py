@@ -20,6 +20,7 @@ def test_packing_never_crosses_documents():
     tokens, segs = pack_documents(docs, seq_len=4)
     stream = np.concatenate(docs)
     assert tokens.shape == (4, 5) and (tokens[:, 0] == stream[0:16:4]).all()
+    assert set(range(20, 29)) <= set(tokens.ravel())  # an 11-token document split over rows, not dropped
     for t, s in zip(tokens, segs, strict=True):
         ex = row_to_example(t, s)
         assert ex["segment_ids"][0] == 1 and (np.diff(ex["segment_ids"]) >= 0).all()

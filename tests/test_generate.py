@@ -104,3 +104,17 @@ def test_cli_on_a_trained_run(tmp_path, corpus_dir, capsys):
     )
     out = capsys.readouterr().out.split("---\n")
     assert out[0].startswith("the of") and out[1].startswith("and")
+    # bad input: one line naming the argument, exit 2 (the tiny run's context is data.seq_len=32)
+    for argv, needle in (
+        (["--prompt", ""], "--prompt: an empty prompt"),
+        (["--prompt", "and", "--max-new-tokens", "-5"], "--max-new-tokens: '-5': must be a positive integer"),
+        (["--prompt", "and", "--max-new-tokens", "40"], "must fit the model's context of 32 tokens"),
+        (["--prompt", "and", "--top-p", "0"], "--top-p: '0': must be a number in (0, 1]"),
+        (["--prompt", "and", "--temperature", "-1"], "--temperature: '-1': must be a number >= 0"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            main(["--run", str(tmp_path / "run"), *argv])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and needle in err[0], err
+    assert main(["--run", str(tmp_path / "nonexistent"), "--prompt", "a"]) == 2
+    assert "not a run directory" in capsys.readouterr().err

@@ -43,6 +43,9 @@ def _read_text(path: Path) -> str:
         raw = path.read_bytes()
     except OSError as e:
         raise DataError(f"{path}: cannot read ({e.strerror})") from None
+    nul = raw.find(b"\0")
+    if nul >= 0:
+        raise DataError(f"{path}: a binary file (NUL byte at {nul}); text files only")
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:

@@ -86,6 +86,11 @@ def build_corpus(data_cfg) -> Corpus:
             f"data.seq_len={data_cfg.seq_len}: the corpus gives {len(train)} training and {len(val)} "
             "validation rows; use shorter sequences or more data"
         )
+    if len(train) < data_cfg.batch_size:
+        raise DataError(
+            f"data.batch_size={data_cfg.batch_size}: the corpus gives only {len(train)} training rows of "
+            f"data.seq_len={data_cfg.seq_len} tokens, fewer than one batch; use a smaller batch or more data"
+        )
     return Corpus(train, val, counts, eos)
 
 

@@ -25,7 +25,10 @@ def load_tokenizer(name: str) -> tuple[Tokenizer, int, Path]:
         if not path.is_file():
             known = ", ".join(BUILTIN)
             raise DataError(f"data.tokenizer={name!r}: not a built-in ({known}) nor an existing file")
-    tok = Tokenizer.from_file(str(path))
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as e:  # noqa: BLE001 - the tokenizers library raises a bare Exception
+        raise DataError(f"data.tokenizer={name!r}: not a tokenizers JSON file ({str(e)[:120]})") from None
     for cand in EOS_CANDIDATES:
         if (eos := tok.token_to_id(cand)) is not None:
             return tok, eos, path

@@ -189,7 +189,12 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict:
     except ValueError as e:
         raise ConfigError("mesh", f"{cfg.mesh.data}x{cfg.mesh.fsdp}x{cfg.mesh.tensor}", str(e)) from None
     setup = make_setup(cfg, mesh)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / ".writable").touch()
+        (run_dir / ".writable").unlink()
+    except OSError as e:
+        raise ConfigError("train.run_dir", str(run_dir), f"cannot be written ({e.strerror})") from None
     with run_guard.exclusive(run_dir) if jax.process_index() == 0 else contextlib.nullcontext():
         if not cfg.train.resume and jax.process_index() == 0:
             run_guard.set_aside(run_dir)

@@ -1,0 +1,109 @@
+"""Every bad input of the README's table gets one line naming the thing and what is allowed, exit
+status 2, and leaves nothing half-written (the run directory is not even created)."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+from conftest import tiny_overrides
+
+from eval.__main__ import main as eval_main
+from eval.efficiency import main as efficiency_main
+from eval.tasks import TaskError, load_task
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("train_cli", ROOT / "train.py")
+train_cli = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(train_cli)
+
+
+def _files(tmp_path):
+    """Bad files and configs, by name."""
+    (tmp_path / "empty.txt").write_text(" \n")
+    (tmp_path / "binary.txt").write_bytes(b"abc\x00\x01\x02def")
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    (tmp_path / "notjson.jsonl").write_text('{"text": "ok"}\nnot json\n')
+    (tmp_path / "nofield.jsonl").write_text('{"text": "ok"}\n{"body": "x"}\n')
+    (tmp_path / "tokenizer.json").write_text('{"not": "a tokenizer"}')
+    (tmp_path / "malformed.yaml").write_text("model: [unclosed\n")
+    (tmp_path / "a.yaml").write_text(f"base: {tmp_path}/b.yaml\n")
+    (tmp_path / "b.yaml").write_text(f"base: {tmp_path}/a.yaml\n")
+    (tmp_path / "a_file").write_text("x")
+
+
+# (case, extra train.py overrides or ["--config", path], what the one line must say)
+TRAIN_CASES = [
+    ("unknown key", ["model.bogus=1"], "model.bogus"),
+    ("wrong type", ["model.d_model=abc"], "model.d_model='abc'"),
+    ("impossible sizes", ["model.num_heads=3"], "model.num_heads=3"),
+    ("missing YAML", ["--config", "{tmp}/missing.yaml"], "file does not exist"),
+    ("malformed YAML", ["--config", "{tmp}/malformed.yaml"], "not valid YAML"),
+    ("base: loop", ["--config", "{tmp}/a.yaml"], "inheritance cycle"),
+    ("more devices than exist", ["mesh.data=16", "data.batch_size=16"], "only 8 devices are available"),
+    ("glob matching nothing", ["data.train_files=[{tmp}/nothing*.txt]"], "no files match"),
+    ("empty file", ["data.train_files=[{tmp}/empty.txt]"], "empty file"),
+    ("binary file", ["data.train_files=[{tmp}/binary.txt]"], "binary file"),
+    ("non-UTF-8 file", ["data.train_files=[{tmp}/latin1.txt]"], "not valid UTF-8"),
+    (
+        ".jsonl line not JSON",
+        ["data.train_files=[{tmp}/notjson.jsonl]"],
+        "notjson.jsonl:2: not a JSON object",
+    ),
+    (".jsonl line without the field", ["data.train_files=[{tmp}/nofield.jsonl]"], "nofield.jsonl:2"),
+    ("tokenizer path missing", ["data.tokenizer={tmp}/none.json"], "nor an existing file"),
+    ("tokenizer JSON not a tokenizer", ["data.tokenizer={tmp}/tokenizer.json"], "not a tokenizers JSON file"),
+    ("batch larger than the corpus", ["data.batch_size=4096"], "fewer than one batch"),
+    ("run_dir is a file", ["train.run_dir={tmp}/a_file"], "cannot be written"),
+    ("sequences longer than the corpus", ["data.seq_len=100000"], "the corpus gives 0 training"),
+    (
+        "multi-process settings incomplete",
+        ["distributed.coordinator=127.0.0.1:1234"],
+        "distributed.num_processes",
+    ),
+]
+
+
+@pytest.mark.parametrize("case, extra, needle", TRAIN_CASES, ids=[c[0] for c in TRAIN_CASES])
+def test_train_cli(tmp_path, corpus_dir, capsys, case, extra, needle):
+    _files(tmp_path)
+    extra = [e.format(tmp=tmp_path) for e in extra]
+    config = extra[1] if extra[:1] == ["--config"] else None
+    overrides = tiny_overrides(corpus_dir, tmp_path / "run")
+    overrides += [e for e in extra if e != "--config" and e != config]
+    argv = (["--config", config] if config else []) + overrides
+    assert train_cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err
+    assert not (tmp_path / "run").exists()
+
+
+def _exit_status(main, argv) -> int:
+    try:
+        return main(argv)
+    except SystemExit as e:  # argparse's errors
+        return e.code
+
+
+def test_eval_and_efficiency_cli(tmp_path, capsys):
+    for argv, needle in (
+        (["lm-loss", "--run", str(tmp_path / "missing")], "not a run directory"),
+        (["lm-loss", "--run", str(tmp_path)], "not a run directory"),  # a directory, but not a run
+        (
+            ["downstream", "--run", str(tmp_path), "--limit", "abc"],
+            "--limit: 'abc': must be a positive integer",
+        ),
+        (["downstream", "--run", str(tmp_path), "--tasks", "piqa,nosuch"], "unknown task"),
+    ):
+        assert _exit_status(eval_main, argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and needle in err[0], err
+    with pytest.raises(SystemExit) as e:
+        efficiency_main(
+            ["decode-latency", "--config", str(ROOT / "configs/cpu/default.yaml"), "--context", "abc"]
+        )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert (
+        e.value.code == 2 and len(err) == 1 and "--context: 'abc': must be comma-separated positive" in err[0]
+    )
+    with pytest.raises(TaskError, match="task piqa: request file missing"):  # exit 2 through eval's CLI
+        load_task("piqa", root=tmp_path)
