@@ -1,0 +1,147 @@
+"""Kill test: `python -m eval.faults --kills 5 [--seed 0] [--steps 120]`.
+
+Trains a tiny model on the built-in corpus through train.py, `kill -9`s it at random moments
+(the first kill lands while an async checkpoint is being written), reruns the same command
+after each kill, and checks that the run, once finished, ends bitwise where an uninterrupted
+run of the same config ends (final val_loss and last training loss). Prints one line per kill
+and then `kills survived: K/N`; exit status 0 only when all survived.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from effattn_jax.cli import ArgumentParser, positive_int
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = [
+    "model.d_model=32",
+    "model.num_layers=2",
+    "model.num_heads=4",
+    "model.num_kv_heads=2",
+    "model.mlp_dim=64",
+    "data.seq_len=64",
+    "data.batch_size=8",
+    "train.warmup_steps=10",
+    "train.log_every=10",
+    "train.progress=true",
+    "checkpoint.every_steps=10",
+    "checkpoint.async_save=true",
+    "eval.every_steps=100000",
+    "mesh.data=1",
+]
+
+
+def _command(run_dir: Path, steps: int) -> list[str]:
+    config = str(ROOT / "configs/cpu/default.yaml")
+    return [
+        sys.executable,
+        str(ROOT / "train.py"),
+        "--config",
+        config,
+        *TINY,
+        f"train.steps={steps}",
+        f"train.run_dir={run_dir}",
+    ]
+
+
+class _Training:
+    """One train.py process whose progress bar is followed (the step it has reached)."""
+
+    def __init__(self, cmd: list[str]):
+        env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.step, self.out = 0, b""
+        threading.Thread(target=self._follow, daemon=True).start()
+
+    def _follow(self) -> None:
+        buf = b""
+        while chunk := self.proc.stderr.read1(4096):
+            buf = (buf + chunk)[-4096:]
+            found = re.findall(rb"train:\s+\d+%\|[^|]*\|\s*(\d+)/", buf)
+            if found:
+                self.step = int(found[-1])
+
+    def finish(self, timeout: float = 600) -> tuple[int, str]:
+        out, _ = self.proc.communicate(timeout=timeout)
+        return self.proc.returncode, out.decode()
+
+
+def _final(out: str, run_dir: Path) -> tuple[str, float]:
+    from effattn_jax.train.metrics import read_scalars
+
+    return out.strip().splitlines()[-1].split()[0], read_scalars(run_dir)["loss"][-1][1]
+
+
+def _kill_during_save(t: _Training, ckpt_dir: Path, deadline: float) -> bool:
+    """kill -9 as soon as Orbax's temporary directory of a save in progress appears."""
+    while time.monotonic() < deadline and t.proc.poll() is None:
+        if ckpt_dir.is_dir() and any("tmp" in p.name for p in ckpt_dir.iterdir()):
+            t.proc.send_signal(signal.SIGKILL)
+            return True
+        time.sleep(0.001)
+    return False
+
+
+def run_faults(kills: int, steps: int, seed: int, workdir: Path) -> int:
+    rng = random.Random(seed)
+    t0 = time.monotonic()
+    code, out = _Training(_command(workdir / "reference", steps)).finish()
+    if code != 0:
+        print(f"the uninterrupted run failed (exit {code})", file=sys.stderr)
+        return 1
+    reference = _final(out, workdir / "reference")
+    print(
+        f"uninterrupted: {reference[0]} last loss {reference[1]!r} ({time.monotonic() - t0:.0f} s)",
+        flush=True,
+    )
+
+    run_dir, survived = workdir / "killed", 0
+    targets = sorted(rng.sample(range(2, steps - 1), kills - 1))  # the other kills: at these steps
+    for k in range(kills):
+        t = _Training(_command(run_dir, steps))
+        if k == 0:
+            hit = _kill_during_save(t, run_dir / "checkpoints", time.monotonic() + 600)
+            where = "while an async checkpoint was being written" if hit else "(no save seen: not killed)"
+        else:
+            while t.proc.poll() is None and t.step < targets[k - 1]:
+                time.sleep(rng.uniform(0.0, 0.05))
+            t.proc.send_signal(signal.SIGKILL)
+            where = f"at step {t.step} (target {targets[k - 1]})"
+        code, _ = t.finish()
+        survived += code == -signal.SIGKILL
+        print(f"kill {k + 1}: {where}; exit {code}", flush=True)
+    code, out = _Training(_command(run_dir, steps)).finish()  # the rerun after the last kill, to the end
+    final = _final(out, run_dir) if code == 0 else None
+    same = final == reference
+    print(
+        f"resumed to the end: {final[0] if final else f'exit {code}'}; bitwise equal to uninterrupted: {same}"
+    )
+    survived = survived if same else 0
+    print(f"kills survived: {survived}/{kills}")
+    return 0 if survived == kills else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = ArgumentParser(prog="python -m eval.faults", description=__doc__)
+    p.add_argument("--kills", type=positive_int, default=5)
+    p.add_argument("--steps", type=positive_int, default=120, help="training steps of the tiny run")
+    p.add_argument("--seed", type=int, default=0, help="chooses the kill moments")
+    p.add_argument("--workdir", help="where the two runs go (default: a new temp dir)")
+    args = p.parse_args(argv)
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="effattn-faults-"))
+    print(f"runs in {workdir}", flush=True)
+    return run_faults(args.kills, args.steps, args.seed, workdir)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
