@@ -21,8 +21,11 @@ train: data
 	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) train.py --config $(CONFIG)
 
 # Lint and format check first (cheap), then the suite; `data` fetches the corpus and tokenizer once.
+# Two pytest workers (pytest-xdist), one test file each at a time: compiles are mostly
+# single-threaded, so two files in parallel use both cores. PYTEST_WORKERS=0 runs in one process.
+PYTEST_WORKERS ?= 2
 test: data lint
-	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m pytest -q --durations=15 tests
+	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=15 tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 
 from effattn_jax import checkpoint, checksums
 from effattn_jax.cli import ArgumentParser, positive_int
@@ -36,6 +37,20 @@ def _timed(fn) -> float:
 
 def _size(step_dir: Path) -> int:
     return sum(p.stat().st_size for p in step_dir.rglob("*") if p.is_file())
+
+
+def _filled(state):
+    """The state with its all-zero float arrays (a fresh optimizer's moments) made random, so the
+    checkpoint is as large as a trained run's (zeros compress to almost nothing)."""
+    keys = iter(jax.random.split(jax.random.key(0), len(jax.tree.leaves(state))))
+
+    def fill(x):
+        key = next(keys)
+        if jnp.issubdtype(x.dtype, jnp.floating) and x.size > 1 and not bool(jnp.any(x)):
+            return (1e-3 * jax.random.normal(key, x.shape)).astype(x.dtype)
+        return x
+
+    return jax.tree.map(fill, state)
 
 
 def save_restore_times(cfg, setup, state, root: Path, repeats: int) -> dict[str, float]:
@@ -99,7 +114,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     setup = make_setup(cfg, make_mesh(1, 1, 1))
-    state = init_state(setup)
+    state = _filled(init_state(setup))
     counts = param_counts(setup.model(state["params"]))
     print(
         f"{args.config} {' '.join(args.overrides)}: {counts['total'] / 1e6:.1f}M params; "
