@@ -175,6 +175,11 @@ def test_run_dir_has_one_writer_and_keeps_its_config(tmp_path, corpus_dir):
     # a stale lock is replaced; steps, logging and checkpointing may change on resume
     res = run(tiny_cfg(corpus_dir, run_dir, **{"train.steps": 4, "checkpoint.every_steps": 4}))
     assert res["step"] == 4 and not lock.exists()
+    # train.resume=false starts over (even with another model), the old run moved aside intact
+    run(tiny_cfg(corpus_dir, run_dir, **{"train.steps": 2, "model.d_model": 64, "train.resume": False}))
+    (previous,) = run_dir.glob("previous-*")
+    assert checkpoint.kept_steps(previous) == [2, 4] and checkpoint.kept_steps(run_dir) == [2]
+    assert "d_model: 64" in (run_dir / "config.yaml").read_text()
 
 
 def test_nonfinite_step_is_skipped_or_stops_before_any_save(tmp_path, corpus_dir):
