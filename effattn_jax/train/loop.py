@@ -191,13 +191,15 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict:
     setup = make_setup(cfg, mesh)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / ".writable").touch()
-        (run_dir / ".writable").unlink()
+        probe = run_dir / f".writable-{jax.process_index()}"
+        probe.touch()
+        probe.unlink()
     except OSError as e:
         raise ConfigError("train.run_dir", str(run_dir), f"cannot be written ({e.strerror})") from None
     with run_guard.exclusive(run_dir) if jax.process_index() == 0 else contextlib.nullcontext():
         if not cfg.train.resume and jax.process_index() == 0:
             run_guard.set_aside(run_dir)
+        checkpoint.sync("old run set aside")
         run_guard.check_resumable(checkpoint.saved_config(run_dir), cfg)
         if jax.process_index() == 0:
             record_provenance(run_dir, cfg)
