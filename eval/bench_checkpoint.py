@@ -49,7 +49,7 @@ def _filled(state):
     def fill(x):
         key = next(keys)
         if jnp.issubdtype(x.dtype, jnp.floating) and x.size > 1 and not bool(jnp.any(x)):
-            return (1e-3 * jax.random.normal(key, x.shape)).astype(x.dtype)
+            return (1e-3 * jnp.abs(jax.random.normal(key, x.shape))).astype(x.dtype)  # nu >= 0
         return x
 
     return jax.tree.map(fill, state)

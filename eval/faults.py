@@ -60,7 +60,7 @@ class _Training:
     def __init__(self, cmd: list[str]):
         env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        self.step, self.out = 0, b""
+        self.step = 0
         threading.Thread(target=self._follow, daemon=True).start()
 
     def _follow(self) -> None:
@@ -72,8 +72,9 @@ class _Training:
                 self.step = int(found[-1])
 
     def finish(self, timeout: float = 600) -> tuple[int, str]:
-        out, _ = self.proc.communicate(timeout=timeout)
-        return self.proc.returncode, out.decode()
+        """(exit status, stdout); stderr stays with the follower thread."""
+        out = self.proc.stdout.read()
+        return self.proc.wait(timeout), out.decode()
 
 
 def _final(out: str, run_dir: Path) -> tuple[str, float]:
