@@ -19,14 +19,19 @@ class ArgumentParser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def positive_int(text: str) -> int:
+def _checked(convert, text: str, ok, allowed: str):
+    """`convert(text)` when it parses and `ok` holds, else argparse's error naming the value."""
     try:
-        value = int(text)
+        value = convert(text)
     except ValueError:
-        value = 0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be a positive integer")
+        value = None
+    if value is None or not ok(value):
+        raise argparse.ArgumentTypeError(f"{text!r}: must be {allowed}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return _checked(int, text, lambda v: v > 0, "a positive integer")
 
 
 def positive_int_list(text: str) -> list[int]:
@@ -38,20 +43,8 @@ def positive_int_list(text: str) -> list[int]:
 
 
 def probability(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be a number in (0, 1]")
-    return value
+    return _checked(float, text, lambda v: 0.0 < v <= 1.0, "a number in (0, 1]")
 
 
 def non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 0.0:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be a number >= 0")
-    return value
+    return _checked(float, text, lambda v: v >= 0.0, "a number >= 0")

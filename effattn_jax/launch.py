@@ -42,12 +42,20 @@ ENV = {
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _env_int(name: str, unset: int) -> int:
+    text = os.environ.get(name, "")
+    try:
+        return int(text) if text else unset
+    except ValueError:
+        raise ConfigError(name, text, "must be an integer") from None
+
+
 def _explicit(dist) -> dict:
     """The coordinator / process count / id asked for by the config, else by the environment."""
     given = {
         "coordinator": dist.coordinator or os.environ.get(ENV["coordinator"], ""),
-        "num_processes": dist.num_processes or int(os.environ.get(ENV["num_processes"], 0) or 0),
-        "process_id": dist.process_id if dist.process_id >= 0 else int(os.environ.get(ENV["process_id"], -1)),
+        "num_processes": dist.num_processes or _env_int(ENV["num_processes"], 0),
+        "process_id": dist.process_id if dist.process_id >= 0 else _env_int(ENV["process_id"], -1),
     }
     unset = {"coordinator": "", "num_processes": 0, "process_id": -1}
     missing = [k for k in given if given[k] == unset[k]]
@@ -125,9 +133,8 @@ def launch(
     logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="effattn-launch-"))
     logs.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, str(ROOT / "train.py"), *train_args]
-    procs = []
-    for i in range(processes):
-        out = None if i == 0 else open(logs / f"process_{i}.log", "w")  # noqa: SIM115 - closed with the run
+    procs, outs = [], [None] + [open(logs / f"process_{i}.log", "w") for i in range(1, processes)]  # noqa: SIM115
+    for i, out in enumerate(outs):
         env = _env(i, processes, port, devices_per_process)
         procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=out, preexec_fn=_die_with_parent))  # noqa: PLW1509
     if processes > 1:
@@ -146,7 +153,7 @@ def launch(
         while any(p.poll() is None for p in procs):
             codes = [p.poll() for p in procs]
             bad = [c for c in codes if c not in (None, 0, 143)]
-            if bad and failed is None:
+            if bad:
                 failed = bad[0]
                 break
             if first_exit is None and any(c is not None for c in codes):
@@ -161,6 +168,8 @@ def launch(
             if p.poll() is None:
                 p.kill()
             p.wait()
+        for out in outs[1:]:
+            out.close()
         for s, h in previous.items():
             signal.signal(s, h)
     if failed is not None:
