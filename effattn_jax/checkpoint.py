@@ -20,6 +20,7 @@ from pathlib import Path
 
 import grain
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
@@ -55,9 +56,10 @@ class Checkpoints:
     Each save is completed by a checksum manifest (written by process 0 in a background thread
     once Orbax has committed the step). Older steps are deleted only after a newer one is complete
     and checksummed, so a run always keeps a good step. On resume each step is verified before it
-    is restored; a step that fails is moved to `checkpoints/corrupt/` (reported once) so the run
-    can save that step again. The data iterator's state is saved as JSON (the same on every
-    process), so a run may resume with another process count."""
+    is restored; a step that fails (on any process: they agree on each step) is moved to
+    `checkpoints/corrupt/` (reported once) so the run can save that step again. The data
+    iterator's state is saved as JSON (the same on every process), so a run may resume with
+    another process count."""
 
     def __init__(
         self, run_dir: str | Path, *, keep_last: int = 2, keep_every: int = 0, async_save: bool = True
@@ -73,7 +75,11 @@ class Checkpoints:
     def _step_dir(self, step: int) -> Path:
         return self.directory / str(step)
 
-    def _quarantine(self, step: int, why: str) -> None:
+    def _quarantine(self, step: int, why: str | None) -> None:
+        """Moves a step that failed on some process aside (process 0 moves, all wait)."""
+        if why and jax.process_index() > 0:
+            print(f"process {jax.process_index()}: checkpoint step {step}: {why[:200]}", file=sys.stderr)
+        why = why or "it failed on another process; see that process's log"
         dest = self.directory / "corrupt" / str(step)
         if jax.process_index() == 0:
             if dest.exists():
@@ -88,12 +94,19 @@ class Checkpoints:
         """(step, state) of the newest step that verifies and restores, restoring `data_iter` in
         place; (None, None) when none does (a run with no checkpoint, or only corrupt ones)."""
         for step in sorted(self.mngr.all_steps(), reverse=True):
+            why, verified = None, False
             try:
                 verified = checksums.verify(self._step_dir(step))
-                args = _restore_args(self._step_dir(step), abstract_state, data_iter)
-                restored = self.mngr.restore(step, args=args)
             except Exception as e:  # noqa: BLE001 - any failure means this step is unusable
-                self._quarantine(step, f"{type(e).__name__}: {e}".splitlines()[0])
+                why = _reason(e)
+            if _everywhere(why is None):  # every process restores, or none
+                try:
+                    args = _restore_args(self._step_dir(step), abstract_state, data_iter)
+                    restored = self.mngr.restore(step, args=args)
+                except Exception as e:  # noqa: BLE001
+                    why = _reason(e)
+            if not _everywhere(why is None):  # the processes agree on every step's verdict
+                self._quarantine(step, why)
                 continue
             if "data_state" in restored:
                 data_iter.set_state(restored["data_state"])
@@ -137,6 +150,17 @@ class Checkpoints:
     def close(self) -> None:
         self.finish()
         self.mngr.close()
+
+
+def _reason(e: Exception) -> str:
+    return f"{type(e).__name__}: {e}".splitlines()[0]
+
+
+def _everywhere(ok: bool) -> bool:
+    """Whether `ok` holds on every process (a restore verdict all processes act on together)."""
+    if jax.process_count() == 1:
+        return ok
+    return bool(np.all(multihost_utils.process_allgather(np.int32(ok))))
 
 
 def _restore_args(step_dir: Path, abstract_state, data_iter) -> ocp.args.Composite:
@@ -207,12 +231,13 @@ def load_run_config(run_dir: str | Path, step: int):
 
 def load_params(run_dir: str | Path, step: int, mesh=None):
     """(config, graphdef, params) of one kept step: parameters only (the optimizer state is not read),
-    restored into the shardings of `mesh` (default: this process's first device), with the
+    restored into the shardings of `mesh` (default: this process's first local device), with the
     config the run saved as of that step (`Config.at_step`: dense after a MoBA -> dense switch).
     Raises CheckpointError when the step or its config cannot be read."""
     mngr = manager(run_dir, read_only=True)
     cfg = load_run_config(run_dir, step).at_step(step)
-    graphdef, params = abstract_params(cfg, make_mesh(1, 1, 1) if mesh is None else mesh)
+    mesh = make_mesh(1, 1, 1, devices=jax.local_devices()) if mesh is None else mesh
+    graphdef, params = abstract_params(cfg, mesh)
     abstract = {"params": params}
     args = ocp.args.PyTreeRestore(
         item=abstract,

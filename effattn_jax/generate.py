@@ -10,6 +10,10 @@ call per prompt length and one decode step (compiled once) per token. What is
 cached is each kind's own (`init_cache`): K/V for MHA, the latent and RoPE key
 for MLA, plus token ids for EG-MLA. MLA and EG-MLA (gate_at=latent) decode with
 absorbed weights unless --naive.
+
+In a multi-process launch (as train.py's: JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES /
+JAX_PROCESS_ID, or a cluster jax detects) every process generates the same text on its own
+first device (same seed, same tokens) and process 0 prints it.
 """
 
 from __future__ import annotations
@@ -83,7 +87,7 @@ class Generator:
 
 
 def load_run(run_dir: str) -> tuple[Transformer, object]:
-    """The newest checkpoint's model (parameters only, on this process's first device) and config."""
+    """The newest checkpoint's model (parameters only, on this process's first local device) and config."""
     from effattn_jax import checkpoint
 
     step = checkpoint.kept_steps(run_dir)[-1]
@@ -103,12 +107,18 @@ def main(argv=None) -> int:
         "--naive", action="store_true", help="MLA: rebuild per-head K/V instead of weight absorption"
     )
     args = p.parse_args(argv)
-    from effattn_jax.checkpoint import CheckpointError
-    from effattn_jax.data.tokenizer import load_tokenizer
+    from absl import logging as absl_logging
 
+    from effattn_jax.checkpoint import CheckpointError
+    from effattn_jax.config import ConfigError, DistributedConfig
+    from effattn_jax.data.tokenizer import load_tokenizer
+    from effattn_jax.launch import initialize
+
+    absl_logging.set_verbosity(absl_logging.ERROR)  # Orbax's read-only notices: not the user's concern
     try:
+        initialize(DistributedConfig())
         model, cfg = load_run(args.run)
-    except CheckpointError as e:
+    except (CheckpointError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     tok, _, _ = load_tokenizer(cfg.data.tokenizer)
@@ -124,9 +134,10 @@ def main(argv=None) -> int:
     outs = Generator(model, absorb=not args.naive).generate(
         prompts, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
     )
-    for text, ids in zip(args.prompt, outs, strict=True):
-        print(f"{text}{tok.decode(ids)}")
-        print("---")
+    if jax.process_index() == 0:
+        for text, ids in zip(args.prompt, outs, strict=True):
+            print(f"{text}{tok.decode(ids)}")
+            print("---")
     return 0
 
 

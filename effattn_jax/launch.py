@@ -10,11 +10,13 @@ into one JAX runtime when the run is multi-process:
 Otherwise the run is one process. On CPU the processes' collectives go through gloo.
 
     python -m effattn_jax.launch --processes 2 [--devices-per-process 2] -- <train.py args>
+    python -m effattn_jax.launch --processes 2 --module eval -- downstream --run DIR
 
-starts N train.py processes on loopback (a free port; simulated CPU devices per process, else
-the caller's XLA_FLAGS), streams process 0's output (the others' goes to `--log-dir`, named in
-the first line), forwards SIGTERM/SIGINT to all, and stops the rest when one fails (or when
-they do not follow one that exited within two minutes); the children die with the launcher.
+starts N train.py processes (or `python -m <module>`: eval, effattn_jax.generate) on loopback
+(a free port; simulated CPU devices per process, else the caller's XLA_FLAGS), streams process
+0's output (the others' goes to `--log-dir`, named in the first line), forwards SIGTERM/SIGINT to
+all, and stops the rest when one fails (or when they do not follow one that exited within two
+minutes); the children die with the launcher.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ ENV = {
     "process_id": "JAX_PROCESS_ID",
 }
 ROOT = Path(__file__).resolve().parents[1]
+MODULES = ("eval", "effattn_jax.generate")  # the other programs that join a multi-process run
 
 
 def _env_int(name: str, unset: int) -> int:
@@ -94,6 +97,24 @@ def initialize(dist) -> None:
         )
     else:
         jax.distributed.initialize()
+    from jax.experimental import multihost_utils
+
+    with _stdout_muted():  # the first collective connects gloo, which prints a notice on stdout
+        multihost_utils.sync_global_devices("effattn_jax.launch.initialize")
+
+
+@contextlib.contextmanager
+def _stdout_muted():
+    """File descriptor 1 points at /dev/null meanwhile (output of C++ libraries included)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def _free_port() -> int:
@@ -122,17 +143,19 @@ def _die_with_parent() -> None:
 
 
 def launch(
-    train_args: list[str],
+    args: list[str],
     processes: int,
     devices_per_process: int | None,
     log_dir: str | None = None,
     grace_s: float = 120.0,
+    module: str | None = None,
 ) -> int:
-    """Runs the processes to the end; the exit status is the first failure's, else process 0's."""
+    """Runs the processes (train.py with `args`, or `python -m module args`) to the end; the exit
+    status is the first failure's, else process 0's."""
     port = _free_port()
     logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="effattn-launch-"))
     logs.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, str(ROOT / "train.py"), *train_args]
+    cmd = [sys.executable, *(["-m", module] if module else [str(ROOT / "train.py")]), *args]
     procs, outs = [], [None] + [open(logs / f"process_{i}.log", "w") for i in range(1, processes)]  # noqa: SIM115
     for i, out in enumerate(outs):
         env = _env(i, processes, port, devices_per_process)
@@ -183,13 +206,14 @@ def launch(
 
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog="python -m effattn_jax.launch", description=__doc__)
-    parser.add_argument("--processes", type=positive_int, required=True, help="number of train.py processes")
+    parser.add_argument("--processes", type=positive_int, required=True, help="number of processes")
     parser.add_argument("--devices-per-process", type=positive_int, help="simulated CPU devices per process")
     parser.add_argument("--log-dir", help="where processes 1.. write their output (default: a new temp dir)")
-    parser.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then the train.py arguments")
+    parser.add_argument("--module", choices=MODULES, help="run `python -m MODULE` instead of train.py")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="-- then the program's arguments")
     args = parser.parse_args(argv)
-    train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
-    return launch(train_args, args.processes, args.devices_per_process, args.log_dir)
+    rest = args.args[1:] if args.args[:1] == ["--"] else args.args
+    return launch(rest, args.processes, args.devices_per_process, args.log_dir, module=args.module)
 
 
 if __name__ == "__main__":

@@ -8,11 +8,17 @@
 
 The benchmark scripts stay modules of their own: `python -m eval.efficiency`, `eval.bench_train`,
 `eval.bench_attention`, `eval.aot_compile`.
+
+Multi-process (as train.py: JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, or a
+cluster jax detects): every process evaluates its share on its own devices; process 0 prints
+and writes (eval/processes.py). Locally: `python -m effattn_jax.launch --processes 2 --module
+eval -- downstream --run DIR`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -59,17 +65,28 @@ def main(argv=None) -> int:
             )
         )
     args = parser.parse_args(argv)
+    from effattn_jax.config import ConfigError, DistributedConfig
+    from effattn_jax.launch import initialize
+
+    try:
+        initialize(DistributedConfig())
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     _persistent_compilation_cache()
     from absl import logging as absl_logging
 
     absl_logging.set_verbosity(absl_logging.ERROR)  # Orbax's read-only notices: not the user's concern
     from effattn_jax.checkpoint import CheckpointError
-    from effattn_jax.config import ConfigError
     from effattn_jax.data.corpus import DataError
+    from eval.processes import writes
     from eval.tasks import TaskError
 
     try:
-        return modules[args.command].command(args)
+        with contextlib.ExitStack() as quiet:
+            if not writes():  # processes other than 0 print nothing but errors
+                quiet.enter_context(contextlib.redirect_stdout(quiet.enter_context(open(os.devnull, "w"))))
+            return modules[args.command].command(args)
     except (CheckpointError, ConfigError, DataError, TaskError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

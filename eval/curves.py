@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 from effattn_jax import checkpoint
+from eval.processes import writes
 from eval.runs import attention_label, cached, expand_runs, model_param_counts
 from eval.tasks import add_task_arguments
 
@@ -44,7 +45,7 @@ def collect(runs: list[Path], names: list[str], limit: int | None) -> list[dict]
     from tqdm import tqdm
 
     out = []
-    for run in tqdm(runs, desc="runs"):
+    for run in tqdm(runs, desc="runs", disable=not writes()):
         steps = checkpoint.kept_steps(run)
         cfg = checkpoint.load_run_config(run, steps[-1])
         counts = model_param_counts(cfg)
@@ -109,6 +110,8 @@ def command(args) -> int:
 
     names = parse_tasks(args.tasks)
     runs = collect(expand_runs(args.runs), names, args.limit)
+    if not writes():
+        return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     write_table(runs, out, "curves")

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from eval.processes import writes
 from eval.scoring import encode_requests, score_requests
 from eval.tasks import TASKS, Task, add_task_arguments, load_task
 
@@ -172,10 +173,11 @@ def command(args) -> int:
     reports = []
     for step in checkpoint.select_steps(args.run, args.step):
         cfg, graphdef, params = checkpoint.load_params(args.run, step)
-        report = run_downstream(nnx.merge(graphdef, params), cfg, names, limit=args.limit) | {"step": step}
+        model = nnx.merge(graphdef, params)
+        report = run_downstream(model, cfg, names, limit=args.limit, progress=writes()) | {"step": step}
         reports.append(report)
         print(format_report(report))
-    if args.json:
+    if args.json and writes():
         with open(args.json, "w") as f:
             json.dump(reports if len(reports) > 1 else reports[0], f, indent=1)
     return 0

@@ -21,6 +21,7 @@ from tqdm import tqdm
 from effattn_jax.data.corpus import load_splits
 from effattn_jax.data.tokenizer import tokenize_documents
 from effattn_jax.sharding import logical_to_spec, sharding_rules
+from eval.processes import share, total, writes
 
 LOGITS_BUDGET = 1 << 26  # float32 logits per batch (256 MiB): sets the rows per batch
 
@@ -44,16 +45,19 @@ def document_rows(docs: list[np.ndarray], seq_len: int) -> tuple[np.ndarray, np.
 
 def token_nll(nll_fn, tokens: np.ndarray, counts: np.ndarray, batch_size: int, progress: bool = True):
     """(nll, mask), both [n, seq_len]: per-prediction NLL from `nll_fn(inputs, targets)` (any
-    [B, L] int32 -> [B, L] float fn) and which predictions exist."""
+    [B, L] int32 -> [B, L] float fn) and which predictions exist. In a multi-process run each
+    process runs its share of the rows (eval/processes.py)."""
     n, seq_len = tokens.shape[0], tokens.shape[1] - 1
     mask = np.arange(seq_len)[None, :] < counts[:, None]
+    mine = share(n)
     out = np.zeros((n, seq_len), np.float64)
-    for start in tqdm(range(0, n, batch_size), desc="lm-loss", disable=not progress, leave=False):
-        rows = tokens[start : start + batch_size]
+    for start in tqdm(range(0, len(mine), batch_size), desc="lm-loss", disable=not progress, leave=False):
+        at = mine[start : start + batch_size]
+        rows = tokens[at]
         pad = batch_size - len(rows)
         rows = np.concatenate([rows, np.zeros((pad, seq_len + 1), np.int32)]) if pad else rows
-        out[start : start + batch_size] = np.asarray(nll_fn(rows[:, :-1], rows[:, 1:]))[: batch_size - pad]
-    return np.where(mask, out, 0.0), mask
+        out[at] = np.asarray(nll_fn(rows[:, :-1], rows[:, 1:]))[: batch_size - pad]
+    return np.where(mask, total(out), 0.0), mask
 
 
 def position_report(nll: np.ndarray, mask: np.ndarray, bucket: int) -> dict:
@@ -144,7 +148,7 @@ def parse_mesh(spec: str):
         sizes = []
     if len(sizes) != 3:
         raise ValueError(f"--mesh={spec!r}: expected data,fsdp,tensor sizes, e.g. 1,1,1")
-    return make_mesh(*sizes)
+    return make_mesh(*sizes, devices=jax.local_devices())  # each process evaluates on its own
 
 
 def checkpoint_lm_loss(run_dir, step: int, *, seq_len: int, bucket: int) -> dict:
@@ -155,7 +159,7 @@ def checkpoint_lm_loss(run_dir, step: int, *, seq_len: int, bucket: int) -> dict
     from eval.runs import cached
 
     def evaluate():
-        mesh = make_mesh(1, 1, 1)
+        mesh = make_mesh(1, 1, 1, devices=jax.local_devices())
         cfg, graphdef, params = checkpoint.load_params(run_dir, step, mesh)
         return lm_loss(cfg, graphdef, params, mesh, seq_len=seq_len, bucket=bucket, progress=False)
 
@@ -174,7 +178,8 @@ def command(args) -> int:
     for step in checkpoint.select_steps(args.run, args.step):
         cfg, graphdef, params = checkpoint.load_params(args.run, step, mesh)
         seq_len = args.seq_len or cfg.data.seq_len
-        r = lm_loss(cfg, graphdef, params, mesh, seq_len=seq_len, bucket=args.bucket) | {"step": step}
+        r = lm_loss(cfg, graphdef, params, mesh, seq_len=seq_len, bucket=args.bucket, progress=writes())
+        r["step"] = step
         reports.append(r)
         print(f"step {step}: {r['documents']} documents, context {seq_len}")
         print(f"{'positions':>13} {'loss':>8} {'tokens':>9} {'documents':>9}")
@@ -184,7 +189,7 @@ def command(args) -> int:
         print(
             f"loss={r['loss']:.4f} trailing_loss={r['trailing']['loss']:.4f} tokens={r['tokens']} step={step}"
         )
-    if args.json:
+    if args.json and writes():
         with open(args.json, "w") as f:
             json.dump(reports, f, indent=1)
     return 0

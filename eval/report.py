@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from effattn_jax import checkpoint
+from eval.processes import writes
 from eval.tasks import add_task_arguments
 
 
@@ -105,6 +106,8 @@ def command(args) -> int:
     if args.context <= 0:
         raise ValueError(f"--context={args.context}: must be positive")
     runs = collect(expand_runs(args.runs), parse_tasks(args.tasks), args.limit)
+    if not writes():
+        return 0
     for r in runs:
         r.update(efficiency(r["run"], args.context))
     out = Path(args.out)

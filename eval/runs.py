@@ -15,16 +15,22 @@ from effattn_jax.config import Config
 
 
 def cached(run_dir: str | Path, step: int, name: str, key: dict, compute: Callable[[], dict]) -> dict:
-    """`compute()`'s result for (run, step, name, key), stored in <run>/eval/ and reused."""
+    """`compute()`'s result for (run, step, name, key), stored in <run>/eval/ and reused. In a
+    multi-process run every process computes (its share), process 0 writes, all wait for it."""
+    from effattn_jax.checkpoint import sync
+    from eval.processes import writes
+
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
     path = Path(run_dir) / "eval" / f"{name}_step{step}_{digest}.json"
     if path.exists():
         return json.loads(path.read_text())
     result = compute()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    tmp.rename(path)
+    if writes():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(result, indent=1))
+        tmp.rename(path)
+    sync(f"cached-{path.name}")
     return result
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from eval.processes import writes
 from eval.runs import attention_label, expand_runs, model_param_counts
 
 
@@ -142,8 +143,10 @@ def command(args) -> int:
     runs = expand_runs(args.runs)
     points = [
         run_point(r, loss=args.loss, seq_len=args.seq_len, bucket=args.bucket, compute=args.compute)
-        for r in tqdm(runs, desc="runs")
+        for r in tqdm(runs, desc="runs", disable=not writes())
     ]
+    if not writes():
+        return 0
     fits = {}
     for label in sorted({p["label"] for p in points}):
         pts = [p for p in points if p["label"] == label]

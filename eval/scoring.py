@@ -30,6 +30,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from effattn_jax.model import init_cache
+from eval.processes import share, total
 
 TOKEN_BUDGET = 8192  # context (and continuation) tokens per batch, padding included
 CHOICES = 4  # the usual number of choices per context: sizes context rows against continuation rows
@@ -229,8 +230,10 @@ class _HeadQueue:
 
 
 def score_requests(model, requests, *, max_len: int, desc: str = "score", progress: bool = True) -> Scores:
-    """Log-likelihoods of tokenized (context, continuation) requests under `model`."""
+    """Log-likelihoods of tokenized (context, continuation) requests under `model`. In a
+    multi-process run each process scores its share of the contexts (eval/processes.py)."""
     units, truncated = _units(requests, max_len)
+    units = [units[i] for i in share(len(units))]
     graphdef, params = nnx.split(model)
     tokens = np.array([len(x) for _, x in requests])
     head = _HeadQueue(graphdef, params, int(tokens.sum()))
@@ -258,7 +261,8 @@ def score_requests(model, requests, *, max_len: int, desc: str = "score", progre
     logprob, all_greedy = np.zeros(len(requests)), np.zeros(len(requests), bool)
     logprob[order] = np.add.reduceat(lp, ends - tokens[order]) if len(lp) else 0.0
     all_greedy[order] = np.logical_and.reduceat(greedy, ends - tokens[order]) if len(lp) else False
-    context_tokens = sum(len(c) for c, _ in units)
+    logprob, all_greedy = total(logprob), total(all_greedy) > 0
+    context_tokens = int(total(np.array(sum(len(c) for c, _ in units))))
     return Scores(logprob, tokens, all_greedy, context_tokens, truncated)
 
 

@@ -112,3 +112,18 @@ def random_batch(seed=0, batch=4, seq=32, mask_keep=1.0):
 @pytest.fixture
 def corpus_dir(tmp_path):
     return write_corpus(tmp_path / "corpus")
+
+
+def corrupt_step(step_dir, how):
+    """Damages the largest file of a checkpoint step: flip 16 bytes, truncate, or delete it."""
+    f = max((p for p in (step_dir / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    data = bytearray(f.read_bytes())
+    if how == "flip":
+        data[len(data) // 2 : len(data) // 2 + 16] = bytes(
+            b ^ 0xFF for b in data[len(data) // 2 : len(data) // 2 + 16]
+        )
+        f.write_bytes(bytes(data))
+    elif how == "truncate":
+        f.write_bytes(bytes(data[: len(data) // 2]))
+    else:
+        f.unlink()

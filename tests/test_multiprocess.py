@@ -3,6 +3,7 @@
 gets SIGTERM, and their checkpoint resumes on other meshes and in one process."""
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -105,3 +106,130 @@ def test_two_processes_train_as_one_and_stop_together(tmp_path, corpus_dir):
         with pytest.raises(Preempted):
             run(load_config(None, tiny_overrides(corpus_dir, resumed, **LONG, **mesh)), stop_at=stopped + 1)
         assert _losses(resumed)[stopped + 1] == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory):
+    """A tiny run with checkpoints at steps 2 and 4."""
+    from conftest import write_corpus
+
+    root = tmp_path_factory.mktemp("small_run")
+    run(load_config(None, tiny_overrides(write_corpus(root / "corpus"), root / "run", **{"train.steps": 4})))
+    return root / "run"
+
+
+def _launch(tmp_path, module: str, *args: str) -> str:
+    """process 0's stdout of `python -m module args` in 2 processes of 1 device each."""
+    cmd = [sys.executable, "-m", "effattn_jax.launch", "--processes", "2", "--devices-per-process", "1"]
+    cmd += ["--log-dir", str(tmp_path / "logs"), "--module", module, "--", *args]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p.stdout
+
+
+def test_eval_and_generate_split_across_processes(tmp_path, small_run, capsys):
+    from effattn_jax.generate import main as generate_main
+    from eval.__main__ import main as eval_main
+
+    tasks = ["--tasks", "piqa,arc_easy,winogrande", "--limit", "5"]
+    assert (
+        eval_main(["downstream", "--run", str(small_run), *tasks, "--json", str(tmp_path / "one.json")]) == 0
+    )
+    assert (
+        eval_main(
+            ["lm-loss", "--run", str(small_run), "--bucket", "8", "--json", str(tmp_path / "one_lm.json")]
+        )
+        == 0
+    )
+    prompt = [
+        "--run",
+        str(small_run),
+        "--prompt",
+        "The",
+        "--prompt",
+        "We the people",
+        "--max-new-tokens",
+        "6",
+    ]
+    capsys.readouterr()
+    assert generate_main(prompt) == 0
+    text = capsys.readouterr().out
+
+    out = _launch(
+        tmp_path, "eval", "downstream", "--run", str(small_run), *tasks, "--json", str(tmp_path / "two.json")
+    )
+    assert out.count("avg_acc=") == 1  # printed by process 0 only
+    one, two = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "two"))
+    assert two["tasks"] == one["tasks"]  # every metric and count
+    assert {t: s["tokens"] for t, s in two["speed"].items()} == {
+        t: s["tokens"] for t, s in one["speed"].items()
+    }
+
+    _launch(
+        tmp_path,
+        "eval",
+        "lm-loss",
+        "--run",
+        str(small_run),
+        "--bucket",
+        "8",
+        "--json",
+        str(tmp_path / "two_lm.json"),
+    )
+    one_lm, two_lm = (json.loads((tmp_path / f"{n}_lm.json").read_text()) for n in ("one", "two"))
+    assert (
+        two_lm == one_lm and one_lm[0]["tokens"] > 0
+    )  # each document's loss from one process, summed exactly
+
+    assert _launch(tmp_path, "effattn_jax.generate", *prompt) == text  # once, and the same text
+
+
+RESTORE = """
+import sys, jax
+from effattn_jax.config import DistributedConfig
+from effattn_jax.launch import initialize
+initialize(DistributedConfig())
+from effattn_jax import checkpoint
+from effattn_jax.sharding import make_mesh
+from effattn_jax.train.state import make_setup
+run_dir = sys.argv[1 + jax.process_index()]
+setup = make_setup(checkpoint.load_run_config(run_dir, 2), make_mesh(1, 1, 1, devices=jax.local_devices()))
+step, _ = checkpoint.Checkpoints(run_dir).restore_latest(setup.abstract_state)
+print(f"restored step {step}")
+"""
+
+
+def test_processes_agree_on_a_step_only_one_of_them_finds_corrupt(tmp_path, small_run):
+    """Each process reads its own copy of the run; process 1's newest step is damaged. Both must
+    set that step aside and resume from the same older one."""
+    from conftest import corrupt_step
+
+    from effattn_jax.launch import _env, _free_port
+
+    copies = [tmp_path / "p0", tmp_path / "p1"]
+    for c in copies:
+        shutil.copytree(small_run, c)
+    corrupt_step(copies[1] / "checkpoints" / "4", "flip")
+    port = _free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RESTORE, *map(str, copies)],
+            cwd=ROOT,
+            env=_env(i, 2, port, 1),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    try:
+        outs = [p.communicate(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+        assert out.strip().splitlines()[-1] == "restored step 2"
+    assert "it failed on another process" in outs[0][1] and "ChecksumError" in outs[1][1]
+    assert (copies[0] / "checkpoints" / "corrupt" / "4").is_dir()  # process 0 moved its own copy's step

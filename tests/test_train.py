@@ -1,7 +1,7 @@
 import jax
 import numpy as np
 import pytest
-from conftest import random_batch, tiny_overrides
+from conftest import corrupt_step, random_batch, tiny_overrides
 
 from effattn_jax import checkpoint
 from effattn_jax.config import load_config
@@ -31,21 +31,6 @@ def test_tiny_run_learns_and_logs(tmp_path, corpus_dir):
     )  # the profiler window wrote a trace
 
 
-def _corrupt(step_dir, how):
-    """Damages the largest file of a checkpoint step: flip 16 bytes, truncate, or delete it."""
-    f = max((p for p in (step_dir / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
-    data = bytearray(f.read_bytes())
-    if how == "flip":
-        data[len(data) // 2 : len(data) // 2 + 16] = bytes(
-            b ^ 0xFF for b in data[len(data) // 2 : len(data) // 2 + 16]
-        )
-        f.write_bytes(bytes(data))
-    elif how == "truncate":
-        f.write_bytes(bytes(data[: len(data) // 2]))
-    else:
-        f.unlink()
-
-
 def test_resume_is_bitwise_identical_past_corrupt_steps(tmp_path, corpus_dir, capsys):
     """A run cut short resumes to the uninterrupted run's losses and state bitwise, also when its
     newest step is corrupt each time it resumes (flipped, truncated, deleted file): the step is
@@ -62,7 +47,7 @@ def test_resume_is_bitwise_identical_past_corrupt_steps(tmp_path, corpus_dir, ca
         ("truncate", 4, 5, [4, 5]),
         ("delete", 5, None, [4, 6]),
     ):
-        _corrupt(cut / "checkpoints" / str(newest), how)
+        corrupt_step(cut / "checkpoints" / str(newest), how)
         if stop_at is None:
             resumed = run(tiny_cfg(corpus_dir, cut))
         else:
@@ -108,7 +93,7 @@ def test_checkpoint_round_trip_and_retention(tmp_path, corpus_dir):
     ckpts.close()
     assert checkpoint.restore_config(tmp_path / "run")["model"]["d_model"] == 32
     # eval verifies too: a corrupt step is refused, not loaded
-    _corrupt(tmp_path / "run/checkpoints/10", "flip")
+    corrupt_step(tmp_path / "run/checkpoints/10", "flip")
     with pytest.raises(checkpoint.CheckpointError, match="does not match its checksum"):
         checkpoint.load_params(tmp_path / "run", 10)
 

@@ -1,0 +1,34 @@
+"""Evaluation in a multi-process run (effattn_jax/launch.py; e.g. one process per host of a TPU
+pod slice): each process evaluates its share of the work on its own devices, the shares are
+summed over processes, and process 0 alone prints, draws and writes files. With one process
+every function here is the identity.
+
+A share is a round-robin slice of the work items (documents, questions); each result array
+holds the process's own items and zeros elsewhere, so the sum over processes is exact."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+
+def writes() -> bool:
+    """Whether this process prints, draws and writes (process 0)."""
+    return jax.process_index() == 0
+
+
+def share(n: int) -> np.ndarray:
+    """Indices of the n work items this process evaluates."""
+    return np.arange(jax.process_index(), n, jax.process_count())
+
+
+def total(x: np.ndarray) -> np.ndarray:
+    """x summed over processes, in float64 (each process holds its share, zeros elsewhere).
+    Sent as raw bits: jax without x64 would round float64 to float32 on the way."""
+    x = np.asarray(x, np.float64)
+    if jax.process_count() == 1:
+        return x
+    bits = np.ascontiguousarray(x.reshape(-1)).view(np.uint32)  # [2 n]
+    parts = np.asarray(multihost_utils.process_allgather(bits))  # [processes, 2 n]
+    return parts.view(np.float64).sum(0).reshape(x.shape)
