@@ -188,19 +188,9 @@ def test_bad_shapes():
 
 def _largest_intermediate(fn, *args) -> int:
     """Elements of the largest array in fn's jaxpr, including scan/map bodies."""
-
-    def sizes(jx):
-        for eqn in jx.eqns:
-            yield from (
-                np.prod(o.aval.shape, dtype=np.int64) for o in eqn.outvars if hasattr(o.aval, "shape")
-            )
-            for param in eqn.params.values():
-                for sub in param if isinstance(param, (list, tuple)) else [param]:
-                    sub = getattr(sub, "jaxpr", sub)
-                    if hasattr(sub, "eqns"):
-                        yield from sizes(sub)
-
-    return int(max(sizes(jax.make_jaxpr(fn)(*args).jaxpr)))
+    return int(
+        max(np.prod(shape, dtype=np.int64) for shape in _array_shapes(jax.make_jaxpr(fn)(*args).jaxpr))
+    )
 
 
 @pytest.mark.parametrize("impl, growth", [("xla", (3, 5)), ("reference", (16, 17))])
@@ -218,3 +208,26 @@ def test_memory_grows_linearly_not_quadratically(impl, growth):
 
     ratio = largest(4096) / largest(1024)
     assert growth[0] <= ratio <= growth[1]
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_routing_holds_no_per_query_copy_of_the_block_means(packed):
+    """The gate is one matmul of each query chunk against the block means: no array with the
+    chunk, block and head-dim sizes together (what gathering the means per query would hold)."""
+    chunk, blocks, block, d = 96, 48, 32, 24
+    q, k, _ = rand_qkv(0, 1, blocks * block, 6, 2, d)
+    seg = segments(1, [700, blocks * block - 700]) if packed else None
+    route = lambda q, k: moba_routing(q, k, block_size=block, top_k=3, segment_ids=seg, query_chunk=chunk)
+    shapes = list(_array_shapes(jax.make_jaxpr(route)(q, k).jaxpr))
+    assert shapes and not [s for s in shapes if {chunk, blocks, d} <= set(s)]
+
+
+def _array_shapes(jaxpr):
+    """Shapes of every intermediate, sub-jaxprs (loops, maps) included."""
+    for eqn in jaxpr.eqns:
+        yield from (tuple(var.aval.shape) for var in eqn.outvars if hasattr(var.aval, "shape"))
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, tuple | list) else [param]:
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    yield from _array_shapes(sub)

@@ -34,8 +34,9 @@ def moba_routing(
     Training: T = S and blocks follow `segment_ids`. Decoding: `query_positions`
     [B, T] gives the absolute position of each query in a single document whose
     keys (the cache) are k; blocks past a query are never candidates.
-    Cost: T * blocks * D per head (the gate), computed in query chunks so memory
-    stays at chunk * blocks * D; no [T, S] array.
+    Cost: T * blocks * D per head (the gate): block means computed once (S * D), then each
+    query chunk against all of them as one matmul; no [T, S] array and no per-query copy of
+    the means.
     """
     q, k = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
     b, t, hq, d = q.shape
@@ -54,36 +55,45 @@ def moba_routing(
     if kk <= 0:
         return Routing(own_start, jnp.zeros((b, t, hq, 0), jnp.int32))
 
-    # Mean key of the full block starting at every position p: (K[p:p+c]).mean, in k's dtype.
-    csum = jnp.cumsum(
-        jnp.pad(k.astype(jnp.float32), ((0, 0), (1, 0), (0, 0), (0, 0))), axis=1
-    )  # [B, S+1, Hkv, D]
-    ends = jnp.minimum(jnp.arange(s) + c, s)
-    kbar_at = ((csum[:, ends] - csum[:, :s]) / c).astype(k.dtype).astype(jnp.float32)  # [B, S, Hkv, D]
-
+    packed = segment_ids is not None and query_positions is None
+    starts, means = _full_block_means(k, pos if packed else None, c)  # [B, n'], [B, n', Hkv, D]
     qg = q.astype(jnp.float32).reshape(b, t, hkv, hq // hkv, d)
-    j = jnp.arange(n, dtype=jnp.int32)
     pad = -t % query_chunk if t > query_chunk else 0
     chunk = min(query_chunk, t)
-
-    def chunk_scores(args):
-        qc, dsc = args  # [B, T', Hkv, G, D], [B, T']
-        starts = jnp.clip(dsc[..., None] + j * c, 0, s - 1)  # [B, T', n]
-        kb = jnp.take_along_axis(kbar_at[:, None], starts[..., None, None], axis=2)  # [B, T', n, Hkv, D]
-        return jnp.einsum("btkgd,btnkd->btkgn", qc, kb)  # [B, T', Hkv, G, n]
-
     qp = jnp.pad(qg, ((0, 0), (0, pad), (0, 0), (0, 0), (0, 0))).reshape(b, -1, chunk, hkv, hq // hkv, d)
-    dp = jnp.pad(doc_start, ((0, 0), (0, pad))).reshape(b, -1, chunk)
     scores = jax.lax.map(
-        chunk_scores, (jnp.moveaxis(qp, 1, 0), jnp.moveaxis(dp, 1, 0))
-    )  # [C#, B, T', Hkv, G, n]
-    scores = jnp.moveaxis(scores, 0, 1).reshape(b, -1, hq, n)[:, :t]  # [B, T, Hq, n]
+        lambda qc: jnp.einsum("btkgd,bnkd->btkgn", qc, means), jnp.moveaxis(qp, 1, 0)
+    )  # [C#, B, T', Hkv, G, n']: each query chunk against every block mean, one matmul
+    scores = jnp.moveaxis(scores, 0, 1).reshape(b, -1, hq, starts.shape[1])[:, :t]  # [B, T, Hq, n']
 
-    candidate = (
-        j[None, None, None, :] < own_block[:, :, None, None]
-    )  # strictly earlier blocks of the document
-    scores = jnp.where(candidate, scores, -jnp.inf)
-    _, sel = jax.lax.top_k(scores, kk)  # ties -> lower (earlier) block first
-    valid = sel < own_block[:, :, None, None]
-    past_start = jnp.where(valid, doc_start[:, :, None, None] + sel * c, -1)
-    return Routing(own_start, past_start.astype(jnp.int32))
+    # candidates: full blocks of the query's document strictly before its own block
+    candidate = (starts[:, None, :] >= doc_start[:, :, None]) & (starts[:, None, :] < own_start[:, :, None])
+    candidate = jnp.broadcast_to(candidate[:, :, None, :], scores.shape)
+    _, sel = jax.lax.top_k(jnp.where(candidate, scores, -jnp.inf), kk)  # ties -> earlier block first
+    valid = jnp.take_along_axis(candidate, sel, axis=-1)
+    chosen = jnp.take_along_axis(jnp.broadcast_to(starts[:, None, None, :], scores.shape), sel, axis=-1)
+    return Routing(own_start, jnp.where(valid, chosen, -1).astype(jnp.int32))
+
+
+def _full_block_means(k, doc_pos, block_size: int):
+    """(starts [B, n'], means [B, n', Hkv, D] float32) of every full block of `block_size` keys,
+    in position order; n' = S // block_size bounds their number (full blocks do not overlap).
+    Only a full block can be a candidate (a block with a later block in its document is full).
+    Unused slots start at S, after every query. Keys are summed per block in float32 and the
+    mean is rounded to k's dtype, as the kernels would hold it. `doc_pos` [B, S]: in-document
+    positions of packed documents; None: one document per row (blocks at multiples of c)."""
+    b, s, hkv, d = k.shape
+    c = block_size
+    n = s // c
+    if doc_pos is None:
+        starts = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32) * c, (b, n))
+        blocks = k[:, : n * c].reshape(b, n, c, hkv, d)
+    else:
+        # a full block starts at an in-document multiple of c whose document still has c tokens
+        last = jnp.pad(doc_pos, ((0, 0), (0, c - 1)), constant_values=-1)[:, c - 1 :]  # position at p + c - 1
+        full = (doc_pos % c == 0) & (last == doc_pos + c - 1)
+        starts = jax.vmap(lambda f: jnp.nonzero(f, size=n, fill_value=s)[0])(full).astype(jnp.int32)
+        rows = jnp.minimum(starts[:, :, None] + jnp.arange(c), s - 1).reshape(b, n * c)  # [B, n' c]
+        blocks = jnp.take_along_axis(k, rows[:, :, None, None], axis=1).reshape(b, n, c, hkv, d)
+    means = (blocks.astype(jnp.float32).sum(2) / c).astype(k.dtype).astype(jnp.float32)
+    return starts, means
