@@ -26,6 +26,7 @@ import yaml
 ATTENTION_KINDS = ("mha", "mla", "eg_mla")  # projections and cache (effattn_jax.attention.KINDS)
 ATTENTION_CORES = ("dense", "moba")  # which keys each query sees (effattn_jax.attention.CORES)
 MOBA_IMPLS = ("auto", "reference", "xla", "pallas", "pallas_tpu", "pallas_gpu")  # effattn_jax.ops.moba
+DENSE_IMPLS = ("auto", "xla", "splash", "cudnn")  # effattn_jax.ops.dense
 EG_MLA_GATE_AT = ("latent", "heads")
 
 
@@ -67,6 +68,8 @@ class LastLayersConfig:
 class AttentionConfig:
     kind: str = "mha"  # projections: one of ATTENTION_KINDS
     core: str = "dense"  # pattern: one of ATTENTION_CORES
+    # the dense core's path, one of DENSE_IMPLS: auto = splash on TPU, cuDNN on GPU, XLA on CPU
+    dense_impl: str = "auto"
     # Explicit per-layer "kind:core" list (empty = every layer uses kind/core).
     layers: list[str] = field(default_factory=list)
     last_layers: LastLayersConfig = field(default_factory=LastLayersConfig)
@@ -515,6 +518,8 @@ def _validate_attention(cfg: Config) -> None:
     _positive(moba, "moba", ["block_size", "top_k", "bwd_tile_chunk", "routing_chunk"])
     _positive(moba, "moba", ["full_attention_from_step", "full_attention_from_tokens"], allow_zero=True)
     _check(moba.impl in MOBA_IMPLS, "moba.impl", moba.impl, f"allowed: {', '.join(MOBA_IMPLS)}")
+    impl = cfg.attention.dense_impl
+    _check(impl in DENSE_IMPLS, "attention.dense_impl", impl, f"allowed: {', '.join(DENSE_IMPLS)}")
     _positive(moba, "moba", ["q_tile"])  # each kernel backend's own needs: BlockSizes.check_backend
     _check(
         moba.kv_block > 0 and moba.kv_block % 8 == 0,

@@ -50,7 +50,8 @@ def causal_decode_mask(q, k_cache, positions):
 
 
 def _dense_core(cfg) -> Core:
-    return Core(dense_attention, causal_decode_mask, causal_only=True)
+    attend = functools.partial(dense_attention, impl=cfg.attention.dense_impl, rules=sharding_rules(cfg))
+    return Core(attend, causal_decode_mask, causal_only=True)
 
 
 def _moba_core(cfg) -> Core:

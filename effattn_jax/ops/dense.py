@@ -1,9 +1,22 @@
-"""Dense causal attention with packed-document masking (the `dense` core)."""
+"""Dense causal attention with packed-document masking (the `dense` core).
+
+`dense_attention` is the one dispatch (as `moba_attention` is MoBA's): `resolve_dense_impl` picks
+splash attention (jax's Pallas TPU kernel: flash attention whose scalar-prefetched block
+tables skip fully masked blocks) on TPU, cuDNN flash attention (`jax.nn.dot_product_attention(
+implementation="cudnn")`) on GPU where cuDNN takes the shapes, and XLA elsewhere.
+"""
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+
+from effattn_jax.config import DENSE_IMPLS
+from effattn_jax.sharding import Rules, shard_over_batch_heads
+
+CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
 def causal_segment_mask(segment_ids: jax.Array | None, q_len: int, kv_len: int) -> jax.Array:
@@ -31,13 +44,73 @@ def masked_attention(q, k, v, mask, scale):
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, hq, v.shape[-1]).astype(q.dtype)
 
 
-def dense_attention(q, k, v, *, segment_ids=None, scale=None):
-    """q: [B, S, Hq, D], k/v: [B, S, Hkv, D] (Hkv divides Hq) -> [B, S, Hq, Dv].
+def resolve_dense_impl(impl: str, q, v, backend: str | None = None) -> str:
+    """The path for an impl name (auto | xla | splash | cudnn) on a JAX backend.
 
-    Softmax over every earlier key of the same document. XLA implementation of
-    `jax.nn.dot_product_attention`, which handles GQA without copying K/V.
+    auto: splash on TPU; on GPU cudnn when cuDNN takes the call (bf16/fp16, equal q/k and v
+    head widths up to 128, a multiple of 8: not MLA's wider q/k), else xla; xla on CPU."""
+    if impl != "auto":
+        return impl
+    backend = backend or jax.default_backend()
+    if backend == "tpu":
+        return "splash"
+    d, dv = q.shape[-1], v.shape[-1]
+    fits = q.dtype in CUDNN_DTYPES and d == dv and d <= 128 and d % 8 == 0
+    return "cudnn" if backend in ("gpu", "cuda", "rocm") and fits else "xla"
+
+
+def dense_attention(q, k, v, *, segment_ids=None, scale=None, impl: str = "xla", rules: Rules | None = None):
+    """q: [B, S, Hq, D], k: [B, S, Hkv, D], v: [B, S, Hkv, Dv] (Hkv divides Hq) -> [B, S, Hq, Dv].
+
+    Softmax over every earlier key of the same document. impl: see `resolve_dense_impl`
+    (default xla: the plain path every other impl is tested against). `rules`: logical
+    sharding rules; under a context mesh the splash kernel runs per (batch, head) shard.
     """
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    path = resolve_dense_impl(impl, q, v)
+    if path not in DENSE_IMPLS[1:]:
+        raise ValueError(f"dense attention impl={impl!r}: expected one of {', '.join(DENSE_IMPLS)}")
+    if path == "splash":
+        run = lambda q, k, v, seg: splash_attention(q, k, v, segment_ids=seg, scale=scale)
+        return shard_over_batch_heads(run, q, k, v, segment_ids, rules)
+    if path == "cudnn":  # packed documents as a boolean mask beside the causal one
+        mask = None if segment_ids is None else causal_segment_mask(segment_ids, q.shape[1], k.shape[1])
+        return jax.nn.dot_product_attention(
+            q, k, v, mask=mask, scale=scale, is_causal=True, implementation="cudnn"
+        ).astype(q.dtype)
     mask = causal_segment_mask(segment_ids, q.shape[1], k.shape[1])
     if v.shape[-1] != q.shape[-1]:  # jax.nn.dot_product_attention needs equal head dims
-        return masked_attention(q, k, v, mask, q.shape[-1] ** -0.5 if scale is None else scale)
+        return masked_attention(q, k, v, mask, scale)
     return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation="xla").astype(q.dtype)
+
+
+def splash_attention(q, k, v, *, segment_ids=None, scale: float, block: int = 512, interpret: bool = False):
+    """Causal attention through jax's splash kernel (TPU; `interpret` runs it on CPU). Shapes as
+    `dense_attention`; S must be a multiple of min(block, S). Splash applies no scale: q is
+    scaled first. GQA and a different v width go to the kernel as they are."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+
+    b, s, hq, _ = q.shape
+    bs = min(block, s)
+    sizes = splash.BlockSizes(
+        block_q=bs, block_kv=bs, block_kv_compute=bs, block_q_dkv=bs, block_kv_dkv=bs,
+        block_kv_dkv_compute=bs, block_q_dq=bs, block_kv_dq=bs,
+    )  # fmt: skip
+    kernel = splash.make_splash_mha(
+        masks.MultiHeadMask([masks.CausalMask((s, s))] * hq),
+        block_sizes=sizes,
+        head_shards=1,
+        q_seq_shards=1,
+        interpret=interpret,
+    )
+    heads_first = lambda x: jnp.swapaxes(x, 1, 2)  # [B, S, H, D] <-> [B, H, S, D]
+    q = heads_first(q * jnp.asarray(scale, q.dtype))
+    k, v = heads_first(k), heads_first(v)
+    if segment_ids is None:
+        out = jax.vmap(kernel)(q, k, v)
+    else:
+        out = jax.vmap(lambda q, k, v, seg: kernel(q, k, v, segment_ids=splash.SegmentIds(seg, seg)))(
+            q, k, v, segment_ids
+        )
+    return heads_first(out).astype(q.dtype)
