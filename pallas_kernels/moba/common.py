@@ -201,3 +201,29 @@ def own_tiles(own_start: jax.Array, *, num_q_heads: int, num_kv_heads: int, q_ti
         (bb * num_kv_heads + hh // (hq // num_kv_heads))[:, :, None], (b, hq, n)
     ).reshape(-1)
     return Tiles(rows.reshape(shape), kv_row, key_start, lo, hi)
+
+
+def tile_cost(part: str, q_tiles, k, v, nsub: int, kv_block: int):
+    """`pl.CostEstimate` of one tile kernel (`part`: fwd, dq or dkv), counted from its grid as
+    issued (every (tile, sub-block) step does its full matmuls), so XLA schedules around the
+    kernel and `cost_analysis()` reports it. q_tiles [T, Qt, D]; k/v [.., D|Dv] (their dtype)."""
+    from jax.experimental import pallas as pl
+
+    ntiles, qt, d = q_tiles.shape
+    dv, item = v.shape[-1], q_tiles.dtype.itemsize
+    steps, pairs = ntiles * nsub, ntiles * nsub * qt * kv_block
+    matmuls = {"fwd": 2 * d + 2 * dv, "dq": 4 * d + 2 * dv, "dkv": 4 * d + 4 * dv}[part]  # flops per pair
+    kv_bytes = steps * kv_block * (d + dv) * item  # each step fetches one K/V sub-block
+    q_bytes = (
+        ntiles * qt * (d + (dv if part != "fwd" else 0)) * item + ntiles * qt * 3 * 4
+    )  # q (+dO), lo/hi/lse
+    out_bytes = {
+        "fwd": ntiles * qt * (dv + 1) * 4,
+        "dq": ntiles * qt * d * 4,
+        "dkv": steps * kv_block * (d + dv) * 4,
+    }[part]
+    return pl.CostEstimate(
+        flops=int(pairs * matmuls),
+        transcendentals=int(pairs),
+        bytes_accessed=int(kv_bytes + q_bytes + out_bytes),
+    )

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.moba.common import NT, TN
+from pallas_kernels.moba.common import NT, TN, tile_cost
 
 
 def _params(num_warps=4):
@@ -200,6 +200,7 @@ def tile_attention_fwd(q_tiles, k, v, lo, hi, kv_row, first, *, scale, nsub, blo
         compiler_params=_params(),
         interpret=bool(interpret),
         name="moba_tile_fwd_gpu",
+        cost_estimate=tile_cost("fwd", q_tiles, k, v, nsub, ck),
     )(kv_row, first, q_tiles, k, v, lo, hi)
 
 
@@ -219,6 +220,7 @@ def tile_attention_bwd(
         compiler_params=_params(),
         interpret=bool(interpret),
         name="moba_tile_dq_gpu",
+        cost_estimate=tile_cost("dq", q_tiles, k, v, nsub, ck),
     )(*args)
     dk, dvv = pl.pallas_call(
         functools.partial(_dkv_kernel, scale=scale, kv_block=ck, nkb=nkb),
@@ -235,5 +237,6 @@ def tile_attention_bwd(
         compiler_params=_params(),
         interpret=bool(interpret),
         name="moba_tile_dkv_gpu",
+        cost_estimate=tile_cost("dkv", q_tiles, k, v, nsub, ck),
     )(*args)
     return dq, dk, dvv

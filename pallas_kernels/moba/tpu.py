@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.moba.common import NT, TN
+from pallas_kernels.moba.common import NT, TN, tile_cost
 
 
 def _scores(q_ref, k_ref, lo_ref, hi_ref, first_ref, *, scale, kv_block):
@@ -208,6 +208,7 @@ def tile_attention_fwd(q_tiles, k, v, lo, hi, kv_row, first, *, scale, nsub, blo
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=_interpret(interpret),
         name="moba_tile_fwd",
+        cost_estimate=tile_cost("fwd", q_tiles, k, v, nsub, ck),
     )(kv_row, first, q_tiles, k, v, lo, hi)
 
 
@@ -232,6 +233,7 @@ def tile_attention_bwd(
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=_interpret(interpret),
         name="moba_tile_dq",
+        cost_estimate=tile_cost("dq", q_tiles, k, v, nsub, ck),
     )(*args)
     dk, dvv = pl.pallas_call(
         functools.partial(_dkv_kernel, scale=scale, kv_block=ck),
@@ -251,5 +253,6 @@ def tile_attention_bwd(
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=_interpret(interpret),
         name="moba_tile_dkv",
+        cost_estimate=tile_cost("dkv", q_tiles, k, v, nsub, ck),
     )(*args)
     return dq, dk, dvv
