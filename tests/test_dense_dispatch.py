@@ -27,6 +27,8 @@ def test_each_backend_gets_its_path():
     assert resolve_dense_impl("auto", q_mla, v_mla, "gpu") == "xla"  # MLA: q/k wider than v
     with pytest.raises(ValueError, match="impl='flash'"):
         dense_attention(q, q, q, impl="flash")
+    with pytest.raises(ValueError, match="not a multiple of its block 512"):
+        dense_attention(*_qkv(s=1000), impl="splash")
 
 
 def test_splash_matches_xla_forward_and_gradients():

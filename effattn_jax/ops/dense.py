@@ -91,8 +91,13 @@ def splash_attention(q, k, v, *, segment_ids=None, scale: float, block: int = 51
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
-    b, s, hq, _ = q.shape
+    _, s, hq, _ = q.shape
     bs = min(block, s)
+    if s % bs:
+        raise ValueError(
+            f"splash attention: sequence length {s} is not a multiple of its block {bs}; "
+            "pad the sequence or set attention.dense_impl=xla"
+        )
     sizes = splash.BlockSizes(
         block_q=bs, block_kv=bs, block_kv_compute=bs, block_q_dkv=bs, block_kv_dkv=bs,
         block_kv_dkv_compute=bs, block_q_dq=bs, block_kv_dq=bs,
