@@ -140,7 +140,7 @@ def test_routing_ties_go_to_the_earlier_block():
     assert r.past_start[0, 15, 0].tolist() == [0]  # blocks 0, 1, 2 tie: block 0 wins
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(data=st.data())
 def test_property_random_shapes(data):
     b = data.draw(st.integers(1, 2))
