@@ -128,54 +128,29 @@ def _launch(tmp_path, module: str, *args: str) -> str:
 
 
 def test_eval_and_generate_split_across_processes(tmp_path, small_run, capsys):
+    """The same commands in this process and in 2 processes of 1 device: the same figures and
+    text, printed once."""
     from effattn_jax.generate import main as generate_main
     from eval.__main__ import main as eval_main
 
-    tasks = ["--tasks", "piqa,arc_easy,winogrande", "--limit", "5"]
-    assert (
-        eval_main(["downstream", "--run", str(small_run), *tasks, "--json", str(tmp_path / "one.json")]) == 0
-    )
-    assert (
-        eval_main(
-            ["lm-loss", "--run", str(small_run), "--bucket", "8", "--json", str(tmp_path / "one_lm.json")]
-        )
-        == 0
-    )
-    prompt = [
-        "--run",
-        str(small_run),
-        "--prompt",
-        "The",
-        "--prompt",
-        "We the people",
-        "--max-new-tokens",
-        "6",
-    ]
+    run_dir = str(small_run)
+    downstream = ["downstream", "--run", run_dir, "--tasks", "piqa,arc_easy,winogrande", "--limit", "5"]
+    lm_loss = ["lm-loss", "--run", run_dir, "--bucket", "8"]
+    prompt = ["--run", run_dir, "--prompt", "The", "--prompt", "We the people", "--max-new-tokens", "6"]
+    assert eval_main([*downstream, "--json", str(tmp_path / "one.json")]) == 0
+    assert eval_main([*lm_loss, "--json", str(tmp_path / "one_lm.json")]) == 0
     capsys.readouterr()
     assert generate_main(prompt) == 0
     text = capsys.readouterr().out
 
-    out = _launch(
-        tmp_path, "eval", "downstream", "--run", str(small_run), *tasks, "--json", str(tmp_path / "two.json")
-    )
+    out = _launch(tmp_path, "eval", *downstream, "--json", str(tmp_path / "two.json"))
     assert out.count("avg_acc=") == 1  # printed by process 0 only
     one, two = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "two"))
     assert two["tasks"] == one["tasks"]  # every metric and count
-    assert {t: s["tokens"] for t, s in two["speed"].items()} == {
-        t: s["tokens"] for t, s in one["speed"].items()
-    }
+    tokens = lambda report: {task: s["tokens"] for task, s in report["speed"].items()}
+    assert tokens(two) == tokens(one)
 
-    _launch(
-        tmp_path,
-        "eval",
-        "lm-loss",
-        "--run",
-        str(small_run),
-        "--bucket",
-        "8",
-        "--json",
-        str(tmp_path / "two_lm.json"),
-    )
+    _launch(tmp_path, "eval", *lm_loss, "--json", str(tmp_path / "two_lm.json"))
     one_lm, two_lm = (json.loads((tmp_path / f"{n}_lm.json").read_text()) for n in ("one", "two"))
     assert (
         two_lm == one_lm and one_lm[0]["tokens"] > 0

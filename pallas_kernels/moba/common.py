@@ -214,9 +214,8 @@ def tile_cost(part: str, q_tiles, k, v, nsub: int, kv_block: int):
     steps, pairs = ntiles * nsub, ntiles * nsub * qt * kv_block
     matmuls = {"fwd": 2 * d + 2 * dv, "dq": 4 * d + 2 * dv, "dkv": 4 * d + 4 * dv}[part]  # flops per pair
     kv_bytes = steps * kv_block * (d + dv) * item  # each step fetches one K/V sub-block
-    q_bytes = (
-        ntiles * qt * (d + (dv if part != "fwd" else 0)) * item + ntiles * qt * 3 * 4
-    )  # q (+dO), lo/hi/lse
+    q_width = d if part == "fwd" else d + dv  # q, and dO in the backward
+    q_bytes = ntiles * qt * (q_width * item + 3 * 4)  # plus the float32 lo/hi/lse (or delta) columns
     out_bytes = {
         "fwd": ntiles * qt * (dv + 1) * 4,
         "dq": ntiles * qt * d * 4,
