@@ -1,0 +1,286 @@
+"""What the MoBA Pallas kernels would issue on a TPU, counted from their own schedule.
+
+    python -m eval.kernel_model [--seq 8192,32768,131072] [--kv-heads 16,4] [--json]
+
+Routes random bf16 q/k with the real gate (`moba_routing`), builds the tile tables the kernels
+run with (`attention._plans`, the default `BlockSizes`) and counts, per forward and backward:
+- grid steps, as issued (padding tiles and every sub-block of a tile's window included);
+- issued matmul FLOPs (`common.tile_cost`, what the kernels tell XLA) over the ideal: every
+  visible (query, key) pair once, 2 (D + Dv) FLOPs forward, 6 D + 4 Dv backward (a fused flash
+  backward: scores, dP, dV, dQ, dK);
+- HBM bytes under the TPU pipeline's rules: a K/V block is copied only when its index differs
+  from the previous grid step's; per-tile row inputs are copied once per tile; the float32
+  [Qt, 1] columns (lo, hi, lse, delta) pad to 128 lanes. The backward also counts the XLA glue
+  between its kernels: the tile gathers of q, dO, lse and delta (read + write), the dq scatter,
+  and the per-(tile, sub-block) dK/dV partials (written, read back, added into dK/dV);
+- routing: HBM bytes of the gate compiled ahead of time for a TPU (libtpu, the `tpu` extra),
+  with each loop body counted once per trip (`cost_analysis()` counts it once).
+
+Batch 1, 16 query heads, head dim 128, block 512, top_k 3 (the benchmark shape). `--json`
+prints one JSON object (a list for several shapes) with `fwd_steps`, `bwd_steps`,
+`fwd_flops_over_ideal`, `bwd_flops_over_ideal`, `fwd_kv_bytes`, `fwd_hbm_bytes`,
+`bwd_hbm_bytes`, `routing_bytes`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from effattn_jax.cli import ArgumentParser, positive_int, positive_int_list
+from effattn_jax.ops.routing import moba_routing
+from pallas_kernels.moba.attention import _plans
+from pallas_kernels.moba.common import BlockSizes, tile_cost
+
+LANES = 128  # a TPU vreg's minor dimension: a [Qt, 1] float32 column occupies Qt x 128 words
+GIB = 2**30
+
+
+def _fetches(kv_row: np.ndarray, first: np.ndarray, nsub: int, nkb: int) -> int:
+    """K/V block copies of one kernel: grid (tile, sub-block) in order, a copy whenever the
+    block index (kv row, sub-block) differs from the previous step's (the pipeline skips it)."""
+    blk = np.minimum(first[:, None] + np.arange(nsub)[None], nkb - 1)
+    row = np.broadcast_to(kv_row[:, None], blk.shape)
+    key = (row.astype(np.int64) * nkb + blk).reshape(-1)
+    return int(1 + np.count_nonzero(key[1:] != key[:-1]))
+
+
+def part_counts(tiles, nsub: int, *, d: int, dv: int, item: int, bs: BlockSizes, nkb: int) -> dict:
+    """Steps, issued FLOPs and HBM bytes of one part (own or past) of the schedule."""
+    ntiles, qt = tiles.rows.shape
+    ck = bs.kv_block
+    q = jax.ShapeDtypeStruct((ntiles, qt, d), jnp.bfloat16 if item == 2 else jnp.float32)
+    k, v = jax.ShapeDtypeStruct((1, d), q.dtype), jax.ShapeDtypeStruct((1, dv), q.dtype)
+    flops = {p: tile_cost(p, q, k, v, nsub, ck).flops for p in ("fwd", "dq", "dkv")}
+    kv_bytes = (
+        _fetches(np.asarray(tiles.kv_row), np.asarray(tiles.key_start) // ck, nsub, nkb)
+        * ck
+        * (d + dv)
+        * item
+    )
+    column = ntiles * qt * LANES * 4  # one lane-padded float32 [Qt, 1] array
+    steps = ntiles * nsub
+    partials = steps * ck * (d + dv) * 4
+    rows_in = ntiles * qt * (d + dv) * item  # q and dO tiles
+    fwd_bytes = kv_bytes + ntiles * qt * d * item + 2 * column + ntiles * qt * dv * 4 + column
+    bwd_kernels = 2 * (kv_bytes + rows_in + 4 * column) + ntiles * qt * d * 4 + partials
+    bwd_glue = 2 * rows_in + 4 * column + 3 * ntiles * qt * d * 4 + 3 * partials
+    return {
+        "fwd_steps": steps,
+        "bwd_steps": 2 * steps,
+        "fwd_flops": flops["fwd"],
+        "bwd_flops": flops["dq"] + flops["dkv"],
+        "fwd_kv_bytes": kv_bytes,
+        "fwd_hbm_bytes": fwd_bytes,
+        "bwd_hbm_bytes": bwd_kernels + bwd_glue,
+    }
+
+
+def ideal_pairs(own_start: np.ndarray, past_start: np.ndarray, block_size: int) -> int:
+    """Visible (query head, key) pairs of MoBA: the own block up to the query, plus each
+    selected earlier (full) block."""
+    t = np.arange(own_start.shape[1])[None]
+    own = int((t - own_start + 1).sum()) * past_start.shape[2]
+    return own + int((past_start >= 0).sum()) * block_size
+
+
+_WIDTH = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4}
+_ARRAY = re.compile(r"\b(" + "|".join(_WIDTH) + r")\[([\d,]*)\]")
+_NO_TRAFFIC = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "copy-start", "copy-done"}
+
+
+def _shape_bytes(text: str) -> int:
+    return sum(
+        _WIDTH[t] * int(np.prod([int(d) for d in dims.split(",") if d])) for t, dims in _ARRAY.findall(text)
+    )
+
+
+def _closing(text: str, i: int) -> int:
+    """Index just past the parenthesis that closes the one at text[i]."""
+    depth = 0
+    for j in range(i, len(text)):
+        depth += {"(": 1, ")": -1}.get(text[j], 0)
+        if depth == 0:
+            return j + 1
+    raise ValueError(f"unbalanced parentheses in HLO: {text[:80]!r}")
+
+
+def _computations(hlo: str) -> dict[str, list[tuple[str, str, int, str, str]]]:
+    """name -> its instructions (name, opcode, output bytes, operand text, attributes)."""
+    comps, current = {}, None
+    for line in hlo.splitlines():
+        head = re.match(r"^(?:ENTRY )?%(\S+) \(.*\{$", line)
+        if head:
+            current = comps.setdefault("ENTRY" if line.startswith("ENTRY") else head.group(1), [])
+            continue
+        inst = re.match(r"^\s+(?:ROOT )?%(\S+) = (.*)$", line)
+        if current is None or not inst:
+            continue
+        rest = inst.group(2)
+        shape_end = _closing(rest, 0) if rest.startswith("(") else rest.index(" ")
+        op = re.match(r"\s*([\w-]+)\(", rest[shape_end:])
+        if not op:
+            continue
+        args_start = shape_end + op.end() - 1
+        args_end = _closing(rest, args_start)
+        args = rest[args_start + 1 : args_end - 1]
+        current.append((inst.group(1), op.group(1), _shape_bytes(rest[:shape_end]), args, rest[args_end:]))
+    return comps
+
+
+def _sliced_params(comps, name: str) -> dict[int, int]:
+    """Parameter index -> bytes actually read, for the parameters a fused computation reads only
+    through dynamic slices, directly or in a nested fusion (a loop body reading one chunk of a
+    stacked array reads the chunk)."""
+    comp = comps[name]
+    index = {n: int(a) for n, o, _, a, _ in comp if o == "parameter"}
+    read: dict[int, int] = {}
+    whole: set[int] = set()
+    for _, op, out, args, attrs in comp:
+        operands = re.findall(r"%([\w.-]+)", args)
+        nested = (
+            _sliced_params(comps, re.search(r"calls=%([\w.-]+)", attrs).group(1)) if op == "fusion" else {}
+        )
+        for position, operand in enumerate(operands):
+            if operand not in index:
+                continue
+            i = index[operand]
+            if op == "dynamic-slice" and position == 0:
+                read[i] = read.get(i, 0) + out
+            elif position in nested:
+                read[i] = read.get(i, 0) + nested[position]
+            else:
+                whole.add(i)
+    return {i: b for i, b in read.items() if i not in whole}
+
+
+def hlo_traffic(hlo: str) -> int:
+    """HBM bytes of a compiled module's schedule: every top-level op reads its operands and
+    writes its output once (intermediates inside a fusion are free; an operand a fusion only
+    dynamic-slices counts its slices; a dynamic-update-slice writes in place); a while loop
+    counts its body once per trip, the trip count read from its condition (the one integer
+    constant the counter is compared with)."""
+    comps = _computations(hlo)
+
+    def walk(name: str) -> int:
+        sizes = {n: b for n, _, b, _, _ in comps[name]}
+        total = 0
+        for _, op, out, args, attrs in comps[name]:
+            operands = [sizes.get(o, 0) for o in re.findall(r"%([\w.-]+)", args)]
+            if op == "while":
+                cond = re.search(r"condition=%([\w.-]+)", attrs).group(1)
+                body = re.search(r"body=%([\w.-]+)", attrs).group(1)
+                limits = {a for _, o, b, a, _ in comps[cond] if o == "constant" and b == 4 and a.isdigit()}
+                if len(limits) != 1:
+                    raise ValueError(f"cannot read the trip count of while loop {body} from {cond}")
+                total += int(limits.pop()) * walk(body)
+            elif op == "dynamic-slice":
+                total += 2 * out
+            elif op == "dynamic-update-slice":
+                total += 2 * operands[1]
+            elif op == "fusion":
+                sliced = _sliced_params(comps, re.search(r"calls=%([\w.-]+)", attrs).group(1))
+                total += out + sum(sliced.get(i, b) for i, b in enumerate(operands))
+            elif op not in _NO_TRAFFIC:
+                total += out + sum(operands)
+        return total
+
+    return walk("ENTRY")
+
+
+def routing_bytes(seq: int, hq: int, hkv: int, d: int, *, block_size: int, top_k: int, topology: str) -> int:
+    """HBM bytes of the gate compiled ahead of time for a TPU topology (`hlo_traffic`)."""
+    from jax.experimental import topologies
+
+    topo = topologies.get_topology_desc(platform="tpu", topology_name=topology)
+    mesh = jax.sharding.Mesh(np.array(topo.devices[:1]), ("x",))
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    spec = lambda shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=rep)
+    route = jax.jit(lambda q, k: moba_routing(q, k, block_size=block_size, top_k=top_k))
+    compiled = route.lower(spec((1, seq, hq, d)), spec((1, seq, hkv, d))).compile()
+    return hlo_traffic(compiled.as_text())
+
+
+def model(seq: int, hq: int, hkv: int, *, d: int = 128, block_size: int = 512, top_k: int = 3, topology=None):
+    """Every figure of one shape, as a JSON-ready dict."""
+    bs = BlockSizes()
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((1, seq, hq, d), np.float32), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((1, seq, hkv, d), np.float32), jnp.bfloat16)
+    r = jax.jit(lambda q, k: moba_routing(q, k, block_size=block_size, top_k=top_k))(q, k)
+    del q, k
+    nkb = -(-seq // bs.kv_block)
+    plans, _ = _plans(r.own_start, r.past_start, hq=hq, hkv=hkv, block_size=block_size, bs=bs, nkb=nkb)
+    parts = [part_counts(t, nsub, d=d, dv=d, item=2, bs=bs, nkb=nkb) for t, nsub in plans]
+    total = {key: sum(p[key] for p in parts) for key in parts[0]}
+    pairs = ideal_pairs(np.asarray(r.own_start), np.asarray(r.past_start), block_size)
+    out = {
+        "seq": seq,
+        "q_heads": hq,
+        "kv_heads": hkv,
+        "head_dim": d,
+        "block_size": block_size,
+        "top_k": top_k,
+        "q_tile": bs.q_tile,
+        "kv_block": bs.kv_block,
+        "fwd_steps": total["fwd_steps"],
+        "bwd_steps": total["bwd_steps"],
+        "fwd_flops_over_ideal": total["fwd_flops"] / (pairs * 4 * d),
+        "bwd_flops_over_ideal": total["bwd_flops"] / (pairs * 10 * d),
+        "fwd_kv_bytes": total["fwd_kv_bytes"],
+        "fwd_hbm_bytes": total["fwd_hbm_bytes"],
+        "bwd_hbm_bytes": total["bwd_hbm_bytes"],
+        "routing_bytes": None,
+    }
+    if topology:
+        out["routing_bytes"] = routing_bytes(
+            seq, hq, hkv, d, block_size=block_size, top_k=top_k, topology=topology
+        )
+    return out
+
+
+def main(argv=None) -> int:
+    p = ArgumentParser(prog="python -m eval.kernel_model", description=__doc__)
+    p.add_argument("--seq", type=positive_int_list, default=[8192, 32768, 131072])
+    p.add_argument("--kv-heads", type=positive_int_list, default=[16, 4])
+    p.add_argument("--q-heads", type=positive_int, default=16)
+    p.add_argument(
+        "--topology", default="v5e:2x2", help="TPU topology for the routing compile; 'none' skips it"
+    )
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = p.parse_args(argv)
+    bad = [h for h in args.kv_heads if args.q_heads % h]
+    if bad:
+        p.error(f"--kv-heads {bad[0]} does not divide --q-heads {args.q_heads}")
+    topology = None if args.topology == "none" else args.topology
+    rows = []
+    if not args.json:
+        print(
+            "| seq | Hkv | fwd steps | bwd steps | fwd FLOPs/ideal | bwd FLOPs/ideal | fwd K/V GiB "
+            "| fwd HBM GiB | bwd HBM GiB | routing GiB |"
+        )
+        print("|---|---|---|---|---|---|---|---|---|---|")
+    for seq in args.seq:
+        for hkv in args.kv_heads:
+            row = model(seq, args.q_heads, hkv, topology=topology)
+            rows.append(row)
+            if not args.json:
+                rb = "-" if row["routing_bytes"] is None else f"{row['routing_bytes'] / GIB:.2f}"
+                print(
+                    f"| {seq} | {hkv} | {row['fwd_steps']:,} | {row['bwd_steps']:,} "
+                    f"| {row['fwd_flops_over_ideal']:.2f} | {row['bwd_flops_over_ideal']:.2f} "
+                    f"| {row['fwd_kv_bytes'] / GIB:.2f} | {row['fwd_hbm_bytes'] / GIB:.2f} "
+                    f"| {row['bwd_hbm_bytes'] / GIB:.2f} | {rb} |",
+                    flush=True,
+                )
+    if args.json:
+        print(json.dumps(rows[0] if len(rows) == 1 else rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
