@@ -1,12 +1,13 @@
-"""MoBA with Pallas kernels: schedule -> tile kernels -> log-sum-exp merge, as a custom_vjp.
+"""MoBA with Pallas kernels: schedule -> kernels -> log-sum-exp merge, as a custom_vjp.
 
-Forward: the own-block tiles and the selected-block tiles (common.py) run
-through the backend's tile kernel, each giving (o, lse) per (query, part);
-the parts of a query are merged by log-sum-exp into the output O and the
-global LSE L. Backward (docs/moba.md, "Backward"): with delta = rowsum(dO * O),
-each part's gradient is an ordinary flash-attention backward against the
-global L, so the dq and dk/dv kernels run over the same tiles and the results
-are scattered back (summed) to q, k and v.
+Forward: the own-block tiles run through the backend's tile kernel (tpu.py, gpu.py) and the
+selected earlier blocks through its whole-block kernel (tpu_blocks.py, gpu_blocks.py), each
+giving (o, lse) per (query, part); the parts of a query are merged by log-sum-exp into the
+output O and the global LSE L. Backward (docs/moba.md, "Backward"): with delta = rowsum(dO * O),
+each part's gradient is an ordinary flash-attention backward against the global L, so the
+backward kernels run over the same schedule and the results are scattered back (summed) to
+q, k and v: dq per tile row, dK/dV per own tile and sub-block, and per past (KV head, block)
+group.
 
 `interpret=False` compiles for the backend's hardware, so the block sizes are
 checked against what that compiler accepts (`BlockSizes.check_backend`).
@@ -20,20 +21,22 @@ import importlib
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.moba.common import BACKENDS, BlockSizes, own_tiles, past_tiles
+from pallas_kernels.moba.common import ALIGN, BACKENDS, BlockSizes, own_tiles, past_tiles
 
 
-def _kernels(backend: str):
-    """The backend's kernel module, imported only when used (the GPU one needs no TPU code)."""
+def _kernels(backend: str, part: str = ""):
+    """The backend's kernel module (`part`: "" for the tile kernels, "_blocks" for the
+    whole-block ones), imported only when used (the GPU ones need no TPU code)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    return importlib.import_module(f"pallas_kernels.moba.{backend}")
+    return importlib.import_module(f"pallas_kernels.moba.{backend}{part}")
 
 
 def _layout(q, k, v, ck):
-    """Flat query rows [B*S*Hq, D]; K/V as [B*Hkv, S_pad, D] with S padded to the kv sub-block."""
+    """Flat query rows [B*S*Hq, D]; K/V as [B*Hkv, S_pad, D] with S_pad a multiple of the kv
+    sub-block and at least S + ALIGN (the whole-block kernels' windows may run past S)."""
     b, s, hq, d = q.shape
-    pad = -s % ck
+    pad = -(s + ALIGN) % ck + ALIGN
     kv = lambda x: jnp.pad(jnp.moveaxis(x, 2, 1), ((0, 0), (0, 0), (0, pad), (0, 0))).reshape(
         -1, s + pad, x.shape[-1]
     )
@@ -41,15 +44,13 @@ def _layout(q, k, v, ck):
 
 
 def _plans(own_start, past_start, *, hq, hkv, block_size, bs: BlockSizes, nkb):
-    """(tiles, nsub) for the own part and the past part (None when top_k = 1)."""
+    """((own tiles, nsub), the past schedule or None when top_k = 1)."""
     qt, ck, c = bs.q_tile, bs.kv_block, block_size
     own = own_tiles(own_start, num_q_heads=hq, num_kv_heads=hkv, q_tile=qt)
-    plans = [(own, min(-(-(ck + qt + c - 2) // ck), nkb))]
     past = None
     if past_start.shape[-1]:
-        past = past_tiles(past_start, num_kv_heads=hkv, block_size=c, q_tile=qt)
-        plans.append((past.tiles, min(-(-(c + ck - 1) // ck), nkb)))
-    return plans, past
+        past = past_tiles(past_start, num_kv_heads=hkv, block_size=c, q_tile=bs.past_q_tile)
+    return (own, min(-(-(ck + qt + c - 2) // ck), nkb)), past
 
 
 def _tile_inputs(tiles, qf, kf, vf, ck):
@@ -81,35 +82,40 @@ def _forward(q, k, v, own_start, past_start, *, block_size, scale, backend, inte
     b, s, hq, _ = q.shape
     hkv, ck = k.shape[2], block_sizes.kv_block
     qf, kf, vf = _layout(q, k, v, ck)
-    plans, past = _plans(
+    (own, nsub), past = _plans(
         own_start, past_start, hq=hq, hkv=hkv, block_size=block_size, bs=block_sizes, nkb=kf.shape[1] // ck
     )
-    kern = _kernels(backend)
-    outs = []
-    for tiles, nsub in plans:
-        outs.append(
-            kern.tile_attention_fwd(
-                *_tile_inputs(tiles, qf, kf, vf, ck),
-                scale=scale,
-                nsub=nsub,
-                block_sizes=block_sizes,
-                interpret=interpret,
-            )
-        )
+    o_own, lse_own = _kernels(backend).tile_attention_fwd(
+        *_tile_inputs(own, qf, kf, vf, ck),
+        scale=scale,
+        nsub=nsub,
+        block_sizes=block_sizes,
+        interpret=interpret,
+    )
     # Own part: tiles are laid out (b, h, chunk, row) -> [B, S, Hq].
-    (o_own, lse_own) = outs[0]
     dv = o_own.shape[-1]
     to_bsh = lambda x: jnp.moveaxis(x.reshape(b, hq, -1, *x.shape[2:])[:, :, :s], 1, 2)
     o_parts = [to_bsh(o_own.reshape(b * hq, -1, dv))[..., None, :]]  # [B, S, Hq, 1, Dv]
     l_parts = [to_bsh(lse_own.reshape(b * hq, -1))[..., None]]  # [B, S, Hq, 1]
     if past is not None:
-        o_p, lse_p = outs[1]
+        t = past.tiles
+        o_p, lse_p = _kernels(backend, "_blocks").block_attention_fwd(
+            _gather_rows(qf, t.rows),
+            kf,
+            vf,
+            t.kv_row,
+            t.key_start,
+            scale=scale,
+            block_size=block_size,
+            block_sizes=block_sizes,
+            interpret=interpret,
+        )
         kp = past_start.shape[-1]
         o_parts.append(
             jnp.where(past.valid[:, None], o_p[past.pair_tile, past.pair_slot], 0.0).reshape(b, s, hq, kp, dv)
         )
         l_parts.append(
-            jnp.where(past.valid, lse_p[past.pair_tile, past.pair_slot, 0], -jnp.inf).reshape(b, s, hq, kp)
+            jnp.where(past.valid, lse_p[past.pair_tile, past.pair_slot], -jnp.inf).reshape(b, s, hq, kp)
         )
     o_all, l_all = jnp.concatenate(o_parts, axis=3), jnp.concatenate(l_parts, axis=3)
     lse = jax.nn.logsumexp(l_all, axis=-1)  # [B, S, Hq]; every query sees itself, so finite
@@ -146,43 +152,72 @@ def _bwd(block_size, scale, backend, interpret, block_sizes, res, d_out):
     b, s, hq, d = q.shape
     hkv, ck = k.shape[2], block_sizes.kv_block
     qf, kf, vf = _layout(q, k, v, ck)
-    plans, _ = _plans(
+    (own, nsub), past = _plans(
         own_start, past_start, hq=hq, hkv=hkv, block_size=block_size, bs=block_sizes, nkb=kf.shape[1] // ck
     )
     do = d_out.astype(jnp.float32)
-    delta = jnp.sum(do * out, axis=-1).reshape(-1, 1)  # [B*S*Hq, 1]
-    do_f, lse_f = d_out.astype(v.dtype).reshape(-1, v.shape[-1]), lse.reshape(-1, 1)
+    delta = jnp.sum(do * out, axis=-1).reshape(-1)  # [B*S*Hq]
+    do_f, lse_f = d_out.astype(v.dtype).reshape(-1, v.shape[-1]), lse.reshape(-1)
     dq = jnp.zeros((b * s * hq, d), jnp.float32)
     dk, dv = jnp.zeros(kf.shape, jnp.float32), jnp.zeros(vf.shape, jnp.float32)
-    kern = _kernels(backend)
+    add_dq = lambda dq, rows, dq_t: dq.at[jnp.where(rows >= 0, rows, dq.shape[0])].add(dq_t, mode="drop")
 
-    def chunk_grads(grads, tiles, nsub):
-        """Backward kernels over one chunk of tiles, summed into (dq, dk, dv)."""
+    def own_chunk(grads, tiles):
+        """The own part's tile kernels over one chunk of tiles, summed into (dq, dk, dv)."""
         dq, dk, dv = grads
         inputs = _tile_inputs(tiles, qf, kf, vf, ck)
         kv_row, first = inputs[5:]
         real = (tiles.rows >= 0)[..., None]
-        dq_t, dk_t, dv_t = kern.tile_attention_bwd(
+        dq_t, dk_t, dv_t = _kernels(backend).tile_attention_bwd(
             *inputs,
             _gather_rows(do_f, tiles.rows),
-            jnp.where(real, _gather_rows(lse_f, tiles.rows), 0.0),
-            jnp.where(real, _gather_rows(delta, tiles.rows), 0.0),
+            jnp.where(real, _gather_rows(lse_f[:, None], tiles.rows), 0.0),
+            jnp.where(real, _gather_rows(delta[:, None], tiles.rows), 0.0),
             scale=scale,
             nsub=nsub,
             block_sizes=block_sizes,
             interpret=interpret,
         )
-        dq = dq.at[jnp.where(tiles.rows >= 0, tiles.rows, dq.shape[0])].add(dq_t, mode="drop")
         kpos = (first[:, None] + jnp.arange(nsub)[None])[..., None] * ck + jnp.arange(ck)  # [T, nsub, Ck]
         idx = (jnp.broadcast_to(kv_row[:, None, None], kpos.shape), kpos)
-        return dq, dk.at[idx].add(dk_t, mode="drop"), dv.at[idx].add(dv_t, mode="drop")
+        return (
+            add_dq(dq, tiles.rows, dq_t),
+            dk.at[idx].add(dk_t, mode="drop"),
+            dv.at[idx].add(dv_t, mode="drop"),
+        )
 
-    grads = (dq, dk, dv)
-    for tiles, nsub in plans:
-        # dk/dv come out per (tile, sub-block); running the tiles in chunks bounds that memory.
-        chunks = _chunked(tiles, block_sizes.bwd_tile_chunk)
-        grads, _ = jax.lax.scan(lambda g, t, nsub=nsub: (chunk_grads(g, t, nsub), None), grads, chunks)
-    dq, dk, dv = grads
+    # own dK/dV come out per (tile, sub-block); running the tiles in chunks bounds that memory.
+    chunks = _chunked(own, block_sizes.bwd_tile_chunk)
+    (dq, dk, dv), _ = jax.lax.scan(lambda g, t: (own_chunk(g, t), None), (dq, dk, dv), chunks)
+    if past is not None:
+        t, kern = past.tiles, _kernels(backend, "_blocks")
+        real = t.rows >= 0
+        groups = past.group_tiles.shape[0]
+        dq_t, dk_g, dv_g = kern.block_attention_bwd(
+            _gather_rows(qf, t.rows),
+            kf,
+            vf,
+            t.kv_row,
+            t.key_start,
+            past.tile_group,
+            past.group_first,
+            jnp.where(real[..., None], _gather_rows(do_f, t.rows), 0),
+            jnp.where(real, _gather_rows(lse_f, t.rows), jnp.inf),
+            jnp.where(real, _gather_rows(delta, t.rows), 0.0),
+            scale=scale,
+            block_size=block_size,
+            block_sizes=block_sizes,
+            num_groups=groups,
+            interpret=interpret,
+        )
+        dq = add_dq(dq, t.rows, dq_t)
+        # each group's window, added once; unused group slots (no tiles) hold nothing written
+        used = (past.group_tiles > 0)[:, None, None]
+        kpos = kern.window_starts(past.group_start)[:, None] + jnp.arange(dk_g.shape[1])  # [G, W]
+        rows = jnp.where(past.group_tiles > 0, past.group_kv_row, kf.shape[0])[:, None]
+        idx = (jnp.broadcast_to(rows, kpos.shape), kpos)
+        dk = dk.at[idx].add(jnp.where(used, dk_g[:groups], 0.0), mode="drop")
+        dv = dv.at[idx].add(jnp.where(used, dv_g[:groups], 0.0), mode="drop")
     unlayout = lambda x, like: jnp.moveaxis(x.reshape(b, hkv, -1, x.shape[-1])[:, :, :s], 1, 2).astype(
         like.dtype
     )

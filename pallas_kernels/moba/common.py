@@ -30,6 +30,7 @@ NT = (((1,), (1,)), ((), ()))  # dot_general dimension numbers for a @ b.T
 TN = (((0,), (0,)), ((), ()))  # ... and for a.T @ b
 
 BACKENDS = ("tpu", "gpu")
+ALIGN = 32  # whole-block kernels' window starts: multiples of the sublane tile of any dtype down to 8 bits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,17 +38,20 @@ class BlockSizes:
     """Kernel tile sizes, independent of the MoBA block size (e.g. MoBA block 512 with
     128-row query tiles and 128-key sub-blocks).
 
-    q_tile: query rows per tile (also the XLA path's); kv_block: keys per fetched
-    sub-block; bwd_tile_chunk: tiles per backward chunk (bounds the per-tile dk/dv
-    partials). Construction checks what every path needs; `check_backend` adds what
-    one backend's compiler needs on real hardware (interpret mode needs neither)."""
+    q_tile: query rows per own-block tile (also the XLA path's past tiles); kv_block: keys
+    per fetched sub-block of the own-block kernels; bwd_tile_chunk: own-block tiles per
+    backward chunk (bounds their per-tile dk/dv partials); past_q_tile: query rows per step
+    of the whole-block kernels (the selected earlier blocks). Construction checks what every
+    path needs; `check_backend` adds what one backend's compiler needs on real hardware
+    (interpret mode needs neither)."""
 
     q_tile: int = 128
     kv_block: int = 128
     bwd_tile_chunk: int = 1024
+    past_q_tile: int = 256
 
     def __post_init__(self):
-        for name in ("q_tile", "kv_block", "bwd_tile_chunk"):
+        for name in ("q_tile", "kv_block", "bwd_tile_chunk", "past_q_tile"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"BlockSizes.{name} (moba.{name}) must be a positive int, got {value!r}")
@@ -69,7 +73,7 @@ class BlockSizes:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if backend == "gpu":
-            for name in ("q_tile", "kv_block"):
+            for name in ("q_tile", "kv_block", "past_q_tile"):
                 value = getattr(self, name)
                 if value < 16 or value & (value - 1):
                     raise ValueError(
@@ -97,6 +101,11 @@ class PastTiles(NamedTuple):
     pair_tile: jax.Array  # [P] tile of each (b, t, h, i) pair (clipped; check `valid`)
     pair_slot: jax.Array  # [P] row inside that tile
     valid: jax.Array  # [P] the pair is a real selection
+    tile_group: jax.Array  # [T] (batch, KV head, block) group of each tile; G = padding
+    group_first: jax.Array  # [T] 1 where a tile is the first of its group (accumulators start)
+    group_tiles: jax.Array  # [G] tiles of each group (0: an unused group slot)
+    group_kv_row: jax.Array  # [G] b * Hkv + KV head of each group
+    group_start: jax.Array  # [G] first key of each group's block
 
 
 class _Pairs(NamedTuple):
@@ -121,11 +130,13 @@ def _flat_pairs(past_start: jax.Array) -> _Pairs:
     return _Pairs(past_start.reshape(-1), idx // (s * hq * kp), (idx // (hq * kp)) % s, (idx // kp) % hq)
 
 
-def _sort_pairs_by_block(pairs: _Pairs, *, seq_len: int, num_q_heads: int) -> _SortedPairs:
-    """Sorts the pairs by (batch, head, block), unused slots last, and numbers the groups
-    of equal block and each pair's rank inside its group."""
+def _sort_pairs_by_block(pairs: _Pairs, *, seq_len: int, num_q_heads: int, num_kv_heads: int) -> _SortedPairs:
+    """Sorts the pairs by (batch, KV head, block), unused slots last, and numbers the groups
+    of equal block and each pair's rank inside its group. Grouping by KV head puts the query
+    heads that share a KV head (GQA) into the same tiles: one K/V fetch serves them all."""
     unused = jnp.iinfo(jnp.int32).max
-    key = (pairs.batch * num_q_heads + pairs.head) * seq_len + pairs.block_start
+    kv_head = pairs.head // (num_q_heads // num_kv_heads)
+    key = (pairs.batch * num_kv_heads + kv_head) * seq_len + pairs.block_start
     key = jnp.where(pairs.block_start >= 0, key, unused)
     order = jnp.argsort(key, stable=True).astype(jnp.int32)
     sorted_key = key[order]
@@ -138,8 +149,9 @@ def _sort_pairs_by_block(pairs: _Pairs, *, seq_len: int, num_q_heads: int) -> _S
 
 
 def _assign_tiles(sorted_pairs: _SortedPairs, *, max_groups: int, num_tiles: int, q_tile: int):
-    """(tile, slot) of each sorted pair: every group gets ceil(size / q_tile) consecutive
-    tiles; unused pairs go to tile `num_tiles` (one past the end, dropped later)."""
+    """(tile, slot) of each sorted pair, and tiles per group: every group gets
+    ceil(size / q_tile) consecutive tiles; unused pairs go to tile `num_tiles` (one past the
+    end, dropped later)."""
     group, rank, real = sorted_pairs.group, sorted_pairs.rank, sorted_pairs.real
     group_size = jax.ops.segment_sum(
         real.astype(jnp.int32), jnp.where(real, group, max_groups), max_groups + 1
@@ -147,7 +159,7 @@ def _assign_tiles(sorted_pairs: _SortedPairs, *, max_groups: int, num_tiles: int
     group_tiles = -(-group_size[:-1] // q_tile)
     group_first_tile = jnp.cumsum(group_tiles) - group_tiles
     tile = group_first_tile[jnp.clip(group, 0, max_groups - 1)] + rank // q_tile
-    return jnp.where(real, tile, num_tiles), rank % q_tile
+    return jnp.where(real, tile, num_tiles), rank % q_tile, group_tiles
 
 
 def past_tiles(past_start: jax.Array, *, num_kv_heads: int, block_size: int, q_tile: int) -> PastTiles:
@@ -155,10 +167,12 @@ def past_tiles(past_start: jax.Array, *, num_kv_heads: int, block_size: int, q_t
     b, s, hq, _ = past_start.shape
     pairs = _flat_pairs(past_start)
     num_pairs = pairs.block_start.shape[0]
-    max_groups = max(b * hq * (s // block_size), 1)  # (batch, head, full block) groups
+    max_groups = max(b * num_kv_heads * (s // block_size), 1)  # (batch, KV head, full block) groups
     num_tiles = -(-num_pairs // q_tile) + max_groups  # static bound: each group wastes < 1 tile
-    sorted_pairs = _sort_pairs_by_block(pairs, seq_len=s, num_q_heads=hq)
-    tile, slot = _assign_tiles(sorted_pairs, max_groups=max_groups, num_tiles=num_tiles, q_tile=q_tile)
+    sorted_pairs = _sort_pairs_by_block(pairs, seq_len=s, num_q_heads=hq, num_kv_heads=num_kv_heads)
+    tile, slot, group_tiles = _assign_tiles(
+        sorted_pairs, max_groups=max_groups, num_tiles=num_tiles, q_tile=q_tile
+    )
 
     # Tables: which pair sits in each (tile, slot); a tile's block and KV row come from any of its pairs.
     order = sorted_pairs.order
@@ -176,7 +190,25 @@ def past_tiles(past_start: jax.Array, *, num_kv_heads: int, block_size: int, q_t
     sorted_position = jnp.zeros((num_pairs,), jnp.int32).at[order].set(jnp.arange(num_pairs, dtype=jnp.int32))
     pair_tile = jnp.clip(tile[sorted_position], 0, num_tiles - 1)
     pair_slot = slot[sorted_position]
-    return PastTiles(Tiles(rows, kv_row, start, lo, hi), pair_tile, pair_slot, pairs.block_start >= 0)
+
+    # Group tables, for kernels that accumulate dK/dV over a group's consecutive tiles.
+    ends = jnp.cumsum(group_tiles)
+    tile_group = jnp.searchsorted(ends, jnp.arange(num_tiles), side="right").astype(jnp.int32)  # G: padding
+    group_first = jnp.concatenate(
+        [jnp.ones((1,), jnp.int32), (tile_group[1:] != tile_group[:-1]).astype(jnp.int32)]
+    )
+    first_tile = jnp.minimum(ends - group_tiles, num_tiles - 1)
+    return PastTiles(
+        Tiles(rows, kv_row, start, lo, hi),
+        pair_tile,
+        pair_slot,
+        pairs.block_start >= 0,
+        tile_group,
+        group_first,
+        group_tiles,
+        kv_row[first_tile],
+        start[first_tile],
+    )
 
 
 def own_tiles(own_start: jax.Array, *, num_q_heads: int, num_kv_heads: int, q_tile: int) -> Tiles:

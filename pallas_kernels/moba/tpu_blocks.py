@@ -1,0 +1,213 @@
+"""MoBA's selected earlier blocks on TPU (Pallas -> Mosaic): one grid step per tile, the
+whole block in that step.
+
+A tile holds up to `past_q_tile` query rows of one (batch, KV head, block) group, from any of
+the KV head's query heads (GQA: one K/V fetch serves them all). Each step fetches the block's
+keys as one window of `block_size + ALIGN` keys starting at the block start rounded down to
+ALIGN (an element-offset BlockSpec, `pl.Element`), so consecutive tiles of a group keep the
+same window index and Pallas skips the copy. Every row sees the whole block, so the forward
+is a plain softmax (no online rescaling) and the backward finishes dq within the step; dK/dV
+accumulate in the resident output block across the group's consecutive tiles and are written
+once per group (megablox's pattern: zero on the group's first tile). Scores are computed
+transposed, [keys, rows], so lse and delta are lane-dense rows, not [rows, 1] columns.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.moba.common import ALIGN, NT, TN
+
+
+def window(block_size: int) -> int:
+    """Keys fetched per step: the block plus the alignment slack before it."""
+    return block_size + ALIGN
+
+
+def window_starts(block_start: jax.Array) -> jax.Array:
+    return (block_start // ALIGN * ALIGN).astype(jnp.int32)
+
+
+def _scores_t(q_ref, k_ref, win_ref, start_ref, *, scale, block_size):
+    """Scores [W, Qt] (keys x rows) and the mask of the keys inside the tile's block."""
+    t = pl.program_id(0)
+    s = jax.lax.dot_general(k_ref[...], q_ref[...], NT, preferred_element_type=jnp.float32) * scale
+    offset = start_ref[t] - win_ref[t]
+    kpos = jax.lax.broadcasted_iota(jnp.int32, s.shape, 0)
+    return s, (kpos >= offset) & (kpos < offset + block_size)
+
+
+def _fwd_kernel(kv_ref, win_ref, start_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, block_size):
+    s, inside = _scores_t(q_ref, k_ref, win_ref, start_ref, scale=scale, block_size=block_size)
+    s = jnp.where(inside, s, -jnp.inf)
+    m = jnp.max(s, axis=0, keepdims=True)  # [1, Qt]: every row sees the whole (non-empty) block
+    p = jnp.exp(s - m)
+    l = jnp.sum(p, axis=0, keepdims=True)
+    v = v_ref[...]
+    o_ref[...] = jax.lax.dot_general((p / l).astype(v.dtype), v, TN, preferred_element_type=jnp.float32)
+    lse_ref[...] = m + jnp.log(l)
+
+
+def _bwd_kernel(
+    kv_ref,
+    win_ref,
+    start_ref,
+    group_ref,
+    first_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    dq_ref,
+    dk_ref,
+    dv_ref,
+    *,
+    scale,
+    block_size,
+):
+    t = pl.program_id(0)
+
+    @pl.when(first_ref[t] == 1)
+    def _zero():
+        dk_ref[...] = jnp.zeros(dk_ref.shape, jnp.float32)
+        dv_ref[...] = jnp.zeros(dv_ref.shape, jnp.float32)
+
+    s, inside = _scores_t(q_ref, k_ref, win_ref, start_ref, scale=scale, block_size=block_size)
+    p = jnp.where(inside, jnp.exp(s - lse_ref[...]), 0.0)  # [W, Qt]; padding rows: lse = +inf
+    q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
+    dp = jax.lax.dot_general(v, do, NT, preferred_element_type=jnp.float32)  # [W, Qt]
+    ds = p * (dp - delta_ref[...])
+    dq_ref[...] = jax.lax.dot_general(ds.astype(k.dtype), k, TN, preferred_element_type=jnp.float32) * scale
+    dk_ref[...] += jnp.dot(ds.astype(q.dtype), q, preferred_element_type=jnp.float32) * scale
+    dv_ref[...] += jnp.dot(p.astype(do.dtype), do, preferred_element_type=jnp.float32)
+
+
+def _interpret(interpret):
+    return pltpu.InterpretParams() if interpret == "tpu" else bool(interpret)
+
+
+def _cost(part: str, q_rows, k, v, block_size: int, groups: int = 0):
+    """`pl.CostEstimate` as issued: every step multiplies its rows by the whole window."""
+    ntiles, qt, d = q_rows.shape
+    dv, item, w = v.shape[-1], q_rows.dtype.itemsize, window(block_size)
+    pairs = ntiles * qt * w
+    rows = ntiles * qt * (d * item + 4)  # q and lse
+    if part == "fwd":
+        return pl.CostEstimate(
+            flops=int(pairs * (2 * d + 2 * dv)),
+            transcendentals=int(pairs),
+            bytes_accessed=int(ntiles * w * (d + dv) * item + rows + ntiles * qt * dv * 4),
+        )
+    return pl.CostEstimate(
+        flops=int(pairs * (6 * d + 4 * dv)),
+        transcendentals=int(pairs),
+        bytes_accessed=int(
+            ntiles * w * (d + dv) * item
+            + rows
+            + ntiles * qt * (dv * item + 4 + d * 4)
+            + groups * w * (d + dv) * 4
+        ),
+    )
+
+
+def block_attention_fwd(
+    q_rows, k, v, kv_row, block_start, *, scale, block_size, block_sizes, interpret=False
+):
+    """q_rows [T, Qt, D]; k/v [B*Hkv, S_pad, D|Dv] with S_pad >= S + ALIGN; kv_row,
+    block_start [T]. Returns o [T, Qt, Dv] float32 (normalised) and lse [T, Qt]."""
+    ntiles, qt, d = q_rows.shape
+    dv, w = v.shape[-1], window(block_size)
+    kv_spec = lambda width: pl.BlockSpec(
+        (None, pl.Element(w), width), lambda t, kv, win, st: (kv[t], win[t], 0)
+    )
+    o, lse = pl.pallas_call(
+        functools.partial(_fwd_kernel, scale=scale, block_size=block_size),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=3,
+            grid=(ntiles,),
+            in_specs=[pl.BlockSpec((None, qt, d), lambda t, *_: (t, 0, 0)), kv_spec(d), kv_spec(dv)],
+            out_specs=[
+                pl.BlockSpec((None, qt, dv), lambda t, *_: (t, 0, 0)),
+                pl.BlockSpec((None, 1, qt), lambda t, *_: (t, 0, 0)),
+            ],
+        ),
+        out_shape=[
+            jax.ShapeDtypeStruct((ntiles, qt, dv), jnp.float32),
+            jax.ShapeDtypeStruct((ntiles, 1, qt), jnp.float32),
+        ],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+        interpret=_interpret(interpret),
+        name="moba_block_fwd",
+        cost_estimate=_cost("fwd", q_rows, k, v, block_size),
+    )(kv_row, window_starts(block_start), block_start, q_rows, k, v)
+    return o, lse.reshape(ntiles, qt)
+
+
+def block_attention_bwd(
+    q_rows,
+    k,
+    v,
+    kv_row,
+    block_start,
+    tile_group,
+    group_first,
+    do_rows,
+    lse,
+    delta,
+    *,
+    scale,
+    block_size,
+    block_sizes,
+    num_groups,
+    interpret=False,
+):
+    """do_rows [T, Qt, Dv]; lse, delta [T, Qt] (+inf / 0 on padding rows); tile_group,
+    group_first [T]. Returns dq [T, Qt, D], and dk [G + 1, W, D], dv [G + 1, W, Dv] per group
+    (float32) with the window start of each tile (`window_starts`), slot G for padding tiles."""
+    ntiles, qt, d = q_rows.shape
+    dv, w = v.shape[-1], window(block_size)
+    row = lambda width: pl.BlockSpec((None, qt, width), lambda t, *_: (t, 0, 0))
+    lane_row = pl.BlockSpec((None, 1, qt), lambda t, *_: (t, 0, 0))
+    kv_spec = lambda width: pl.BlockSpec(
+        (None, pl.Element(w), width), lambda t, kv, win, st, g, f: (kv[t], win[t], 0)
+    )
+    group_spec = lambda width: pl.BlockSpec((None, w, width), lambda t, kv, win, st, g, f: (g[t], 0, 0))
+    dq, dk, dvv = pl.pallas_call(
+        functools.partial(_bwd_kernel, scale=scale, block_size=block_size),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=5,
+            grid=(ntiles,),
+            in_specs=[row(d), kv_spec(d), kv_spec(dv), row(dv), lane_row, lane_row],
+            out_specs=[row(d), group_spec(d), group_spec(dv)],
+        ),
+        out_shape=[
+            jax.ShapeDtypeStruct((ntiles, qt, d), jnp.float32),
+            jax.ShapeDtypeStruct((num_groups + 1, w, d), jnp.float32),
+            jax.ShapeDtypeStruct((num_groups + 1, w, dv), jnp.float32),
+        ],
+        # dK/dV accumulate across consecutive steps: the grid runs in order
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
+        interpret=_interpret(interpret),
+        name="moba_block_bwd",
+        cost_estimate=_cost("bwd", q_rows, k, v, block_size, num_groups),
+    )(
+        kv_row,
+        window_starts(block_start),
+        block_start,
+        tile_group,
+        group_first,
+        q_rows,
+        k,
+        v,
+        do_rows,
+        lse.reshape(ntiles, 1, qt),
+        delta.reshape(ntiles, 1, qt),
+    )
+    return dq, dk, dvv
