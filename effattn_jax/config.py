@@ -102,9 +102,12 @@ class MobaConfig:
     block_size: int = 512
     top_k: int = 3  # counts the query's own block
     impl: str = "auto"  # one of MOBA_IMPLS
-    q_tile: int = 128  # query rows per tile (Pallas kernels and the XLA path's selected-block tiles)
-    kv_block: int = 128  # Pallas kernels: keys per fetched sub-block
-    bwd_tile_chunk: int = 1024  # Pallas backward: tiles per chunk (bounds the per-tile dk/dv partials)
+    q_tile: int = (
+        128  # query rows per tile (Pallas own-block kernels and the XLA path's selected-block tiles)
+    )
+    kv_block: int = 128  # Pallas own-block kernels (and GPU whole-block kernels): keys per fetched sub-block
+    bwd_tile_chunk: int = 1024  # Pallas own-block backward: tiles per chunk (bounds the dk/dv partials)
+    past_q_tile: int = 256  # Pallas whole-block kernels: query rows per step on a selected earlier block
     routing_chunk: int = 512  # gate scores are computed this many queries at a time (bounds memory)
     # Schedule hybrid: MoBA layers switch to dense attention from this step on
     # (0 = never); or from the step at which this many tokens have been seen.
@@ -520,7 +523,7 @@ def _validate_attention(cfg: Config) -> None:
     _check(moba.impl in MOBA_IMPLS, "moba.impl", moba.impl, f"allowed: {', '.join(MOBA_IMPLS)}")
     impl = cfg.attention.dense_impl
     _check(impl in DENSE_IMPLS, "attention.dense_impl", impl, f"allowed: {', '.join(DENSE_IMPLS)}")
-    _positive(moba, "moba", ["q_tile"])  # each kernel backend's own needs: BlockSizes.check_backend
+    _positive(moba, "moba", ["q_tile", "past_q_tile"])  # each kernel backend's own needs: check_backend
     _check(
         moba.kv_block > 0 and moba.kv_block % 8 == 0,
         "moba.kv_block",

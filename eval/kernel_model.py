@@ -3,7 +3,9 @@
     python -m eval.kernel_model [--seq 8192,32768,131072] [--kv-heads 16,4] [--json]
 
 Routes random bf16 q/k with the real gate (`moba_routing`), builds the tile tables the kernels
-run with (`attention._plans`, the default `BlockSizes`) and counts, per forward and backward:
+run with (`attention._plans`, the default `BlockSizes`) and counts, per forward and backward,
+for the own-block tile kernels (tpu.py) plus the whole-block kernels of the selected earlier
+blocks (tpu_blocks.py):
 - grid steps, as issued (padding tiles and every sub-block of a tile's window included);
 - issued matmul FLOPs (`common.tile_cost`, what the kernels tell XLA) over the ideal: every
   visible (query, key) pair once, 2 (D + Dv) FLOPs forward, 6 D + 4 Dv backward (a fused flash
@@ -12,7 +14,8 @@ run with (`attention._plans`, the default `BlockSizes`) and counts, per forward 
   from the previous grid step's; per-tile row inputs are copied once per tile; the float32
   [Qt, 1] columns (lo, hi, lse, delta) pad to 128 lanes. The backward also counts the XLA glue
   between its kernels: the tile gathers of q, dO, lse and delta (read + write), the dq scatter,
-  and the per-(tile, sub-block) dK/dV partials (written, read back, added into dK/dV);
+  and the dK/dV partials (per own tile and sub-block, per past group: written, read back,
+  added into dK/dV);
 - routing: HBM bytes of the gate compiled ahead of time for a TPU (libtpu, the `tpu` extra),
   with each loop body counted once per trip (`cost_analysis()` counts it once).
 
@@ -33,35 +36,32 @@ import numpy as np
 
 from effattn_jax.cli import ArgumentParser, positive_int, positive_int_list
 from effattn_jax.ops.routing import moba_routing
+from pallas_kernels.moba import tpu_blocks
 from pallas_kernels.moba.attention import _plans
-from pallas_kernels.moba.common import BlockSizes, tile_cost
+from pallas_kernels.moba.common import ALIGN, BlockSizes, tile_cost
 
 LANES = 128  # a TPU vreg's minor dimension: a [Qt, 1] float32 column occupies Qt x 128 words
 GIB = 2**30
 
 
-def _fetches(kv_row: np.ndarray, first: np.ndarray, nsub: int, nkb: int) -> int:
-    """K/V block copies of one kernel: grid (tile, sub-block) in order, a copy whenever the
-    block index (kv row, sub-block) differs from the previous step's (the pipeline skips it)."""
-    blk = np.minimum(first[:, None] + np.arange(nsub)[None], nkb - 1)
-    row = np.broadcast_to(kv_row[:, None], blk.shape)
-    key = (row.astype(np.int64) * nkb + blk).reshape(-1)
-    return int(1 + np.count_nonzero(key[1:] != key[:-1]))
+def _copies(index: np.ndarray) -> int:
+    """Block copies of a kernel whose grid steps read the block `index` [steps] in order: the
+    pipeline copies only when the index differs from the previous step's."""
+    return int(1 + np.count_nonzero(index[1:] != index[:-1]))
 
 
-def part_counts(tiles, nsub: int, *, d: int, dv: int, item: int, bs: BlockSizes, nkb: int) -> dict:
-    """Steps, issued FLOPs and HBM bytes of one part (own or past) of the schedule."""
+def own_counts(tiles, nsub: int, *, d: int, dv: int, item: int, bs: BlockSizes, nkb: int) -> dict:
+    """The own-block tile kernels (tpu.py): grid (tile, sub-block); backward = a dq and a dk/dv
+    kernel over the same grid, dK/dV as per-(tile, sub-block) partials added by XLA."""
     ntiles, qt = tiles.rows.shape
     ck = bs.kv_block
     q = jax.ShapeDtypeStruct((ntiles, qt, d), jnp.bfloat16 if item == 2 else jnp.float32)
     k, v = jax.ShapeDtypeStruct((1, d), q.dtype), jax.ShapeDtypeStruct((1, dv), q.dtype)
     flops = {p: tile_cost(p, q, k, v, nsub, ck).flops for p in ("fwd", "dq", "dkv")}
-    kv_bytes = (
-        _fetches(np.asarray(tiles.kv_row), np.asarray(tiles.key_start) // ck, nsub, nkb)
-        * ck
-        * (d + dv)
-        * item
-    )
+    first = np.asarray(tiles.key_start) // ck
+    blk = np.minimum(first[:, None] + np.arange(nsub)[None], nkb - 1)
+    index = (np.asarray(tiles.kv_row).astype(np.int64)[:, None] * nkb + blk).reshape(-1)
+    kv_bytes = _copies(index) * ck * (d + dv) * item
     column = ntiles * qt * LANES * 4  # one lane-padded float32 [Qt, 1] array
     steps = ntiles * nsub
     partials = steps * ck * (d + dv) * 4
@@ -77,6 +77,38 @@ def part_counts(tiles, nsub: int, *, d: int, dv: int, item: int, bs: BlockSizes,
         "fwd_kv_bytes": kv_bytes,
         "fwd_hbm_bytes": fwd_bytes,
         "bwd_hbm_bytes": bwd_kernels + bwd_glue,
+    }
+
+
+def past_counts(past, *, d: int, dv: int, item: int, block_size: int, seq_pad: int) -> dict:
+    """The whole-block kernels (tpu_blocks.py): one step per tile, forward and fused backward,
+    padding tiles skipped (`pl.when`, same block index: no copy); dK/dV written once per
+    (batch, KV head, block) group and added by XLA."""
+    ntiles, qt = past.tiles.rows.shape
+    groups = int((np.asarray(past.group_tiles) > 0).sum())
+    real = int(np.asarray(past.group_tiles).sum())  # tiles that do work
+    w = tpu_blocks.window(block_size)
+    q = jax.ShapeDtypeStruct((ntiles, qt, d), jnp.bfloat16 if item == 2 else jnp.float32)
+    k, v = jax.ShapeDtypeStruct((1, d), q.dtype), jax.ShapeDtypeStruct((1, dv), q.dtype)
+    starts = np.asarray(tpu_blocks.window_starts(past.tiles.key_start)).astype(np.int64)
+    kv_bytes = (
+        _copies(np.asarray(past.tiles.kv_row).astype(np.int64) * seq_pad + starts) * w * (d + dv) * item
+    )
+    lane_rows = ntiles * qt * 4  # one lane-dense float32 [1, Qt] row per tile
+    rows_in = ntiles * qt * (d + dv) * item  # q and dO tiles
+    dq = ntiles * qt * d * 4
+    group_grads = groups * w * (d + dv) * 4
+    fwd_bytes = kv_bytes + ntiles * qt * d * item + ntiles * qt * dv * 4 + lane_rows
+    bwd_kernel = kv_bytes + rows_in + 2 * lane_rows + dq + group_grads
+    bwd_glue = 2 * rows_in + 4 * lane_rows + 3 * dq + 3 * group_grads
+    return {
+        "fwd_steps": ntiles,
+        "bwd_steps": ntiles,
+        "fwd_flops": tpu_blocks._cost("fwd", q, k, v, block_size).flops * real // ntiles,
+        "bwd_flops": tpu_blocks._cost("bwd", q, k, v, block_size).flops * real // ntiles,
+        "fwd_kv_bytes": kv_bytes,
+        "fwd_hbm_bytes": fwd_bytes,
+        "bwd_hbm_bytes": bwd_kernel + bwd_glue,
     }
 
 
@@ -158,6 +190,19 @@ def _sliced_params(comps, name: str) -> dict[int, int]:
     return {i: b for i, b in read.items() if i not in whole}
 
 
+def _in_place_update(comps, name: str) -> tuple[int, int] | None:
+    """(parameter index, update bytes) when a fused computation's root dynamic-update-slices one
+    of its parameters: XLA updates that buffer in place, so only the update is written."""
+    comp = comps[name]
+    _, op, _, args, _ = comp[-1]  # the root is printed last
+    if op != "dynamic-update-slice":
+        return None
+    target, update = re.findall(r"%([\w.-]+)", args)[:2]
+    params = {n: int(a) for n, o, _, a, _ in comp if o == "parameter"}
+    sizes = {n: b for n, _, b, _, _ in comp}
+    return (params[target], sizes[update]) if target in params else None
+
+
 def hlo_traffic(hlo: str) -> int:
     """HBM bytes of a compiled module's schedule: every top-level op reads its operands and
     writes its output once (intermediates inside a fusion are free; an operand a fusion only
@@ -183,8 +228,12 @@ def hlo_traffic(hlo: str) -> int:
             elif op == "dynamic-update-slice":
                 total += 2 * operands[1]
             elif op == "fusion":
-                sliced = _sliced_params(comps, re.search(r"calls=%([\w.-]+)", attrs).group(1))
-                total += out + sum(sliced.get(i, b) for i, b in enumerate(operands))
+                called = re.search(r"calls=%([\w.-]+)", attrs).group(1)
+                read = _sliced_params(comps, called)
+                written = _in_place_update(comps, called)
+                if written is not None:  # the output aliases that operand: only the update moves
+                    read[written[0]], out = 0, written[1]
+                total += out + sum(read.get(i, b) for i, b in enumerate(operands))
             elif op not in _NO_TRAFFIC:
                 total += out + sum(operands)
         return total
@@ -213,9 +262,14 @@ def model(seq: int, hq: int, hkv: int, *, d: int = 128, block_size: int = 512, t
     k = jnp.asarray(rng.standard_normal((1, seq, hkv, d), np.float32), jnp.bfloat16)
     r = jax.jit(lambda q, k: moba_routing(q, k, block_size=block_size, top_k=top_k))(q, k)
     del q, k
-    nkb = -(-seq // bs.kv_block)
-    plans, _ = _plans(r.own_start, r.past_start, hq=hq, hkv=hkv, block_size=block_size, bs=bs, nkb=nkb)
-    parts = [part_counts(t, nsub, d=d, dv=d, item=2, bs=bs, nkb=nkb) for t, nsub in plans]
+    seq_pad = seq + (-(seq + ALIGN) % bs.kv_block) + ALIGN  # as attention._layout pads K/V
+    nkb = seq_pad // bs.kv_block
+    (own, nsub), past = _plans(
+        r.own_start, r.past_start, hq=hq, hkv=hkv, block_size=block_size, bs=bs, nkb=nkb
+    )
+    parts = [own_counts(own, nsub, d=d, dv=d, item=2, bs=bs, nkb=nkb)]
+    if past is not None:
+        parts.append(past_counts(past, d=d, dv=d, item=2, block_size=block_size, seq_pad=seq_pad))
     total = {key: sum(p[key] for p in parts) for key in parts[0]}
     pairs = ideal_pairs(np.asarray(r.own_start), np.asarray(r.past_start), block_size)
     out = {
@@ -227,6 +281,7 @@ def model(seq: int, hq: int, hkv: int, *, d: int = 128, block_size: int = 512, t
         "top_k": top_k,
         "q_tile": bs.q_tile,
         "kv_block": bs.kv_block,
+        "past_q_tile": bs.past_q_tile,
         "fwd_steps": total["fwd_steps"],
         "bwd_steps": total["bwd_steps"],
         "fwd_flops_over_ideal": total["fwd_flops"] / (pairs * 4 * d),

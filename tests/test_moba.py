@@ -213,13 +213,15 @@ def test_memory_grows_linearly_not_quadratically(impl, growth):
 @pytest.mark.parametrize("packed", [False, True])
 def test_routing_holds_no_per_query_copy_of_the_block_means(packed):
     """The gate is one matmul of each query chunk against the block means: no array with the
-    chunk, block and head-dim sizes together (what gathering the means per query would hold)."""
+    chunk, block and head-dim sizes together (what gathering the means per query would hold),
+    and the top-k is taken per chunk: no scores of the whole sequence ([S, ..., blocks])."""
     chunk, blocks, block, d = 96, 48, 32, 24
     q, k, _ = rand_qkv(0, 1, blocks * block, 6, 2, d)
     seg = segments(1, [700, blocks * block - 700]) if packed else None
     route = lambda q, k: moba_routing(q, k, block_size=block, top_k=3, segment_ids=seg, query_chunk=chunk)
     shapes = list(_array_shapes(jax.make_jaxpr(route)(q, k).jaxpr))
     assert shapes and not [s for s in shapes if {chunk, blocks, d} <= set(s)]
+    assert not [s for s in shapes if {blocks * block, blocks} <= set(s)]
 
 
 def _array_shapes(jaxpr):

@@ -18,9 +18,9 @@ from effattn_jax.sharding import make_mesh
 from effattn_jax.train.state import init_state, make_setup
 from effattn_jax.train.step import make_train_step
 from pallas_kernels.moba.attention import _forward, moba_pallas
-from pallas_kernels.moba.common import BlockSizes
+from pallas_kernels.moba.common import BlockSizes, past_tiles
 
-SMALL = BlockSizes(q_tile=8, kv_block=8)
+SMALL = BlockSizes(q_tile=8, kv_block=8, past_q_tile=8)  # groups of several tiles: dK/dV accumulate
 CASES = {
     # name: (batch, seq, q_heads, kv_heads, block, top_k, segment lengths or None)
     "partial_last_block": (1, 45, 2, 2, 8, 3, None),
@@ -101,6 +101,25 @@ def test_tpu_kernel_in_tpu_interpret_mode(name):
     check_against_reference("tpu", "tpu", *CASES[name])  # pltpu.InterpretParams(): TPU semantics on CPU
 
 
+def test_selected_blocks_share_one_kv_fetch_across_query_heads():
+    """GQA: the selections are grouped by (batch, KV head, block), so a tile holds the rows of
+    every query head of its KV head that chose its block, and a group's tiles are consecutive
+    (the kernels keep one K/V window and one dK/dV accumulator for them)."""
+    q, k, _ = rand_qkv(1, 1, 64, 4, 1, 8)
+    r = moba_routing(q, k, block_size=8, top_k=3)
+    past = past_tiles(r.past_start, num_kv_heads=1, block_size=8, q_tile=8)
+    rows, group = np.asarray(past.tiles.rows), np.asarray(past.tile_group)
+    real = rows >= 0
+    assert max(len(set(rows[t][real[t]] % 4)) for t in range(len(rows))) > 1  # query heads mixed
+    chosen = np.asarray(r.past_start)
+    assert (np.asarray(past.group_tiles) > 0).sum() == len(np.unique(chosen[chosen >= 0]))
+    starts = np.asarray(past.tiles.key_start)
+    for g in np.unique(group[real.any(1)]):
+        tiles = np.flatnonzero(group == g)
+        assert np.all(np.diff(tiles) == 1) and len(set(starts[tiles])) == 1
+    assert np.asarray(past.group_first)[np.flatnonzero(np.diff(group, prepend=-1))].all()
+
+
 def test_block_sizes_are_checked_and_impls_resolve():
     with pytest.raises(ValueError, match="q_tile"):
         BlockSizes(q_tile=0)
@@ -108,6 +127,8 @@ def test_block_sizes_are_checked_and_impls_resolve():
         BlockSizes(kv_block=12)  # Mosaic rejects a K/V block whose rows are not a multiple of 8
     with pytest.raises(ValueError, match="bwd_tile_chunk"):
         BlockSizes(bwd_tile_chunk=0)
+    with pytest.raises(ValueError, match="past_q_tile"):
+        BlockSizes(past_q_tile=0)
     BlockSizes(q_tile=12, kv_block=8).check_backend("tpu")  # any q_tile compiles for TPU
     with pytest.raises(ValueError, match=r"BlockSizes.q_tile \(moba.q_tile\) must be a power of two >= 16"):
         BlockSizes(q_tile=24, kv_block=64).check_backend("gpu")
@@ -150,7 +171,8 @@ def test_tpu_kernels_compile_for_a_real_tpu():
         sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()),
     )
     lowered = _moba_grad_fn("tpu", BlockSizes(), 1024, 128).lower(x, x, x)
-    assert lowered.as_text().count("tpu_custom_call") == 6  # fwd, dq, dkv for the own and the past tiles
+    # own block and selected blocks: a forward and one fused backward each
+    assert lowered.as_text().count("tpu_custom_call") == 4
     cost = lowered.compile().cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     # the kernels' CostEstimates reach XLA: at least a causal forward's matmuls (every query sees
@@ -164,8 +186,11 @@ def test_gpu_kernels_lower_for_cuda():
     exported = jax.export.export(
         _moba_grad_fn("gpu", BlockSizes(64, 64), 1024, 128), platforms=["cuda"], disabled_checks=[triton]
     )(x, x, x)
-    names = re.findall(r'name = "(moba_tile_\w+_gpu)"', exported.mlir_module())
-    assert sorted(names) == sorted(["moba_tile_fwd_gpu", "moba_tile_dq_gpu", "moba_tile_dkv_gpu"] * 2)
+    names = re.findall(r'name = "(moba_\w+_gpu)"', exported.mlir_module())
+    parts = ("fwd", "dq", "dkv")
+    assert sorted(names) == sorted(
+        [f"moba_tile_{p}_gpu" for p in parts] + [f"moba_block_{p}_gpu" for p in parts]
+    )
 
 
 def test_kernels_inside_a_sharded_train_step(tmp_path, corpus_dir):

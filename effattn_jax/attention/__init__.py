@@ -75,7 +75,7 @@ def _moba_core(cfg) -> Core:
         block_size=moba.block_size,
         top_k=moba.top_k,
         impl=moba.impl,
-        block_sizes=BlockSizes(moba.q_tile, moba.kv_block, moba.bwd_tile_chunk),
+        block_sizes=BlockSizes(moba.q_tile, moba.kv_block, moba.bwd_tile_chunk, moba.past_q_tile),
         routing_chunk=moba.routing_chunk,
         rules=sharding_rules(cfg),
     )

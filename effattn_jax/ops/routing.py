@@ -35,8 +35,8 @@ def moba_routing(
     [B, T] gives the absolute position of each query in a single document whose
     keys (the cache) are k; blocks past a query are never candidates.
     Cost: T * blocks * D per head (the gate): block means computed once (S * D), then each
-    query chunk against all of them as one matmul; no [T, S] array and no per-query copy of
-    the means.
+    query chunk against all of them as one matmul, masked and reduced to its top k' within the
+    chunk; no [T, S] array, no per-query copy of the means, no [T, blocks] scores at once.
     """
     q, k = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
     b, t, hq, d = q.shape
@@ -57,22 +57,37 @@ def moba_routing(
 
     packed = segment_ids is not None and query_positions is None
     starts, means = _full_block_means(k, pos if packed else None, c)  # [B, n'], [B, n', Hkv, D]
-    qg = q.astype(jnp.float32).reshape(b, t, hkv, hq // hkv, d)
-    pad = -t % query_chunk if t > query_chunk else 0
     chunk = min(query_chunk, t)
-    qp = jnp.pad(qg, ((0, 0), (0, pad), (0, 0), (0, 0), (0, 0))).reshape(b, -1, chunk, hkv, hq // hkv, d)
-    scores = jax.lax.map(
-        lambda qc: jnp.einsum("btkgd,bnkd->btkgn", qc, means), jnp.moveaxis(qp, 1, 0)
-    )  # [C#, B, T', Hkv, G, n']: each query chunk against every block mean, one matmul
-    scores = jnp.moveaxis(scores, 0, 1).reshape(b, -1, hq, starts.shape[1])[:, :t]  # [B, T, Hq, n']
+    pad = -t % chunk
+    by_chunk = lambda x, fill: jnp.moveaxis(
+        jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2), constant_values=fill).reshape(
+            b, -1, chunk, *x.shape[2:]
+        ),
+        1,
+        0,
+    )  # [B, T, ...] -> [T / chunk, B, chunk, ...]
 
-    # candidates: full blocks of the query's document strictly before its own block
-    candidate = (starts[:, None, :] >= doc_start[:, :, None]) & (starts[:, None, :] < own_start[:, :, None])
-    candidate = jnp.broadcast_to(candidate[:, :, None, :], scores.shape)
-    _, sel = jax.lax.top_k(jnp.where(candidate, scores, -jnp.inf), kk)  # ties -> earlier block first
-    valid = jnp.take_along_axis(candidate, sel, axis=-1)
-    chosen = jnp.take_along_axis(jnp.broadcast_to(starts[:, None, None, :], scores.shape), sel, axis=-1)
-    return Routing(own_start, jnp.where(valid, chosen, -1).astype(jnp.int32))
+    def select(args):
+        """One query chunk: gate scores against every block mean (one matmul), masked to the
+        full blocks of the query's document strictly before its own block, then the top k' by
+        k' argmax passes (the first maximum: ties go to the earlier block). The scores of the
+        whole sequence never exist at once."""
+        qc, lo, hi = args  # [B, Tc, Hq, D], [B, Tc], [B, Tc]
+        qc = qc.astype(jnp.float32).reshape(b, chunk, hkv, hq // hkv, d)
+        scores = jnp.einsum("btkgd,bnkd->btkgn", qc, means).reshape(b, chunk, hq, -1)  # [B, Tc, Hq, n']
+        candidate = (starts[:, None, :] >= lo[:, :, None]) & (starts[:, None, :] < hi[:, :, None])
+        scores = jnp.where(candidate[:, :, None, :], scores, -jnp.inf)
+        count = candidate.sum(-1)[:, :, None]  # [B, Tc, 1]: candidates of each query
+        picks = []
+        for i in range(kk):
+            pick = jnp.argmax(scores, axis=-1)  # [B, Tc, Hq]
+            start = jnp.take_along_axis(starts, pick.reshape(b, -1), axis=1).reshape(pick.shape)
+            picks.append(jnp.where(count > i, start, -1))
+            scores = jnp.where(jnp.arange(scores.shape[-1]) == pick[..., None], -jnp.inf, scores)
+        return jnp.stack(picks, axis=-1).astype(jnp.int32)  # [B, Tc, Hq, k']
+
+    chosen = jax.lax.map(select, (by_chunk(q, 0), by_chunk(doc_start, 0), by_chunk(own_start, 0)))
+    return Routing(own_start, jnp.moveaxis(chosen, 0, 1).reshape(b, -1, hq, kk)[:, :t])
 
 
 def _full_block_means(k, doc_pos, block_size: int):

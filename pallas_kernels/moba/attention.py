@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import functools
 import importlib
+import math
 
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.moba import tpu_own
 from pallas_kernels.moba.common import ALIGN, BACKENDS, BlockSizes, own_tiles, past_tiles
 
 
@@ -32,15 +34,27 @@ def _kernels(backend: str, part: str = ""):
     return importlib.import_module(f"pallas_kernels.moba.{backend}{part}")
 
 
-def _layout(q, k, v, ck):
-    """Flat query rows [B*S*Hq, D]; K/V as [B*Hkv, S_pad, D] with S_pad a multiple of the kv
-    sub-block and at least S + ALIGN (the whole-block kernels' windows may run past S)."""
-    b, s, hq, d = q.shape
-    pad = -(s + ALIGN) % ck + ALIGN
-    kv = lambda x: jnp.pad(jnp.moveaxis(x, 2, 1), ((0, 0), (0, 0), (0, pad), (0, 0))).reshape(
-        -1, s + pad, x.shape[-1]
+def _heads(x, seq_pad):
+    """[B, S, H, D] -> [B*H, S_pad, D], zero-padded: one row of positions per (batch, head)."""
+    pad = seq_pad - x.shape[1]
+    return jnp.pad(jnp.moveaxis(x, 2, 1), ((0, 0), (0, 0), (0, pad), (0, 0))).reshape(
+        -1, seq_pad, x.shape[-1]
     )
-    return q.reshape(b * s * hq, d), kv(k), kv(v)
+
+
+def _unheads(x, b, s):
+    """[B*H, >=S, ...] -> [B, S, H, ...]."""
+    return jnp.moveaxis(x.reshape(b, -1, *x.shape[1:])[:, :, :s], 1, 2)
+
+
+def _layout(q, k, v, ck, block_size):
+    """Flat query rows [B*S*Hq, D]; K/V as [B*Hkv, S_pad, D] with S_pad a multiple of the kv
+    sub-block and of the block (the own-block chunks), and at least S + ALIGN (the whole-block
+    kernels' windows may run past S)."""
+    b, s, hq, d = q.shape
+    m = math.lcm(ck, block_size)
+    seq_pad = -(-(s + ALIGN) // m) * m
+    return q.reshape(b * s * hq, d), _heads(k, seq_pad), _heads(v, seq_pad)
 
 
 def _plans(own_start, past_start, *, hq, hkv, block_size, bs: BlockSizes, nkb):
@@ -78,25 +92,47 @@ def _gather_rows(x_flat, rows):
     return x_flat[jnp.maximum(rows, 0)]
 
 
-def _forward(q, k, v, own_start, past_start, *, block_size, scale, backend, interpret, block_sizes):
-    b, s, hq, _ = q.shape
-    hkv, ck = k.shape[2], block_sizes.kv_block
-    qf, kf, vf = _layout(q, k, v, ck)
-    (own, nsub), past = _plans(
-        own_start, past_start, hq=hq, hkv=hkv, block_size=block_size, bs=block_sizes, nkb=kf.shape[1] // ck
+def _own_tpu_fwd(q, kf, vf, own_start, *, block_size, scale, interpret):
+    """The own part by the chunk-diagonal TPU kernel (tpu_own.py): (o [B, S, Hq, Dv], lse [B, S, Hq])."""
+    b, s = own_start.shape
+    tables = tpu_own.own_tables(own_start, block_size=block_size, seq_pad=kf.shape[1])
+    o_t, lse = tpu_own.own_attention_fwd(
+        _heads(q, kf.shape[1]), kf, vf, *tables, scale=scale, block_size=block_size, interpret=interpret
     )
-    o_own, lse_own = _kernels(backend).tile_attention_fwd(
-        *_tile_inputs(own, qf, kf, vf, ck),
+    return _unheads(jnp.swapaxes(o_t, 1, 2), b, s), _unheads(lse[:, 0], b, s)
+
+
+def _own_tiles_fwd(own, nsub, qf, kf, vf, *, b, s, hq, scale, interpret, block_sizes):
+    """The own part by the GPU tile kernel (gpu.py): (o [B, S, Hq, Dv], lse [B, S, Hq])."""
+    o, lse = _kernels("gpu").tile_attention_fwd(
+        *_tile_inputs(own, qf, kf, vf, block_sizes.kv_block),
         scale=scale,
         nsub=nsub,
         block_sizes=block_sizes,
         interpret=interpret,
     )
-    # Own part: tiles are laid out (b, h, chunk, row) -> [B, S, Hq].
-    dv = o_own.shape[-1]
+    # tiles are laid out (b, h, chunk, row) -> [B, S, Hq]
     to_bsh = lambda x: jnp.moveaxis(x.reshape(b, hq, -1, *x.shape[2:])[:, :, :s], 1, 2)
-    o_parts = [to_bsh(o_own.reshape(b * hq, -1, dv))[..., None, :]]  # [B, S, Hq, 1, Dv]
-    l_parts = [to_bsh(lse_own.reshape(b * hq, -1))[..., None]]  # [B, S, Hq, 1]
+    return to_bsh(o.reshape(b * hq, -1, o.shape[-1])), to_bsh(lse.reshape(b * hq, -1))
+
+
+def _forward(q, k, v, own_start, past_start, *, block_size, scale, backend, interpret, block_sizes):
+    b, s, hq, _ = q.shape
+    hkv, ck = k.shape[2], block_sizes.kv_block
+    qf, kf, vf = _layout(q, k, v, ck, block_size)
+    (own, nsub), past = _plans(
+        own_start, past_start, hq=hq, hkv=hkv, block_size=block_size, bs=block_sizes, nkb=kf.shape[1] // ck
+    )
+    if backend == "tpu":
+        o_own, lse_own = _own_tpu_fwd(
+            q, kf, vf, own_start, block_size=block_size, scale=scale, interpret=interpret
+        )
+    else:
+        o_own, lse_own = _own_tiles_fwd(
+            own, nsub, qf, kf, vf, b=b, s=s, hq=hq, scale=scale, interpret=interpret, block_sizes=block_sizes
+        )
+    dv = o_own.shape[-1]
+    o_parts, l_parts = [o_own[..., None, :]], [lse_own[..., None]]  # [B, S, Hq, 1, Dv], [B, S, Hq, 1]
     if past is not None:
         t = past.tiles
         o_p, lse_p = _kernels(backend, "_blocks").block_attention_fwd(
@@ -105,9 +141,11 @@ def _forward(q, k, v, own_start, past_start, *, block_size, scale, backend, inte
             vf,
             t.kv_row,
             t.key_start,
+            past.tile_group,
             scale=scale,
             block_size=block_size,
             block_sizes=block_sizes,
+            num_groups=past.group_tiles.shape[0],
             interpret=interpret,
         )
         kp = past_start.shape[-1]
@@ -147,28 +185,51 @@ def _fwd(q, k, v, own_start, past_start, block_size, scale, backend, interpret, 
     return out.astype(q.dtype), (q, k, v, own_start, past_start, out, lse)
 
 
-def _bwd(block_size, scale, backend, interpret, block_sizes, res, d_out):
-    q, k, v, own_start, past_start, out, lse = res
-    b, s, hq, d = q.shape
-    hkv, ck = k.shape[2], block_sizes.kv_block
-    qf, kf, vf = _layout(q, k, v, ck)
-    (own, nsub), past = _plans(
-        own_start, past_start, hq=hq, hkv=hkv, block_size=block_size, bs=block_sizes, nkb=kf.shape[1] // ck
-    )
-    do = d_out.astype(jnp.float32)
-    delta = jnp.sum(do * out, axis=-1).reshape(-1)  # [B*S*Hq]
-    do_f, lse_f = d_out.astype(v.dtype).reshape(-1, v.shape[-1]), lse.reshape(-1)
-    dq = jnp.zeros((b * s * hq, d), jnp.float32)
-    dk, dv = jnp.zeros(kf.shape, jnp.float32), jnp.zeros(vf.shape, jnp.float32)
-    add_dq = lambda dq, rows, dq_t: dq.at[jnp.where(rows >= 0, rows, dq.shape[0])].add(dq_t, mode="drop")
+def _add_rows(dq, rows, dq_t):
+    """dq [B*S*Hq, D] += each tile row's dq (padding rows, -1, dropped)."""
+    return dq.at[jnp.where(rows >= 0, rows, dq.shape[0])].add(dq_t, mode="drop")
 
-    def own_chunk(grads, tiles):
-        """The own part's tile kernels over one chunk of tiles, summed into (dq, dk, dv)."""
+
+def _own_tpu_bwd(grads, q, kf, vf, own_start, d_out, lse, delta, *, block_size, scale, interpret):
+    """The own part's gradients by the chunk-diagonal TPU kernel, added to (dq, dk, dv)."""
+    dq, dk, dv = grads
+    b, s, hq, d = q.shape
+    seq_pad, c = kf.shape[1], block_size
+    tables = tpu_own.own_tables(own_start, block_size=c, seq_pad=seq_pad)
+    lane_rows = lambda x, fill: jnp.pad(
+        jnp.moveaxis(x, 2, 1).reshape(-1, 1, s), ((0, 0), (0, 0), (0, seq_pad - s)), constant_values=fill
+    )  # [B, S, Hq] -> [B*Hq, 1, S_pad]
+    dq_h, dkc, dvc, dkp, dvp = tpu_own.own_attention_bwd(
+        _heads(q, seq_pad),
+        kf,
+        vf,
+        *tables,
+        _heads(d_out.astype(vf.dtype), seq_pad),
+        lane_rows(lse, jnp.inf),
+        lane_rows(delta.reshape(b, s, hq), 0.0),
+        scale=scale,
+        block_size=c,
+        interpret=interpret,
+    )
+    # a chunk's contribution to the previous chunk's keys sits at its own rows: shift by C
+    shift = lambda x: jnp.pad(x[:, c:], ((0, 0), (0, c), (0, 0)))
+    n_c = dkc.shape[1]
+    dk = dk.at[:, :n_c].add(dkc + shift(dkp))
+    dv = dv.at[:, :n_c].add(dvc + shift(dvp))
+    return dq + _unheads(dq_h, b, s).reshape(dq.shape), dk, dv
+
+
+def _own_tiles_bwd(grads, own, nsub, qf, kf, vf, do_f, lse_f, delta, *, scale, interpret, block_sizes):
+    """The own part's gradients by the GPU tile kernels, in chunks of tiles (bounding the
+    per-(tile, sub-block) dK/dV partials), added to (dq, dk, dv)."""
+    ck = block_sizes.kv_block
+
+    def chunk(grads, tiles):
         dq, dk, dv = grads
         inputs = _tile_inputs(tiles, qf, kf, vf, ck)
         kv_row, first = inputs[5:]
         real = (tiles.rows >= 0)[..., None]
-        dq_t, dk_t, dv_t = _kernels(backend).tile_attention_bwd(
+        dq_t, dk_t, dv_t = _kernels("gpu").tile_attention_bwd(
             *inputs,
             _gather_rows(do_f, tiles.rows),
             jnp.where(real, _gather_rows(lse_f[:, None], tiles.rows), 0.0),
@@ -181,14 +242,60 @@ def _bwd(block_size, scale, backend, interpret, block_sizes, res, d_out):
         kpos = (first[:, None] + jnp.arange(nsub)[None])[..., None] * ck + jnp.arange(ck)  # [T, nsub, Ck]
         idx = (jnp.broadcast_to(kv_row[:, None, None], kpos.shape), kpos)
         return (
-            add_dq(dq, tiles.rows, dq_t),
+            _add_rows(dq, tiles.rows, dq_t),
             dk.at[idx].add(dk_t, mode="drop"),
             dv.at[idx].add(dv_t, mode="drop"),
         )
 
-    # own dK/dV come out per (tile, sub-block); running the tiles in chunks bounds that memory.
-    chunks = _chunked(own, block_sizes.bwd_tile_chunk)
-    (dq, dk, dv), _ = jax.lax.scan(lambda g, t: (own_chunk(g, t), None), (dq, dk, dv), chunks)
+    grads, _ = jax.lax.scan(
+        lambda g, t: (chunk(g, t), None), grads, _chunked(own, block_sizes.bwd_tile_chunk)
+    )
+    return grads
+
+
+def _bwd(block_size, scale, backend, interpret, block_sizes, res, d_out):
+    q, k, v, own_start, past_start, out, lse = res
+    b, s, hq, d = q.shape
+    hkv, ck = k.shape[2], block_sizes.kv_block
+    qf, kf, vf = _layout(q, k, v, ck, block_size)
+    (own, nsub), past = _plans(
+        own_start, past_start, hq=hq, hkv=hkv, block_size=block_size, bs=block_sizes, nkb=kf.shape[1] // ck
+    )
+    do = d_out.astype(jnp.float32)
+    delta = jnp.sum(do * out, axis=-1).reshape(-1)  # [B*S*Hq]
+    do_f, lse_f = d_out.astype(v.dtype).reshape(-1, v.shape[-1]), lse.reshape(-1)
+    dq = jnp.zeros((b * s * hq, d), jnp.float32)
+    dk, dv = jnp.zeros(kf.shape, jnp.float32), jnp.zeros(vf.shape, jnp.float32)
+
+    if backend == "tpu":
+        dq, dk, dv = _own_tpu_bwd(
+            (dq, dk, dv),
+            q,
+            kf,
+            vf,
+            own_start,
+            d_out,
+            lse,
+            delta,
+            block_size=block_size,
+            scale=scale,
+            interpret=interpret,
+        )
+    else:
+        dq, dk, dv = _own_tiles_bwd(
+            (dq, dk, dv),
+            own,
+            nsub,
+            qf,
+            kf,
+            vf,
+            do_f,
+            lse_f,
+            delta,
+            scale=scale,
+            interpret=interpret,
+            block_sizes=block_sizes,
+        )
     if past is not None:
         t, kern = past.tiles, _kernels(backend, "_blocks")
         real = t.rows >= 0
@@ -210,7 +317,7 @@ def _bwd(block_size, scale, backend, interpret, block_sizes, res, d_out):
             num_groups=groups,
             interpret=interpret,
         )
-        dq = add_dq(dq, t.rows, dq_t)
+        dq = _add_rows(dq, t.rows, dq_t)
         # each group's window, added once; unused group slots (no tiles) hold nothing written
         used = (past.group_tiles > 0)[:, None, None]
         kpos = kern.window_starts(past.group_start)[:, None] + jnp.arange(dk_g.shape[1])  # [G, W]

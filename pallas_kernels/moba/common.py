@@ -174,11 +174,15 @@ def past_tiles(past_start: jax.Array, *, num_kv_heads: int, block_size: int, q_t
         sorted_pairs, max_groups=max_groups, num_tiles=num_tiles, q_tile=q_tile
     )
 
-    # Tables: which pair sits in each (tile, slot); a tile's block and KV row come from any of its pairs.
+    # Tables: which pair sits in each (tile, slot); a tile's block and KV row come from any of its
+    # pairs; padding tiles (after the real ones) repeat the last real tile's, so a kernel's
+    # block index does not change on them (no copy).
     order = sorted_pairs.order
     pair_of = jnp.full((num_tiles + 1, q_tile), -1, jnp.int32).at[tile, slot].set(order)[:-1]  # [T, Qt]
     real_slot = pair_of >= 0
+    last_real = jnp.maximum(jnp.sum(group_tiles) - 1, 0)
     some_pair = jnp.maximum(jnp.max(pair_of, axis=1), 0)
+    some_pair = some_pair[jnp.minimum(jnp.arange(num_tiles), last_real)]
     start = jnp.maximum(pairs.block_start[some_pair], 0)
     flat_row = (pairs.batch * s + pairs.query) * hq + pairs.head
     rows = jnp.where(real_slot, flat_row[jnp.maximum(pair_of, 0)], -1)

@@ -129,7 +129,18 @@ def _cost(part: str, q_rows, k, v, block_size: int):
 
 
 def block_attention_fwd(
-    q_rows, k, v, kv_row, block_start, *, scale, block_size, block_sizes, interpret=False
+    q_rows,
+    k,
+    v,
+    kv_row,
+    block_start,
+    tile_group,
+    *,
+    scale,
+    block_size,
+    block_sizes,
+    num_groups,
+    interpret=False,
 ):
     """Same contract as pallas_kernels.moba.tpu_blocks.block_attention_fwd."""
     ntiles, qt, d = q_rows.shape

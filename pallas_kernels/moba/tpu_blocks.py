@@ -33,24 +33,46 @@ def window_starts(block_start: jax.Array) -> jax.Array:
     return (block_start // ALIGN * ALIGN).astype(jnp.int32)
 
 
-def _scores_t(q_ref, k_ref, win_ref, start_ref, *, scale, block_size):
-    """Scores [W, Qt] (keys x rows) and the mask of the keys inside the tile's block."""
-    t = pl.program_id(0)
-    s = jax.lax.dot_general(k_ref[...], q_ref[...], NT, preferred_element_type=jnp.float32) * scale
-    offset = start_ref[t] - win_ref[t]
+def _scores_t(q, k, offset, *, scale, block_size):
+    """Scores [W, Qt] (keys x rows) and the mask of the keys inside the tile's block, which
+    starts `offset` keys into the window."""
+    s = jax.lax.dot_general(k, q, NT, preferred_element_type=jnp.float32) * scale
     kpos = jax.lax.broadcasted_iota(jnp.int32, s.shape, 0)
     return s, (kpos >= offset) & (kpos < offset + block_size)
 
 
-def _fwd_kernel(kv_ref, win_ref, start_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, block_size):
-    s, inside = _scores_t(q_ref, k_ref, win_ref, start_ref, scale=scale, block_size=block_size)
-    s = jnp.where(inside, s, -jnp.inf)
-    m = jnp.max(s, axis=0, keepdims=True)  # [1, Qt]: every row sees the whole (non-empty) block
-    p = jnp.exp(s - m)
-    l = jnp.sum(p, axis=0, keepdims=True)
-    v = v_ref[...]
-    o_ref[...] = jax.lax.dot_general((p / l).astype(v.dtype), v, TN, preferred_element_type=jnp.float32)
-    lse_ref[...] = m + jnp.log(l)
+def _offset(win_ref, start_ref, t):
+    return start_ref[t] - win_ref[t] * ALIGN  # win: the window start in units of ALIGN
+
+
+def _fwd_kernel(
+    kv_ref,
+    win_ref,
+    start_ref,
+    group_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    o_ref,
+    lse_ref,
+    *,
+    scale,
+    block_size,
+    num_groups,
+):
+    t = pl.program_id(0)
+    offset = _offset(win_ref, start_ref, t)
+
+    @pl.when(group_ref[t] < num_groups)  # padding tiles: no work (their output is never read)
+    def _tile():
+        s, inside = _scores_t(q_ref[...], k_ref[...], offset, scale=scale, block_size=block_size)
+        s = jnp.where(inside, s, -jnp.inf)
+        m = jnp.max(s, axis=0, keepdims=True)  # [1, Qt]: every row sees the whole (non-empty) block
+        p = jnp.exp(s - m)
+        l = jnp.sum(p, axis=0, keepdims=True)
+        v = v_ref[...]
+        o_ref[...] = jax.lax.dot_general((p / l).astype(v.dtype), v, TN, preferred_element_type=jnp.float32)
+        lse_ref[...] = m + jnp.log(l)
 
 
 def _bwd_kernel(
@@ -71,22 +93,28 @@ def _bwd_kernel(
     *,
     scale,
     block_size,
+    num_groups,
 ):
     t = pl.program_id(0)
+    offset = _offset(win_ref, start_ref, t)
 
     @pl.when(first_ref[t] == 1)
     def _zero():
         dk_ref[...] = jnp.zeros(dk_ref.shape, jnp.float32)
         dv_ref[...] = jnp.zeros(dv_ref.shape, jnp.float32)
 
-    s, inside = _scores_t(q_ref, k_ref, win_ref, start_ref, scale=scale, block_size=block_size)
-    p = jnp.where(inside, jnp.exp(s - lse_ref[...]), 0.0)  # [W, Qt]; padding rows: lse = +inf
-    q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
-    dp = jax.lax.dot_general(v, do, NT, preferred_element_type=jnp.float32)  # [W, Qt]
-    ds = p * (dp - delta_ref[...])
-    dq_ref[...] = jax.lax.dot_general(ds.astype(k.dtype), k, TN, preferred_element_type=jnp.float32) * scale
-    dk_ref[...] += jnp.dot(ds.astype(q.dtype), q, preferred_element_type=jnp.float32) * scale
-    dv_ref[...] += jnp.dot(p.astype(do.dtype), do, preferred_element_type=jnp.float32)
+    @pl.when(group_ref[t] < num_groups)  # padding tiles: no work (dq and their dK/dV slot are dropped)
+    def _tile():
+        q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
+        s, inside = _scores_t(q, k, offset, scale=scale, block_size=block_size)
+        p = jnp.where(inside, jnp.exp(s - lse_ref[...]), 0.0)  # [W, Qt]; padding rows: lse = +inf
+        dp = jax.lax.dot_general(v, do, NT, preferred_element_type=jnp.float32)  # [W, Qt]
+        ds = p * (dp - delta_ref[...])
+        dq_ref[...] = (
+            jax.lax.dot_general(ds.astype(k.dtype), k, TN, preferred_element_type=jnp.float32) * scale
+        )
+        dk_ref[...] += jnp.dot(ds.astype(q.dtype), q, preferred_element_type=jnp.float32) * scale
+        dv_ref[...] += jnp.dot(p.astype(do.dtype), do, preferred_element_type=jnp.float32)
 
 
 def _interpret(interpret):
@@ -118,19 +146,31 @@ def _cost(part: str, q_rows, k, v, block_size: int, groups: int = 0):
 
 
 def block_attention_fwd(
-    q_rows, k, v, kv_row, block_start, *, scale, block_size, block_sizes, interpret=False
+    q_rows,
+    k,
+    v,
+    kv_row,
+    block_start,
+    tile_group,
+    *,
+    scale,
+    block_size,
+    block_sizes,
+    num_groups,
+    interpret=False,
 ):
     """q_rows [T, Qt, D]; k/v [B*Hkv, S_pad, D|Dv] with S_pad >= S + ALIGN; kv_row,
-    block_start [T]. Returns o [T, Qt, Dv] float32 (normalised) and lse [T, Qt]."""
+    block_start, tile_group [T] (tiles of group `num_groups` are padding, skipped). Returns
+    o [T, Qt, Dv] float32 (normalised) and lse [T, Qt]."""
     ntiles, qt, d = q_rows.shape
     dv, w = v.shape[-1], window(block_size)
     kv_spec = lambda width: pl.BlockSpec(
-        (None, pl.Element(w), width), lambda t, kv, win, st: (kv[t], win[t], 0)
+        (None, pl.Element(w), pl.Element(width)), lambda t, kv, win, *_: (kv[t], win[t] * ALIGN, 0)
     )
     o, lse = pl.pallas_call(
-        functools.partial(_fwd_kernel, scale=scale, block_size=block_size),
+        functools.partial(_fwd_kernel, scale=scale, block_size=block_size, num_groups=num_groups),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=3,
+            num_scalar_prefetch=4,
             grid=(ntiles,),
             in_specs=[pl.BlockSpec((None, qt, d), lambda t, *_: (t, 0, 0)), kv_spec(d), kv_spec(dv)],
             out_specs=[
@@ -146,7 +186,7 @@ def block_attention_fwd(
         interpret=_interpret(interpret),
         name="moba_block_fwd",
         cost_estimate=_cost("fwd", q_rows, k, v, block_size),
-    )(kv_row, window_starts(block_start), block_start, q_rows, k, v)
+    )(kv_row, block_start // ALIGN, block_start, tile_group, q_rows, k, v)
     return o, lse.reshape(ntiles, qt)
 
 
@@ -176,11 +216,11 @@ def block_attention_bwd(
     row = lambda width: pl.BlockSpec((None, qt, width), lambda t, *_: (t, 0, 0))
     lane_row = pl.BlockSpec((None, 1, qt), lambda t, *_: (t, 0, 0))
     kv_spec = lambda width: pl.BlockSpec(
-        (None, pl.Element(w), width), lambda t, kv, win, st, g, f: (kv[t], win[t], 0)
+        (None, pl.Element(w), pl.Element(width)), lambda t, kv, win, st, g, f: (kv[t], win[t] * ALIGN, 0)
     )
     group_spec = lambda width: pl.BlockSpec((None, w, width), lambda t, kv, win, st, g, f: (g[t], 0, 0))
     dq, dk, dvv = pl.pallas_call(
-        functools.partial(_bwd_kernel, scale=scale, block_size=block_size),
+        functools.partial(_bwd_kernel, scale=scale, block_size=block_size, num_groups=num_groups),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=5,
             grid=(ntiles,),
@@ -199,7 +239,7 @@ def block_attention_bwd(
         cost_estimate=_cost("bwd", q_rows, k, v, block_size, num_groups),
     )(
         kv_row,
-        window_starts(block_start),
+        block_start // ALIGN,
         block_start,
         tile_group,
         group_first,

@@ -1,0 +1,255 @@
+"""MoBA's own block on TPU (Pallas -> Mosaic): the sequence in chunks of `block_size` queries,
+each against its own chunk of keys (causal, masked to the query's own block) and, only where
+a query's own block started in the previous chunk (packed documents), that chunk's keys too.
+
+Without packed documents the blocks are the chunks: a block-diagonal causal kernel, each
+key read once per KV head. The grid is (batch x KV head, chunk, query head of the group):
+the query heads sharing a KV head (GQA) run back to back on the same K/V blocks, so Pallas
+copies them once, and dK/dV accumulate in the resident output block across them (written
+once per chunk). The previous chunk's K/V block index only moves where a chunk needs it, so
+it is copied only then. Scores are [keys, rows], so lse and delta are lane-dense rows; the
+forward writes o transposed, [Dv, rows] (no in-kernel transpose), and XLA turns it back.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.moba.common import NT, TN
+
+
+def own_tables(own_start: jax.Array, *, block_size: int, seq_pad: int):
+    """own [B, 1, S_pad] (a padding row's own block starts at itself); needs [B * n]: the chunk
+    has a query whose own block started in the previous chunk; prev [B * n]: the K/V chunk the
+    previous-chunk input reads (j - 1 where needed, else the last one needed: no copy)."""
+    b, s = own_start.shape
+    c, n = block_size, -(-s // block_size)
+    pos = jnp.arange(seq_pad, dtype=jnp.int32)[None]
+    own = jnp.where(pos < s, jnp.pad(own_start, ((0, 0), (0, seq_pad - s))), pos).astype(jnp.int32)
+    needs = own[:, : n * c].reshape(b, n, c).min(-1) < jnp.arange(n)[None] * c  # [B, n]
+    prev = jax.lax.cummax(jnp.where(needs, jnp.arange(n)[None] - 1, 0), axis=1)
+    return own[:, None], needs.astype(jnp.int32).reshape(-1), prev.astype(jnp.int32).reshape(-1)
+
+
+def _positions(c: int, j):
+    """(key, query) positions of a [keys, rows] score tile of chunk j."""
+    keys = j * c + jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
+    rows = j * c + jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
+    return keys, rows
+
+
+def _fwd_kernel(
+    needs_ref,
+    prev_ref,
+    q_ref,
+    kc_ref,
+    vc_ref,
+    kp_ref,
+    vp_ref,
+    own_ref,
+    o_ref,
+    lse_ref,
+    m_sc,
+    l_sc,
+    acc_sc,
+    *,
+    scale,
+    hkv,
+    n,
+):
+    r, j = pl.program_id(0), pl.program_id(1)
+    c = q_ref.shape[0]
+    need = needs_ref[jax.lax.div(r, hkv) * n + j] == 1
+    q, own = q_ref[...], own_ref[...]  # [C, D], [1, C]
+    keys, rows = _positions(c, j)
+    s = jax.lax.dot_general(kc_ref[...], q, NT, preferred_element_type=jnp.float32) * scale
+    s = jnp.where((keys >= own) & (keys <= rows), s, -jnp.inf)
+    m = jnp.max(s, axis=0, keepdims=True)  # every row sees itself: finite
+    p = jnp.exp(s - m)
+    vc = vc_ref[...]
+    m_sc[...], l_sc[...] = m, jnp.sum(p, axis=0, keepdims=True)
+    acc_sc[...] = jax.lax.dot_general(vc, p.astype(vc.dtype), TN, preferred_element_type=jnp.float32)
+
+    @pl.when(need)
+    def _previous_chunk():
+        sp = jax.lax.dot_general(kp_ref[...], q, NT, preferred_element_type=jnp.float32) * scale
+        sp = jnp.where(keys - c >= own, sp, -jnp.inf)
+        m_new = jnp.maximum(m_sc[...], jnp.max(sp, axis=0, keepdims=True))
+        alpha, pp = jnp.exp(m_sc[...] - m_new), jnp.exp(sp - m_new)
+        vp = vp_ref[...]
+        l_sc[...] = alpha * l_sc[...] + jnp.sum(pp, axis=0, keepdims=True)
+        acc_sc[...] = alpha * acc_sc[...] + jax.lax.dot_general(
+            vp, pp.astype(vp.dtype), TN, preferred_element_type=jnp.float32
+        )
+        m_sc[...] = m_new
+
+    o_ref[...] = acc_sc[...] / l_sc[...]  # [Dv, C]
+    lse_ref[...] = m_sc[...] + jnp.log(l_sc[...])
+
+
+def _bwd_kernel(
+    needs_ref,
+    prev_ref,
+    q_ref,
+    kc_ref,
+    vc_ref,
+    kp_ref,
+    vp_ref,
+    own_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    dq_ref,
+    dkc_ref,
+    dvc_ref,
+    dkp_ref,
+    dvp_ref,
+    *,
+    scale,
+    hkv,
+    n,
+):
+    r, j, g = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    c = q_ref.shape[0]
+    need = needs_ref[jax.lax.div(r, hkv) * n + j] == 1
+
+    @pl.when(g == 0)  # the first query head of the group: dK/dV of this chunk start at zero
+    def _zero():
+        for ref in (dkc_ref, dvc_ref, dkp_ref, dvp_ref):
+            ref[...] = jnp.zeros(ref.shape, jnp.float32)
+
+    q, do, own, lse, delta = q_ref[...], do_ref[...], own_ref[...], lse_ref[...], delta_ref[...]
+    keys, rows = _positions(c, j)
+
+    def part(k, v, visible):
+        """p and dS [keys, rows] of one K/V chunk, from the global lse."""
+        s = jax.lax.dot_general(k, q, NT, preferred_element_type=jnp.float32) * scale
+        p = jnp.where(visible, jnp.exp(s - lse), 0.0)
+        dp = jax.lax.dot_general(v, do, NT, preferred_element_type=jnp.float32)
+        return p, p * (dp - delta)
+
+    kc, vc = kc_ref[...], vc_ref[...]
+    p, ds = part(kc, vc, (keys >= own) & (keys <= rows))
+    dq_ref[...] = jax.lax.dot_general(ds.astype(kc.dtype), kc, TN, preferred_element_type=jnp.float32) * scale
+    dkc_ref[...] += jnp.dot(ds.astype(q.dtype), q, preferred_element_type=jnp.float32) * scale
+    dvc_ref[...] += jnp.dot(p.astype(do.dtype), do, preferred_element_type=jnp.float32)
+
+    @pl.when(need)
+    def _previous_chunk():
+        kp, vp = kp_ref[...], vp_ref[...]
+        pp, dsp = part(kp, vp, keys - c >= own)
+        dq_ref[...] += (
+            jax.lax.dot_general(dsp.astype(kp.dtype), kp, TN, preferred_element_type=jnp.float32) * scale
+        )
+        dkp_ref[...] += jnp.dot(dsp.astype(q.dtype), q, preferred_element_type=jnp.float32) * scale
+        dvp_ref[...] += jnp.dot(pp.astype(do.dtype), do, preferred_element_type=jnp.float32)
+
+
+def _interpret(interpret):
+    return pltpu.InterpretParams() if interpret == "tpu" else bool(interpret)
+
+
+def _specs(c, hkv, groups, n, widths):
+    """Index maps over the grid (r = b * Hkv + KV head, chunk j, query head g of the group)."""
+    q_row = lambda w: pl.BlockSpec((None, c, w), lambda r, j, g, *_: (r * groups + g, j, 0))
+    kv_cur = lambda w: pl.BlockSpec((None, c, w), lambda r, j, g, *_: (r, j, 0))
+    kv_prev = lambda w: pl.BlockSpec(
+        (None, c, w), lambda r, j, g, needs, prev: (r, prev[jax.lax.div(r, hkv) * n + j], 0)
+    )
+    own = pl.BlockSpec((None, 1, c), lambda r, j, g, *_: (jax.lax.div(r, hkv), 0, j))
+    lane_row = pl.BlockSpec((None, 1, c), lambda r, j, g, *_: (r * groups + g, 0, j))
+    return q_row, kv_cur, kv_prev, own, lane_row
+
+
+def _cost(q_heads, k, v, c: int, n: int, needs: int, part: str):
+    """Issued work: every (chunk, head) a [C, C] tile, plus one more where the chunk needs the
+    previous one (`needs` of the B * n chunks, a traced count is not static: assume all)."""
+    bh, _, d = q_heads.shape
+    dv, item = v.shape[-1], q_heads.dtype.itemsize
+    tiles = bh * (n + needs)
+    flops = {"fwd": 2 * d + 2 * dv, "bwd": 6 * d + 4 * dv}[part]
+    return pl.CostEstimate(
+        flops=int(tiles * c * c * flops),
+        transcendentals=int(tiles * c * c),
+        bytes_accessed=int(bh * n * c * (d + dv) * (item + 4) + 2 * k.shape[0] * n * c * (d + dv) * item),
+    )
+
+
+def own_attention_fwd(q_heads, k, v, own, needs, prev, *, scale, block_size, interpret=False):
+    """q_heads [B*Hq, S_pad, D]; k/v [B*Hkv, S_pad, D|Dv]; tables from `own_tables`.
+    Returns o [B*Hq, Dv, n*C] (transposed) and lse [B*Hq, 1, n*C], float32."""
+    bh, _, d = q_heads.shape
+    c, rkv, dv = block_size, k.shape[0], v.shape[-1]
+    n, hkv = needs.shape[0] // own.shape[0], rkv // own.shape[0]
+    groups = bh // rkv
+    q_row, kv_cur, kv_prev, own_spec, lane_row = _specs(c, hkv, groups, n, None)
+    return pl.pallas_call(
+        functools.partial(_fwd_kernel, scale=scale, hkv=hkv, n=n),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(rkv, n, groups),
+            in_specs=[q_row(d), kv_cur(d), kv_cur(dv), kv_prev(d), kv_prev(dv), own_spec],
+            out_specs=[
+                pl.BlockSpec((None, dv, c), lambda r, j, g, *_: (r * groups + g, 0, j)),
+                lane_row,
+            ],
+            scratch_shapes=[
+                pltpu.VMEM((1, c), jnp.float32),
+                pltpu.VMEM((1, c), jnp.float32),
+                pltpu.VMEM((dv, c), jnp.float32),
+            ],
+        ),
+        out_shape=[
+            jax.ShapeDtypeStruct((bh, dv, n * c), jnp.float32),
+            jax.ShapeDtypeStruct((bh, 1, n * c), jnp.float32),
+        ],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary")),
+        interpret=_interpret(interpret),
+        name="moba_own_fwd",
+        cost_estimate=_cost(q_heads, k, v, c, n, own.shape[0] * n, "fwd"),
+    )(needs, prev, q_heads, k, v, k, v, own)
+
+
+def own_attention_bwd(
+    q_heads, k, v, own, needs, prev, do_heads, lse, delta, *, scale, block_size, interpret=False
+):
+    """do_heads [B*Hq, S_pad, Dv]; lse, delta [B*Hq, 1, S_pad] (+inf / 0 on padding rows).
+    Returns dq [B*Hq, n*C, D], dK/dV of each chunk's own keys [B*Hkv, n*C, D|Dv], and of
+    the previous chunk's keys, stored at this chunk's rows (shift by C to add), float32."""
+    bh, _, d = q_heads.shape
+    c, rkv, dv = block_size, k.shape[0], v.shape[-1]
+    n, hkv = needs.shape[0] // own.shape[0], rkv // own.shape[0]
+    groups = bh // rkv
+    q_row, kv_cur, kv_prev, own_spec, lane_row = _specs(c, hkv, groups, n, None)
+    kv_out = lambda w: pl.BlockSpec((None, c, w), lambda r, j, g, *_: (r, j, 0))
+    grads = lambda rows, w: jax.ShapeDtypeStruct((rows, n * c, w), jnp.float32)
+    return pl.pallas_call(
+        functools.partial(_bwd_kernel, scale=scale, hkv=hkv, n=n),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(rkv, n, groups),
+            in_specs=[
+                q_row(d),
+                kv_cur(d),
+                kv_cur(dv),
+                kv_prev(d),
+                kv_prev(dv),
+                own_spec,
+                q_row(dv),
+                lane_row,
+                lane_row,
+            ],
+            out_specs=[q_row(d), kv_out(d), kv_out(dv), kv_out(d), kv_out(dv)],
+        ),
+        out_shape=[grads(bh, d), grads(rkv, d), grads(rkv, dv), grads(rkv, d), grads(rkv, dv)],
+        # dK/dV accumulate over the query heads of a group: those steps run in order
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary")),
+        interpret=_interpret(interpret),
+        name="moba_own_bwd",
+        cost_estimate=_cost(q_heads, k, v, c, n, own.shape[0] * n, "bwd"),
+    )(needs, prev, q_heads, k, v, k, v, own, do_heads, lse, delta)
