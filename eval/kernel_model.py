@@ -3,19 +3,18 @@
     python -m eval.kernel_model [--seq 8192,32768,131072] [--kv-heads 16,4] [--json]
 
 Routes random bf16 q/k with the real gate (`moba_routing`), builds the tile tables the kernels
-run with (`attention._plans`, the default `BlockSizes`) and counts, per forward and backward,
-for the own-block tile kernels (tpu.py) plus the whole-block kernels of the selected earlier
-blocks (tpu_blocks.py):
-- grid steps, as issued (padding tiles and every sub-block of a tile's window included);
-- issued matmul FLOPs (`common.tile_cost`, what the kernels tell XLA) over the ideal: every
+run with (`tpu_own.own_tables`, `common.past_tiles`, the default `BlockSizes`) and counts, per
+forward and backward, for the own-block kernels (tpu_own.py) plus the whole-block kernels of
+the selected earlier blocks (tpu_blocks.py):
+- grid steps, as issued (padding tiles included);
+- issued matmul FLOPs (the kernels' own `pl.CostEstimate`s) over the ideal: every
   visible (query, key) pair once, 2 (D + Dv) FLOPs forward, 6 D + 4 Dv backward (a fused flash
   backward: scores, dP, dV, dQ, dK);
-- HBM bytes under the TPU pipeline's rules: a K/V block is copied only when its index differs
-  from the previous grid step's; per-tile row inputs are copied once per tile; the float32
-  [Qt, 1] columns (lo, hi, lse, delta) pad to 128 lanes. The backward also counts the XLA glue
-  between its kernels: the tile gathers of q, dO, lse and delta (read + write), the dq scatter,
-  and the dK/dV partials (per own tile and sub-block, per past group: written, read back,
-  added into dK/dV);
+- HBM bytes under the TPU pipeline's rules: a block is copied only when its index differs
+  from the previous grid step's; lse and delta are lane-dense rows. Both directions also count
+  the XLA glue around the kernels: the per-head layouts and tile gathers of q and dO (read +
+  write), the dq scatter, and the dK/dV adds (per own chunk, per selected-block group: read
+  back and added into dK/dV);
 - routing: HBM bytes of the gate compiled ahead of time for a TPU (libtpu, the `tpu` extra),
   with each loop body counted once per trip (`cost_analysis()` counts it once).
 
@@ -28,6 +27,7 @@ prints one JSON object (a list for several shapes) with `fwd_steps`, `bwd_steps`
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import jax
@@ -36,11 +36,9 @@ import numpy as np
 
 from effattn_jax.cli import ArgumentParser, positive_int, positive_int_list
 from effattn_jax.ops.routing import moba_routing
-from pallas_kernels.moba import tpu_blocks
-from pallas_kernels.moba.attention import _plans
-from pallas_kernels.moba.common import ALIGN, BlockSizes, tile_cost
+from pallas_kernels.moba import tpu_blocks, tpu_own
+from pallas_kernels.moba.common import ALIGN, BlockSizes, past_tiles
 
-LANES = 128  # a TPU vreg's minor dimension: a [Qt, 1] float32 column occupies Qt x 128 words
 GIB = 2**30
 
 
@@ -50,33 +48,43 @@ def _copies(index: np.ndarray) -> int:
     return int(1 + np.count_nonzero(index[1:] != index[:-1]))
 
 
-def own_counts(tiles, nsub: int, *, d: int, dv: int, item: int, bs: BlockSizes, nkb: int) -> dict:
-    """The own-block tile kernels (tpu.py): grid (tile, sub-block); backward = a dq and a dk/dv
-    kernel over the same grid, dK/dV as per-(tile, sub-block) partials added by XLA."""
-    ntiles, qt = tiles.rows.shape
-    ck = bs.kv_block
-    q = jax.ShapeDtypeStruct((ntiles, qt, d), jnp.bfloat16 if item == 2 else jnp.float32)
-    k, v = jax.ShapeDtypeStruct((1, d), q.dtype), jax.ShapeDtypeStruct((1, dv), q.dtype)
-    flops = {p: tile_cost(p, q, k, v, nsub, ck).flops for p in ("fwd", "dq", "dkv")}
-    first = np.asarray(tiles.key_start) // ck
-    blk = np.minimum(first[:, None] + np.arange(nsub)[None], nkb - 1)
-    index = (np.asarray(tiles.kv_row).astype(np.int64)[:, None] * nkb + blk).reshape(-1)
-    kv_bytes = _copies(index) * ck * (d + dv) * item
-    column = ntiles * qt * LANES * 4  # one lane-padded float32 [Qt, 1] array
-    steps = ntiles * nsub
-    partials = steps * ck * (d + dv) * 4
-    rows_in = ntiles * qt * (d + dv) * item  # q and dO tiles
-    fwd_bytes = kv_bytes + ntiles * qt * d * item + 2 * column + ntiles * qt * dv * 4 + column
-    bwd_kernels = 2 * (kv_bytes + rows_in + 4 * column) + ntiles * qt * d * 4 + partials
-    bwd_glue = 2 * rows_in + 4 * column + 3 * ntiles * qt * d * 4 + 3 * partials
+def own_counts(
+    needs: np.ndarray,
+    prev: np.ndarray,
+    *,
+    b: int,
+    hq: int,
+    hkv: int,
+    d: int,
+    dv: int,
+    item: int,
+    block_size: int,
+) -> dict:
+    """The chunk-diagonal own-block kernels (tpu_own.py): grid (B x Hkv, chunk, query head of
+    the group), forward and fused backward; the previous chunk only where a chunk needs it."""
+    c, n = block_size, needs.shape[0] // b
+    steps = b * hq * n
+    q = jax.ShapeDtypeStruct((b * hq, n * c, d), jnp.bfloat16 if item == 2 else jnp.float32)
+    k, v = jax.ShapeDtypeStruct((b * hkv, 1, d), q.dtype), jax.ShapeDtypeStruct((1, 1, dv), q.dtype)
+    flops = {p: tpu_own._cost(q, k, v, c, n, float(needs.mean()), p).flops for p in ("fwd", "bwd")}
+    # K/V copies: the current chunk once per (row, chunk) (the group's heads share it); the
+    # previous chunk whenever its index moves (grid order: row, chunk)
+    prev_index = np.repeat(np.arange(b * hkv), n) * n + np.tile(prev.reshape(b, n), (1, hkv)).reshape(-1)
+    kv_bytes = (b * hkv * n + _copies(prev_index)) * c * (d + dv) * item
+    rows_q, rows_do = steps * c * d * item, steps * c * dv * item
+    lane_row = steps * c * 4
+    grads = 4 * b * hkv * n * c * (d + dv) // 2 * 4  # dK, dV of the chunk and of the previous chunk
+    fwd_bytes = kv_bytes + rows_q + steps * c * dv * 4 + lane_row
+    bwd_kernel = kv_bytes + rows_q + rows_do + 2 * lane_row + steps * c * d * 4 + grads
+    glue = 2 * (rows_q + rows_do) + 3 * steps * c * d * 4 + 2 * grads  # head layouts, dq and dK/dV adds
     return {
         "fwd_steps": steps,
-        "bwd_steps": 2 * steps,
+        "bwd_steps": steps,
         "fwd_flops": flops["fwd"],
-        "bwd_flops": flops["dq"] + flops["dkv"],
+        "bwd_flops": flops["bwd"],
         "fwd_kv_bytes": kv_bytes,
-        "fwd_hbm_bytes": fwd_bytes,
-        "bwd_hbm_bytes": bwd_kernels + bwd_glue,
+        "fwd_hbm_bytes": fwd_bytes + 2 * rows_q + 2 * steps * c * dv * 4,  # + q and o layout passes
+        "bwd_hbm_bytes": bwd_kernel + glue,
     }
 
 
@@ -98,7 +106,7 @@ def past_counts(past, *, d: int, dv: int, item: int, block_size: int, seq_pad: i
     rows_in = ntiles * qt * (d + dv) * item  # q and dO tiles
     dq = ntiles * qt * d * 4
     group_grads = groups * w * (d + dv) * 4
-    fwd_bytes = kv_bytes + ntiles * qt * d * item + ntiles * qt * dv * 4 + lane_rows
+    fwd_bytes = kv_bytes + 3 * ntiles * qt * d * item + ntiles * qt * dv * 4 + lane_rows  # q gathered, read
     bwd_kernel = kv_bytes + rows_in + 2 * lane_rows + dq + group_grads
     bwd_glue = 2 * rows_in + 4 * lane_rows + 3 * dq + 3 * group_grads
     return {
@@ -262,12 +270,16 @@ def model(seq: int, hq: int, hkv: int, *, d: int = 128, block_size: int = 512, t
     k = jnp.asarray(rng.standard_normal((1, seq, hkv, d), np.float32), jnp.bfloat16)
     r = jax.jit(lambda q, k: moba_routing(q, k, block_size=block_size, top_k=top_k))(q, k)
     del q, k
-    seq_pad = seq + (-(seq + ALIGN) % bs.kv_block) + ALIGN  # as attention._layout pads K/V
-    nkb = seq_pad // bs.kv_block
-    (own, nsub), past = _plans(
-        r.own_start, r.past_start, hq=hq, hkv=hkv, block_size=block_size, bs=bs, nkb=nkb
+    m = math.lcm(bs.kv_block, block_size)
+    seq_pad = -(-(seq + ALIGN) // m) * m  # as attention._layout pads K/V
+    _, needs, prev = tpu_own.own_tables(r.own_start, block_size=block_size, seq_pad=seq_pad)
+    own = own_counts(
+        np.asarray(needs), np.asarray(prev), b=1, hq=hq, hkv=hkv, d=d, dv=d, item=2, block_size=block_size
     )
-    parts = [own_counts(own, nsub, d=d, dv=d, item=2, bs=bs, nkb=nkb)]
+    parts = [own]
+    past = None
+    if r.past_start.shape[-1]:
+        past = past_tiles(r.past_start, num_kv_heads=hkv, block_size=block_size, q_tile=bs.past_q_tile)
     if past is not None:
         parts.append(past_counts(past, d=d, dv=d, item=2, block_size=block_size, seq_pad=seq_pad))
     total = {key: sum(p[key] for p in parts) for key in parts[0]}

@@ -129,7 +129,11 @@ def test_block_sizes_are_checked_and_impls_resolve():
         BlockSizes(bwd_tile_chunk=0)
     with pytest.raises(ValueError, match="past_q_tile"):
         BlockSizes(past_q_tile=0)
-    BlockSizes(q_tile=12, kv_block=8).check_backend("tpu")  # any q_tile compiles for TPU
+    BlockSizes(q_tile=12, kv_block=8, past_q_tile=12).check_backend("tpu", 512)  # any tile compiles
+    with pytest.raises(ValueError, match="moba.block_size must be a multiple of 128"):
+        BlockSizes().check_backend("tpu", 200)  # the own-block kernel's lane-dense lse rows
+    with pytest.raises(ValueError, match="multiple of moba.kv_block 64 on GPU"):
+        BlockSizes(64, 64, past_q_tile=64).check_backend("gpu", 96)
     with pytest.raises(ValueError, match=r"BlockSizes.q_tile \(moba.q_tile\) must be a power of two >= 16"):
         BlockSizes(q_tile=24, kv_block=64).check_backend("gpu")
     with pytest.raises(ValueError, match="kv_block"):

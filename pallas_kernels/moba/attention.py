@@ -169,7 +169,7 @@ def moba_pallas(q, k, v, own_start, past_start, block_size, scale, backend, inte
 
 def _fwd(q, k, v, own_start, past_start, block_size, scale, backend, interpret, block_sizes):
     if not interpret:
-        block_sizes.check_backend(backend)
+        block_sizes.check_backend(backend, block_size)
     out, lse = _forward(
         q,
         k,
@@ -211,8 +211,13 @@ def _own_tpu_bwd(grads, q, kf, vf, own_start, d_out, lse, delta, *, block_size, 
         block_size=c,
         interpret=interpret,
     )
-    # a chunk's contribution to the previous chunk's keys sits at its own rows: shift by C
-    shift = lambda x: jnp.pad(x[:, c:], ((0, 0), (0, c), (0, 0)))
+    # a chunk's contribution to the previous chunk's keys sits at its own rows (written only
+    # where the chunk needed it): mask, shift by C
+    needs = jnp.repeat(tables[1].reshape(b, 1, -1), kf.shape[0] // b, axis=1).reshape(kf.shape[0], -1, 1, 1)
+    shift = lambda x: jnp.pad(
+        jnp.where(needs == 1, x.reshape(x.shape[0], -1, c, x.shape[-1]), 0.0).reshape(x.shape)[:, c:],
+        ((0, 0), (0, c), (0, 0)),
+    )
     n_c = dkc.shape[1]
     dk = dk.at[:, :n_c].add(dkc + shift(dkp))
     dv = dv.at[:, :n_c].add(dvc + shift(dvp))

@@ -38,12 +38,13 @@ class BlockSizes:
     """Kernel tile sizes, independent of the MoBA block size (e.g. MoBA block 512 with
     128-row query tiles and 128-key sub-blocks).
 
-    q_tile: query rows per own-block tile (also the XLA path's past tiles); kv_block: keys
-    per fetched sub-block of the own-block kernels; bwd_tile_chunk: own-block tiles per
-    backward chunk (bounds their per-tile dk/dv partials); past_q_tile: query rows per step
-    of the whole-block kernels (the selected earlier blocks). Construction checks what every
-    path needs; `check_backend` adds what one backend's compiler needs on real hardware
-    (interpret mode needs neither)."""
+    past_q_tile: query rows per step of the whole-block kernels (the selected earlier blocks,
+    both backends). The GPU's own-block tile kernels also use q_tile (query rows per tile,
+    also the XLA path's selected-block tiles), kv_block (keys per fetched sub-block, also the
+    GPU whole-block kernels' step) and bwd_tile_chunk (tiles per backward chunk, bounding
+    their per-tile dk/dv partials); the TPU's own-block kernel works in chunks of the MoBA
+    block. Construction checks what every path needs; `check_backend` adds what one
+    backend's compiler needs on real hardware (interpret mode needs neither)."""
 
     q_tile: int = 128
     kv_block: int = 128
@@ -60,18 +61,21 @@ class BlockSizes:
                 f"BlockSizes.kv_block (moba.kv_block) must be a multiple of 8, got {self.kv_block}"
             )
 
-    def check_backend(self, backend: str) -> None:
+    def check_backend(self, backend: str, block_size: int | None = None) -> None:
         """Raises ValueError naming the field when `backend`'s compiler would reject it.
 
-        tpu (Mosaic): a block's second-to-last dim must be a multiple of 8 or the whole
-        array dim. kv_block is that dim of every K/V block (checked at construction);
-        q_tile's blocks span their array's whole dim, so any q_tile compiles (both
-        measured with a libtpu AOT compile: kv_block 4 and 12 are rejected, q_tile 4
-        and 12 compile). gpu (Triton): every array must have power-of-two dims (the
-        Pallas lowering rejects 24), and tl.dot needs dims >= 16 (Triton's own check,
-        at compile time on the GPU)."""
+        tpu (Mosaic): the own-block kernel's lse rows are blocks of `block_size` lanes, so the
+        MoBA block must be a multiple of 128 (an AOT compile with libtpu rejects others); the
+        whole-block kernels' row blocks span their array's whole dims, so any past_q_tile
+        compiles. gpu (Triton): every array must have power-of-two dims (the Pallas lowering
+        rejects 24), and tl.dot needs dims >= 16 (Triton's own check, at compile time on the
+        GPU); the whole-block kernel walks a block in kv_block steps."""
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if backend == "tpu" and block_size is not None and block_size % 128:
+            raise ValueError(
+                f"moba.block_size must be a multiple of 128 for the TPU kernels, got {block_size}"
+            )
         if backend == "gpu":
             for name in ("q_tile", "kv_block", "past_q_tile"):
                 value = getattr(self, name)
@@ -79,6 +83,10 @@ class BlockSizes:
                     raise ValueError(
                         f"BlockSizes.{name} (moba.{name}) must be a power of two >= 16 on GPU, got {value}"
                     )
+            if block_size is not None and block_size % self.kv_block:
+                raise ValueError(
+                    f"moba.block_size {block_size} must be a multiple of moba.kv_block {self.kv_block} on GPU"
+                )
 
 
 # ---------------------------------------------------------------- the tile schedule

@@ -30,11 +30,6 @@ def window_starts(block_start: jax.Array) -> jax.Array:
     return block_start.astype(jnp.int32)
 
 
-def _check(block_size: int, ck: int) -> None:
-    if block_size % ck:
-        raise ValueError(f"moba.block_size {block_size} must be a multiple of moba.kv_block {ck} on GPU")
-
-
 def _fwd_kernel(kv_ref, start_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, ck, nsub):
     t = pl.program_id(0)
     kv, start, q = kv_ref[t], start_ref[t], q_ref[...]
@@ -145,7 +140,6 @@ def block_attention_fwd(
     """Same contract as pallas_kernels.moba.tpu_blocks.block_attention_fwd."""
     ntiles, qt, d = q_rows.shape
     ck = block_sizes.kv_block
-    _check(block_size, ck)
     whole, dv = pl.no_block_spec, v.shape[-1]
     o, lse = pl.pallas_call(
         functools.partial(_fwd_kernel, scale=scale, ck=ck, nsub=block_size // ck),
@@ -188,7 +182,6 @@ def block_attention_bwd(
     """Same contract as pallas_kernels.moba.tpu_blocks.block_attention_bwd (windows = blocks)."""
     ntiles, qt, d = q_rows.shape
     ck = block_sizes.kv_block
-    _check(block_size, ck)
     whole, dv = pl.no_block_spec, v.shape[-1]
     col = lambda x: x.reshape(ntiles, qt, 1)
     row = lambda w: pl.BlockSpec((None, qt, w), lambda t: (t, 0, 0))

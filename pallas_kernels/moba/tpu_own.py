@@ -36,60 +36,53 @@ def own_tables(own_start: jax.Array, *, block_size: int, seq_pad: int):
     return own[:, None], needs.astype(jnp.int32).reshape(-1), prev.astype(jnp.int32).reshape(-1)
 
 
-def _positions(c: int, j):
-    """(key, query) positions of a [keys, rows] score tile of chunk j."""
-    keys = j * c + jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
-    rows = j * c + jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
+def row_parts(c: int) -> int:
+    """Row parts of a chunk: part h of R only needs the first (h + 1) C / R keys of its own
+    chunk, so the fully masked corner is never computed ((R + 1) / 2R of the square issued)."""
+    return 2 if c % 2 == 0 else 1
+
+
+def _positions(c: int, j, h: int, nk: int, cr: int):
+    """(key, query) positions of the [nk keys, cr rows] score tile of row part h of chunk j."""
+    keys = j * c + jax.lax.broadcasted_iota(jnp.int32, (nk, cr), 0)
+    rows = j * c + h * cr + jax.lax.broadcasted_iota(jnp.int32, (nk, cr), 1)
     return keys, rows
 
 
 def _fwd_kernel(
-    needs_ref,
-    prev_ref,
-    q_ref,
-    kc_ref,
-    vc_ref,
-    kp_ref,
-    vp_ref,
-    own_ref,
-    o_ref,
-    lse_ref,
-    m_sc,
-    l_sc,
-    acc_sc,
-    *,
-    scale,
-    hkv,
-    n,
+    needs_ref, prev_ref, q_ref, kc_ref, vc_ref, kp_ref, vp_ref, own_ref, o_ref, lse_ref, *, scale, hkv, n
 ):
     r, j = pl.program_id(0), pl.program_id(1)
     c = q_ref.shape[0]
+    parts = row_parts(c)
+    cr = c // parts
     need = needs_ref[jax.lax.div(r, hkv) * n + j] == 1
-    q, own = q_ref[...], own_ref[...]  # [C, D], [1, C]
-    keys, rows = _positions(c, j)
-    s = jax.lax.dot_general(kc_ref[...], q, NT, preferred_element_type=jnp.float32) * scale
-    s = jnp.where((keys >= own) & (keys <= rows), s, -jnp.inf)
-    m = jnp.max(s, axis=0, keepdims=True)  # every row sees itself: finite
-    p = jnp.exp(s - m)
-    vc = vc_ref[...]
-    m_sc[...], l_sc[...] = m, jnp.sum(p, axis=0, keepdims=True)
-    acc_sc[...] = jax.lax.dot_general(vc, p.astype(vc.dtype), TN, preferred_element_type=jnp.float32)
+    for h in range(parts):
+        rs, nk = pl.ds(h * cr, cr), (h + 1) * cr
+        q, own = q_ref[rs, :], own_ref[:, rs]  # [Cr, D], [1, Cr]
+        keys, rows = _positions(c, j, h, nk, cr)
+        s = jax.lax.dot_general(kc_ref[pl.ds(0, nk), :], q, NT, preferred_element_type=jnp.float32) * scale
+        s = jnp.where((keys >= own) & (keys <= rows), s, -jnp.inf)
+        m = jnp.max(s, axis=0, keepdims=True)  # every row sees itself: finite
+        p = jnp.exp(s - m)
+        vc = vc_ref[pl.ds(0, nk), :]
+        l = jnp.sum(p, axis=0, keepdims=True)
+        o = jax.lax.dot_general(vc, p.astype(vc.dtype), TN, preferred_element_type=jnp.float32)  # [Dv, Cr]
+        o_ref[:, rs], lse_ref[:, rs] = o / l, m + jnp.log(l)
 
-    @pl.when(need)
-    def _previous_chunk():
-        sp = jax.lax.dot_general(kp_ref[...], q, NT, preferred_element_type=jnp.float32) * scale
-        sp = jnp.where(keys - c >= own, sp, -jnp.inf)
-        m_new = jnp.maximum(m_sc[...], jnp.max(sp, axis=0, keepdims=True))
-        alpha, pp = jnp.exp(m_sc[...] - m_new), jnp.exp(sp - m_new)
-        vp = vp_ref[...]
-        l_sc[...] = alpha * l_sc[...] + jnp.sum(pp, axis=0, keepdims=True)
-        acc_sc[...] = alpha * acc_sc[...] + jax.lax.dot_general(
-            vp, pp.astype(vp.dtype), TN, preferred_element_type=jnp.float32
-        )
-        m_sc[...] = m_new
-
-    o_ref[...] = acc_sc[...] / l_sc[...]  # [Dv, C]
-    lse_ref[...] = m_sc[...] + jnp.log(l_sc[...])
+        @pl.when(need)
+        def _previous_chunk(q=q, own=own, rs=rs, m=m, l=l, o=o):
+            sp = jax.lax.dot_general(kp_ref[...], q, NT, preferred_element_type=jnp.float32) * scale
+            keys_p = j * c - c + jax.lax.broadcasted_iota(jnp.int32, sp.shape, 0)
+            sp = jnp.where(keys_p >= own, sp, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(sp, axis=0, keepdims=True))
+            alpha, pp = jnp.exp(m - m_new), jnp.exp(sp - m_new)
+            vp = vp_ref[...]
+            l_new = alpha * l + jnp.sum(pp, axis=0, keepdims=True)
+            o_new = alpha * o + jax.lax.dot_general(
+                vp, pp.astype(vp.dtype), TN, preferred_element_type=jnp.float32
+            )
+            o_ref[:, rs], lse_ref[:, rs] = o_new / l_new, m_new + jnp.log(l_new)
 
 
 def _bwd_kernel(
@@ -116,38 +109,51 @@ def _bwd_kernel(
 ):
     r, j, g = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     c = q_ref.shape[0]
+    parts = row_parts(c)
+    cr = c // parts
     need = needs_ref[jax.lax.div(r, hkv) * n + j] == 1
 
     @pl.when(g == 0)  # the first query head of the group: dK/dV of this chunk start at zero
     def _zero():
-        for ref in (dkc_ref, dvc_ref, dkp_ref, dvp_ref):
+        for ref in (dkc_ref, dvc_ref):
             ref[...] = jnp.zeros(ref.shape, jnp.float32)
 
-    q, do, own, lse, delta = q_ref[...], do_ref[...], own_ref[...], lse_ref[...], delta_ref[...]
-    keys, rows = _positions(c, j)
+    @pl.when((g == 0) & need)  # the previous chunk's block only moves (and starts) where needed
+    def _zero_previous():
+        for ref in (dkp_ref, dvp_ref):
+            ref[...] = jnp.zeros(ref.shape, jnp.float32)
 
-    def part(k, v, visible):
-        """p and dS [keys, rows] of one K/V chunk, from the global lse."""
-        s = jax.lax.dot_general(k, q, NT, preferred_element_type=jnp.float32) * scale
-        p = jnp.where(visible, jnp.exp(s - lse), 0.0)
-        dp = jax.lax.dot_general(v, do, NT, preferred_element_type=jnp.float32)
-        return p, p * (dp - delta)
+    for h in range(parts):
+        rs, ks = pl.ds(h * cr, cr), pl.ds(0, (h + 1) * cr)
+        q, do, own = q_ref[rs, :], do_ref[rs, :], own_ref[:, rs]
+        lse, delta = lse_ref[:, rs], delta_ref[:, rs]
 
-    kc, vc = kc_ref[...], vc_ref[...]
-    p, ds = part(kc, vc, (keys >= own) & (keys <= rows))
-    dq_ref[...] = jax.lax.dot_general(ds.astype(kc.dtype), kc, TN, preferred_element_type=jnp.float32) * scale
-    dkc_ref[...] += jnp.dot(ds.astype(q.dtype), q, preferred_element_type=jnp.float32) * scale
-    dvc_ref[...] += jnp.dot(p.astype(do.dtype), do, preferred_element_type=jnp.float32)
+        def grads(k, v, visible, q=q, do=do, lse=lse, delta=delta):
+            """p and dS [keys, rows] of one K/V range, from the global lse."""
+            s = jax.lax.dot_general(k, q, NT, preferred_element_type=jnp.float32) * scale
+            p = jnp.where(visible, jnp.exp(s - lse), 0.0)
+            dp = jax.lax.dot_general(v, do, NT, preferred_element_type=jnp.float32)
+            return p, p * (dp - delta)
 
-    @pl.when(need)
-    def _previous_chunk():
-        kp, vp = kp_ref[...], vp_ref[...]
-        pp, dsp = part(kp, vp, keys - c >= own)
-        dq_ref[...] += (
-            jax.lax.dot_general(dsp.astype(kp.dtype), kp, TN, preferred_element_type=jnp.float32) * scale
+        kc, vc = kc_ref[ks, :], vc_ref[ks, :]
+        keys, rows = _positions(c, j, h, (h + 1) * cr, cr)
+        p, ds = grads(kc, vc, (keys >= own) & (keys <= rows))
+        dq_ref[rs, :] = (
+            jax.lax.dot_general(ds.astype(kc.dtype), kc, TN, preferred_element_type=jnp.float32) * scale
         )
-        dkp_ref[...] += jnp.dot(dsp.astype(q.dtype), q, preferred_element_type=jnp.float32) * scale
-        dvp_ref[...] += jnp.dot(pp.astype(do.dtype), do, preferred_element_type=jnp.float32)
+        dkc_ref[ks, :] += jnp.dot(ds.astype(q.dtype), q, preferred_element_type=jnp.float32) * scale
+        dvc_ref[ks, :] += jnp.dot(p.astype(do.dtype), do, preferred_element_type=jnp.float32)
+
+        @pl.when(need)
+        def _previous_chunk(q=q, do=do, own=own, rs=rs, grads=grads):
+            kp, vp = kp_ref[...], vp_ref[...]
+            keys_p = j * c - c + jax.lax.broadcasted_iota(jnp.int32, (c, cr), 0)
+            pp, dsp = grads(kp, vp, keys_p >= own)
+            dq_ref[rs, :] += (
+                jax.lax.dot_general(dsp.astype(kp.dtype), kp, TN, preferred_element_type=jnp.float32) * scale
+            )
+            dkp_ref[...] += jnp.dot(dsp.astype(q.dtype), q, preferred_element_type=jnp.float32) * scale
+            dvp_ref[...] += jnp.dot(pp.astype(do.dtype), do, preferred_element_type=jnp.float32)
 
 
 def _interpret(interpret):
@@ -166,16 +172,17 @@ def _specs(c, hkv, groups, n, widths):
     return q_row, kv_cur, kv_prev, own, lane_row
 
 
-def _cost(q_heads, k, v, c: int, n: int, needs: int, part: str):
-    """Issued work: every (chunk, head) a [C, C] tile, plus one more where the chunk needs the
-    previous one (`needs` of the B * n chunks, a traced count is not static: assume all)."""
+def _cost(q_heads, k, v, c: int, n: int, need_fraction: float, part: str):
+    """Issued work: per (chunk, head) the causal row parts of the own chunk, plus the whole
+    previous chunk where needed (`need_fraction` of the chunks; 1 when not known statically)."""
     bh, _, d = q_heads.shape
     dv, item = v.shape[-1], q_heads.dtype.itemsize
-    tiles = bh * (n + needs)
+    parts = row_parts(c)
+    square = (parts + 1) / (2 * parts) + need_fraction  # [C, C] tiles issued per (chunk, head)
     flops = {"fwd": 2 * d + 2 * dv, "bwd": 6 * d + 4 * dv}[part]
     return pl.CostEstimate(
-        flops=int(tiles * c * c * flops),
-        transcendentals=int(tiles * c * c),
+        flops=int(bh * n * c * c * square * flops),
+        transcendentals=int(bh * n * c * c * square),
         bytes_accessed=int(bh * n * c * (d + dv) * (item + 4) + 2 * k.shape[0] * n * c * (d + dv) * item),
     )
 
@@ -198,11 +205,6 @@ def own_attention_fwd(q_heads, k, v, own, needs, prev, *, scale, block_size, int
                 pl.BlockSpec((None, dv, c), lambda r, j, g, *_: (r * groups + g, 0, j)),
                 lane_row,
             ],
-            scratch_shapes=[
-                pltpu.VMEM((1, c), jnp.float32),
-                pltpu.VMEM((1, c), jnp.float32),
-                pltpu.VMEM((dv, c), jnp.float32),
-            ],
         ),
         out_shape=[
             jax.ShapeDtypeStruct((bh, dv, n * c), jnp.float32),
@@ -211,7 +213,7 @@ def own_attention_fwd(q_heads, k, v, own, needs, prev, *, scale, block_size, int
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary")),
         interpret=_interpret(interpret),
         name="moba_own_fwd",
-        cost_estimate=_cost(q_heads, k, v, c, n, own.shape[0] * n, "fwd"),
+        cost_estimate=_cost(q_heads, k, v, c, n, 1.0, "fwd"),
     )(needs, prev, q_heads, k, v, k, v, own)
 
 
@@ -220,13 +222,18 @@ def own_attention_bwd(
 ):
     """do_heads [B*Hq, S_pad, Dv]; lse, delta [B*Hq, 1, S_pad] (+inf / 0 on padding rows).
     Returns dq [B*Hq, n*C, D], dK/dV of each chunk's own keys [B*Hkv, n*C, D|Dv], and of
-    the previous chunk's keys, stored at this chunk's rows (shift by C to add), float32."""
+    the previous chunk's keys, stored at this chunk's rows (shift by C to add; only the
+    chunks that need their previous one are written: mask the rest), float32."""
     bh, _, d = q_heads.shape
     c, rkv, dv = block_size, k.shape[0], v.shape[-1]
     n, hkv = needs.shape[0] // own.shape[0], rkv // own.shape[0]
     groups = bh // rkv
     q_row, kv_cur, kv_prev, own_spec, lane_row = _specs(c, hkv, groups, n, None)
     kv_out = lambda w: pl.BlockSpec((None, c, w), lambda r, j, g, *_: (r, j, 0))
+    # written at chunk j where it needs chunk j - 1, else left on the last such block (no write)
+    kv_prev_out = lambda w: pl.BlockSpec(
+        (None, c, w), lambda r, j, g, needs, prev: (r, prev[jax.lax.div(r, hkv) * n + j] + 1, 0)
+    )
     grads = lambda rows, w: jax.ShapeDtypeStruct((rows, n * c, w), jnp.float32)
     return pl.pallas_call(
         functools.partial(_bwd_kernel, scale=scale, hkv=hkv, n=n),
@@ -244,12 +251,12 @@ def own_attention_bwd(
                 lane_row,
                 lane_row,
             ],
-            out_specs=[q_row(d), kv_out(d), kv_out(dv), kv_out(d), kv_out(dv)],
+            out_specs=[q_row(d), kv_out(d), kv_out(dv), kv_prev_out(d), kv_prev_out(dv)],
         ),
         out_shape=[grads(bh, d), grads(rkv, d), grads(rkv, dv), grads(rkv, d), grads(rkv, dv)],
         # dK/dV accumulate over the query heads of a group: those steps run in order
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary")),
         interpret=_interpret(interpret),
         name="moba_own_bwd",
-        cost_estimate=_cost(q_heads, k, v, c, n, own.shape[0] * n, "bwd"),
+        cost_estimate=_cost(q_heads, k, v, c, n, 1.0, "bwd"),
     )(needs, prev, q_heads, k, v, k, v, own, do_heads, lse, delta)
