@@ -73,10 +73,13 @@ def own_counts(
     kv_bytes = (b * hkv * n + _copies(prev_index)) * c * (d + dv) * item
     rows_q, rows_do = steps * c * d * item, steps * c * dv * item
     lane_row = steps * c * 4
-    grads = 4 * b * hkv * n * c * (d + dv) // 2 * 4  # dK, dV of the chunk and of the previous chunk
+    own_grads = b * hkv * n * c * (d + dv) * 4  # dK, dV of each chunk's own keys, written once
+    # dK, dV of the previous chunk's keys: written only where needed (and the first block)
+    prev_grads = b * hkv * (int(needs.sum()) + 1) * c * (d + dv) * 4
     fwd_bytes = kv_bytes + rows_q + steps * c * dv * 4 + lane_row
-    bwd_kernel = kv_bytes + rows_q + rows_do + 2 * lane_row + steps * c * d * 4 + grads
-    glue = 2 * (rows_q + rows_do) + 3 * steps * c * d * 4 + 2 * grads  # head layouts, dq and dK/dV adds
+    bwd_kernel = kv_bytes + rows_q + rows_do + 2 * lane_row + steps * c * d * 4 + own_grads + prev_grads
+    # head layouts of q and dO; dq back to rows; both dK/dV arrays read, their sum written
+    glue = 2 * (rows_q + rows_do) + 2 * steps * c * d * 4 + 3 * own_grads
     return {
         "fwd_steps": steps,
         "bwd_steps": steps,

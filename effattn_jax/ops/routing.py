@@ -69,9 +69,9 @@ def moba_routing(
 
     def select(args):
         """One query chunk: gate scores against every block mean (one matmul), masked to the
-        full blocks of the query's document strictly before its own block, then the top k' by
-        k' argmax passes (the first maximum: ties go to the earlier block). The scores of the
-        whole sequence never exist at once."""
+        full blocks of the query's document strictly before its own block, then their top k'
+        in one pass (ties go to the earlier block). The scores of the whole sequence never
+        exist at once."""
         qc, lo, hi = args  # [B, Tc, Hq, D], [B, Tc], [B, Tc]
         qc = qc.astype(jnp.float32).reshape(b, chunk, hkv, hq // hkv, d)
         scores = jnp.einsum("btkgd,bnkd->btkgn", qc, means).reshape(b, chunk, hq, -1)  # [B, Tc, Hq, n']
@@ -79,15 +79,43 @@ def moba_routing(
         scores = jnp.where(candidate[:, :, None, :], scores, -jnp.inf)
         count = candidate.sum(-1)[:, :, None]  # [B, Tc, 1]: candidates of each query
         picks = []
-        for i in range(kk):
-            pick = jnp.argmax(scores, axis=-1)  # [B, Tc, Hq]
-            start = jnp.take_along_axis(starts, pick.reshape(b, -1), axis=1).reshape(pick.shape)
-            picks.append(jnp.where(count > i, start, -1))
-            scores = jnp.where(jnp.arange(scores.shape[-1]) == pick[..., None], -jnp.inf, scores)
+        for i, pick in enumerate(_top_k_first(scores, kk)):  # [B, Tc, Hq] block indices, best first
+            start = jnp.take_along_axis(starts, jnp.minimum(pick, starts.shape[1] - 1).reshape(b, -1), axis=1)
+            picks.append(jnp.where(count > i, start.reshape(pick.shape), -1))
         return jnp.stack(picks, axis=-1).astype(jnp.int32)  # [B, Tc, Hq, k']
 
     chosen = jax.lax.map(select, (by_chunk(q, 0), by_chunk(doc_start, 0), by_chunk(own_start, 0)))
     return Routing(own_start, jnp.moveaxis(chosen, 0, 1).reshape(b, -1, hq, kk)[:, :t])
+
+
+def _top_k_first(scores, k: int) -> list[jax.Array]:
+    """Indices of the k best entries along the last axis, best first, ties to the lower index:
+    one variadic reduction carrying a sorted (value, index) list of length k, so the scores
+    are read once (a sort or k argmax passes read them k times or more)."""
+    n = scores.shape[-1]
+    idx = jax.lax.broadcasted_iota(jnp.int32, scores.shape, scores.ndim - 1)
+    empty = (jnp.full(scores.shape, -jnp.inf, scores.dtype), jnp.full(scores.shape, n, jnp.int32))
+    operands = [(scores, idx)] + [empty] * (k - 1)
+    init = [(jnp.array(-jnp.inf, scores.dtype), jnp.array(n, jnp.int32))] * k
+
+    def merge(a, b):
+        """The k best of two best-first lists."""
+        cand = list(a) + list(b)
+        better = lambda x, y: (x[0] > y[0]) | ((x[0] == y[0]) & (x[1] < y[1]))
+        rank = [
+            sum(better(y, x).astype(jnp.int32) for j, y in enumerate(cand) if j != i)
+            for i, x in enumerate(cand)
+        ]
+        out = []
+        for m in range(k):
+            v, i = -jnp.inf, n  # a missing entry (fewer than k candidates)
+            for x, r in zip(reversed(cand), reversed(rank), strict=True):
+                v, i = jnp.where(r == m, x[0], v), jnp.where(r == m, x[1], i)
+            out.append((v, i))
+        return out
+
+    best = jax.lax.reduce(operands, init, merge, (scores.ndim - 1,))
+    return [i for _, i in best]
 
 
 def _full_block_means(k, doc_pos, block_size: int):
