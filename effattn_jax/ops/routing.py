@@ -138,5 +138,7 @@ def _full_block_means(k, doc_pos, block_size: int):
         starts = jax.vmap(lambda f: jnp.nonzero(f, size=n, fill_value=s)[0])(full).astype(jnp.int32)
         rows = jnp.minimum(starts[:, :, None] + jnp.arange(c), s - 1).reshape(b, n * c)  # [B, n' c]
         blocks = jnp.take_along_axis(k, rows[:, :, None, None], axis=1).reshape(b, n, c, hkv, d)
-    means = (blocks.astype(jnp.float32).sum(2) / c).astype(k.dtype).astype(jnp.float32)
+    # summed in float32 by a matmul with ones: K is read once, never copied to float32 first
+    sums = jnp.einsum("bnchd,c->bnhd", blocks, jnp.ones((c,), k.dtype), preferred_element_type=jnp.float32)
+    means = (sums / c).astype(k.dtype).astype(jnp.float32)
     return starts, means
