@@ -28,6 +28,7 @@ CASES = {
     "gqa_4x": (1, 40, 8, 2, 16, 2, None),
     "top_k_1": (1, 40, 2, 2, 8, 1, None),
     "top_k_covers_all": (1, 40, 2, 2, 8, 6, [25, 15]),
+    "shorter_than_a_block": (1, 6, 2, 1, 8, 3, None),
 }
 
 

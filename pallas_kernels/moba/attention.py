@@ -1,13 +1,12 @@
 """MoBA with Pallas kernels: schedule -> kernels -> log-sum-exp merge, as a custom_vjp.
 
-Forward: the own-block tiles run through the backend's tile kernel (tpu.py, gpu.py) and the
-selected earlier blocks through its whole-block kernel (tpu_blocks.py, gpu_blocks.py), each
-giving (o, lse) per (query, part); the parts of a query are merged by log-sum-exp into the
-output O and the global LSE L. Backward (docs/moba.md, "Backward"): with delta = rowsum(dO * O),
-each part's gradient is an ordinary flash-attention backward against the global L, so the
-backward kernels run over the same schedule and the results are scattered back (summed) to
-q, k and v: dq per tile row, dK/dV per own tile and sub-block, and per past (KV head, block)
-group.
+Forward: the own block runs through the backend's own-block kernel (TPU: tpu_own.py, chunks
+of the sequence; GPU: gpu.py, tiles of queries) and the selected earlier blocks through its
+whole-block kernel (tpu_blocks.py, gpu_blocks.py), each giving (o, lse) per (query, part); the
+parts of a query are merged by log-sum-exp into the output O and the global LSE L. Backward
+(docs/moba.md, "Backward"): with delta = rowsum(dO * O), each part's gradient is an ordinary
+flash-attention backward against the global L, so the backward kernels run over the same
+schedule and the results are added back to q, k and v.
 
 `interpret=False` compiles for the backend's hardware, so the block sizes are
 checked against what that compiler accepts (`BlockSizes.check_backend`).
@@ -22,13 +21,13 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.moba import tpu_own
 from pallas_kernels.moba.common import ALIGN, BACKENDS, BlockSizes, own_tiles, past_tiles
 
 
 def _kernels(backend: str, part: str = ""):
-    """The backend's kernel module (`part`: "" for the tile kernels, "_blocks" for the
-    whole-block ones), imported only when used (the GPU ones need no TPU code)."""
+    """The backend's kernel module (`part`: "_blocks" for the whole-block kernels, "_own" for
+    the TPU's own-block kernel, "" for the GPU's tile kernels), imported only when used (the
+    GPU ones need no TPU code)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     return importlib.import_module(f"pallas_kernels.moba.{backend}{part}")
@@ -57,14 +56,18 @@ def _layout(q, k, v, ck, block_size):
     return q.reshape(b * s * hq, d), _heads(k, seq_pad), _heads(v, seq_pad)
 
 
-def _plans(own_start, past_start, *, hq, hkv, block_size, bs: BlockSizes, nkb):
-    """((own tiles, nsub), the past schedule or None when top_k = 1)."""
-    qt, ck, c = bs.q_tile, bs.kv_block, block_size
+def _past_schedule(past_start, *, hkv, block_size, bs: BlockSizes):
+    """The selected blocks' schedule (common.past_tiles), or None when top_k = 1."""
+    if not past_start.shape[-1]:
+        return None
+    return past_tiles(past_start, num_kv_heads=hkv, block_size=block_size, q_tile=bs.past_q_tile)
+
+
+def _own_tile_plan(own_start, *, hq, hkv, block_size, bs: BlockSizes, nkb):
+    """(own-block tiles, sub-blocks per tile) of the GPU's tile kernels."""
+    qt, ck = bs.q_tile, bs.kv_block
     own = own_tiles(own_start, num_q_heads=hq, num_kv_heads=hkv, q_tile=qt)
-    past = None
-    if past_start.shape[-1]:
-        past = past_tiles(past_start, num_kv_heads=hkv, block_size=c, q_tile=bs.past_q_tile)
-    return (own, min(-(-(ck + qt + c - 2) // ck), nkb)), past
+    return own, min(-(-(ck + qt + block_size - 2) // ck), nkb)
 
 
 def _tile_inputs(tiles, qf, kf, vf, ck):
@@ -95,6 +98,7 @@ def _gather_rows(x_flat, rows):
 def _own_tpu_fwd(q, kf, vf, own_start, *, block_size, scale, interpret):
     """The own part by the chunk-diagonal TPU kernel (tpu_own.py): (o [B, S, Hq, Dv], lse [B, S, Hq])."""
     b, s = own_start.shape
+    tpu_own = _kernels("tpu", "_own")
     tables = tpu_own.own_tables(own_start, block_size=block_size, seq_pad=kf.shape[1])
     o_t, lse = tpu_own.own_attention_fwd(
         _heads(q, kf.shape[1]), kf, vf, *tables, scale=scale, block_size=block_size, interpret=interpret
@@ -102,8 +106,17 @@ def _own_tpu_fwd(q, kf, vf, own_start, *, block_size, scale, interpret):
     return _unheads(jnp.swapaxes(o_t, 1, 2), b, s), _unheads(lse[:, 0], b, s)
 
 
-def _own_tiles_fwd(own, nsub, qf, kf, vf, *, b, s, hq, scale, interpret, block_sizes):
+def _own_tiles_fwd(q, qf, kf, vf, own_start, *, block_size, scale, interpret, block_sizes):
     """The own part by the GPU tile kernel (gpu.py): (o [B, S, Hq, Dv], lse [B, S, Hq])."""
+    b, s, hq, _ = q.shape
+    own, nsub = _own_tile_plan(
+        own_start,
+        hq=hq,
+        hkv=kf.shape[0] // b,
+        block_size=block_size,
+        bs=block_sizes,
+        nkb=kf.shape[1] // block_sizes.kv_block,
+    )
     o, lse = _kernels("gpu").tile_attention_fwd(
         *_tile_inputs(own, qf, kf, vf, block_sizes.kv_block),
         scale=scale,
@@ -120,16 +133,22 @@ def _forward(q, k, v, own_start, past_start, *, block_size, scale, backend, inte
     b, s, hq, _ = q.shape
     hkv, ck = k.shape[2], block_sizes.kv_block
     qf, kf, vf = _layout(q, k, v, ck, block_size)
-    (own, nsub), past = _plans(
-        own_start, past_start, hq=hq, hkv=hkv, block_size=block_size, bs=block_sizes, nkb=kf.shape[1] // ck
-    )
+    past = _past_schedule(past_start, hkv=hkv, block_size=block_size, bs=block_sizes)
     if backend == "tpu":
         o_own, lse_own = _own_tpu_fwd(
             q, kf, vf, own_start, block_size=block_size, scale=scale, interpret=interpret
         )
     else:
         o_own, lse_own = _own_tiles_fwd(
-            own, nsub, qf, kf, vf, b=b, s=s, hq=hq, scale=scale, interpret=interpret, block_sizes=block_sizes
+            q,
+            qf,
+            kf,
+            vf,
+            own_start,
+            block_size=block_size,
+            scale=scale,
+            interpret=interpret,
+            block_sizes=block_sizes,
         )
     dv = o_own.shape[-1]
     o_parts, l_parts = [o_own[..., None, :]], [lse_own[..., None]]  # [B, S, Hq, 1, Dv], [B, S, Hq, 1]
@@ -195,6 +214,7 @@ def _own_tpu_bwd(grads, q, kf, vf, own_start, d_out, lse, delta, *, block_size, 
     dq, dk, dv = grads
     b, s, hq, d = q.shape
     seq_pad, c = kf.shape[1], block_size
+    tpu_own = _kernels("tpu", "_own")
     tables = tpu_own.own_tables(own_start, block_size=c, seq_pad=seq_pad)
     lane_rows = lambda x, fill: jnp.pad(
         jnp.moveaxis(x, 2, 1).reshape(-1, 1, s), ((0, 0), (0, 0), (0, seq_pad - s)), constant_values=fill
@@ -224,10 +244,15 @@ def _own_tpu_bwd(grads, q, kf, vf, own_start, d_out, lse, delta, *, block_size, 
     return dq + _unheads(dq_h, b, s).reshape(dq.shape), dk, dv
 
 
-def _own_tiles_bwd(grads, own, nsub, qf, kf, vf, do_f, lse_f, delta, *, scale, interpret, block_sizes):
+def _own_tiles_bwd(
+    grads, q, qf, kf, vf, own_start, do_f, lse_f, delta, *, block_size, scale, interpret, block_sizes
+):
     """The own part's gradients by the GPU tile kernels, in chunks of tiles (bounding the
     per-(tile, sub-block) dK/dV partials), added to (dq, dk, dv)."""
-    ck = block_sizes.kv_block
+    ck, b, hq = block_sizes.kv_block, q.shape[0], q.shape[2]
+    own, nsub = _own_tile_plan(
+        own_start, hq=hq, hkv=kf.shape[0] // b, block_size=block_size, bs=block_sizes, nkb=kf.shape[1] // ck
+    )
 
     def chunk(grads, tiles):
         dq, dk, dv = grads
@@ -263,9 +288,7 @@ def _bwd(block_size, scale, backend, interpret, block_sizes, res, d_out):
     b, s, hq, d = q.shape
     hkv, ck = k.shape[2], block_sizes.kv_block
     qf, kf, vf = _layout(q, k, v, ck, block_size)
-    (own, nsub), past = _plans(
-        own_start, past_start, hq=hq, hkv=hkv, block_size=block_size, bs=block_sizes, nkb=kf.shape[1] // ck
-    )
+    past = _past_schedule(past_start, hkv=hkv, block_size=block_size, bs=block_sizes)
     do = d_out.astype(jnp.float32)
     delta = jnp.sum(do * out, axis=-1).reshape(-1)  # [B*S*Hq]
     do_f, lse_f = d_out.astype(v.dtype).reshape(-1, v.shape[-1]), lse.reshape(-1)
@@ -289,14 +312,15 @@ def _bwd(block_size, scale, backend, interpret, block_sizes, res, d_out):
     else:
         dq, dk, dv = _own_tiles_bwd(
             (dq, dk, dv),
-            own,
-            nsub,
+            q,
             qf,
             kf,
             vf,
+            own_start,
             do_f,
             lse_f,
             delta,
+            block_size=block_size,
             scale=scale,
             interpret=interpret,
             block_sizes=block_sizes,
@@ -330,9 +354,7 @@ def _bwd(block_size, scale, backend, interpret, block_sizes, res, d_out):
         idx = (jnp.broadcast_to(rows, kpos.shape), kpos)
         dk = dk.at[idx].add(jnp.where(used, dk_g[:groups], 0.0), mode="drop")
         dv = dv.at[idx].add(jnp.where(used, dv_g[:groups], 0.0), mode="drop")
-    unlayout = lambda x, like: jnp.moveaxis(x.reshape(b, hkv, -1, x.shape[-1])[:, :, :s], 1, 2).astype(
-        like.dtype
-    )
+    unlayout = lambda x, like: _unheads(x, b, s).astype(like.dtype)
     return dq.reshape(q.shape).astype(q.dtype), unlayout(dk, k), unlayout(dv, v), None, None
 
 

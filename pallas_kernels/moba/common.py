@@ -1,17 +1,19 @@
 """What the MoBA kernels (TPU, GPU) and the XLA path share: tile sizes, the
 transposed-dot dimension numbers, and the tile schedule.
 
-Work is organised per *tile*: up to `q_tile` query rows (one batch row, one query
-head) that all look at one contiguous key range of the same KV head. Each row
-carries its own visible key interval [lo, hi] (inclusive), so one attention
-routine serves both parts of MoBA (docs/moba.md):
+Work is organised per *tile*: query rows that all look at one contiguous key range of
+the same KV head. Each row carries its own visible key interval [lo, hi] (inclusive)
+(docs/moba.md):
 
 * past tiles (KV-block-centric, megablox style): the (query, head, selected
-  earlier block) pairs sorted by block; each block's queries are cut into
-  tiles, so work is proportional to the pairs, whatever the routing. A row
-  sees the whole block: [start, start + block_size - 1].
-* own tiles: consecutive queries of one head; a row sees its own block up to
-  itself: [own_start, t].
+  earlier block) pairs sorted by (batch, KV head, block); each group's rows, from
+  any query head of the KV head (GQA), are cut into tiles of consecutive pairs, so
+  work is proportional to the pairs, whatever the routing, and a group's tiles are
+  consecutive (the kernels keep its K/V and its dK/dV accumulator across them). A
+  row sees the whole block: [start, start + block_size - 1].
+* own tiles (the GPU's own-block kernel): consecutive queries of one head; a row
+  sees its own block up to itself: [own_start, t]. The TPU's own-block kernel works
+  on chunks of the sequence instead (tpu_own.own_tables).
 
 Earlier blocks are full and disjoint, so a row holds at most S // block_size of
 them and the number of past tiles has a static bound. Nothing here is dense in

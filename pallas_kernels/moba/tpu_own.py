@@ -160,7 +160,7 @@ def _interpret(interpret):
     return pltpu.InterpretParams() if interpret == "tpu" else bool(interpret)
 
 
-def _specs(c, hkv, groups, n, widths):
+def _specs(c, hkv, groups, n):
     """Index maps over the grid (r = b * Hkv + KV head, chunk j, query head g of the group)."""
     q_row = lambda w: pl.BlockSpec((None, c, w), lambda r, j, g, *_: (r * groups + g, j, 0))
     kv_cur = lambda w: pl.BlockSpec((None, c, w), lambda r, j, g, *_: (r, j, 0))
@@ -194,7 +194,7 @@ def own_attention_fwd(q_heads, k, v, own, needs, prev, *, scale, block_size, int
     c, rkv, dv = block_size, k.shape[0], v.shape[-1]
     n, hkv = needs.shape[0] // own.shape[0], rkv // own.shape[0]
     groups = bh // rkv
-    q_row, kv_cur, kv_prev, own_spec, lane_row = _specs(c, hkv, groups, n, None)
+    q_row, kv_cur, kv_prev, own_spec, lane_row = _specs(c, hkv, groups, n)
     return pl.pallas_call(
         functools.partial(_fwd_kernel, scale=scale, hkv=hkv, n=n),
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -228,11 +228,12 @@ def own_attention_bwd(
     c, rkv, dv = block_size, k.shape[0], v.shape[-1]
     n, hkv = needs.shape[0] // own.shape[0], rkv // own.shape[0]
     groups = bh // rkv
-    q_row, kv_cur, kv_prev, own_spec, lane_row = _specs(c, hkv, groups, n, None)
+    q_row, kv_cur, kv_prev, own_spec, lane_row = _specs(c, hkv, groups, n)
     kv_out = lambda w: pl.BlockSpec((None, c, w), lambda r, j, g, *_: (r, j, 0))
     # written at chunk j where it needs chunk j - 1, else left on the last such block (no write)
     kv_prev_out = lambda w: pl.BlockSpec(
-        (None, c, w), lambda r, j, g, needs, prev: (r, prev[jax.lax.div(r, hkv) * n + j] + 1, 0)
+        (None, c, w),
+        lambda r, j, g, needs, prev: (r, jnp.minimum(prev[jax.lax.div(r, hkv) * n + j] + 1, n - 1), 0),
     )
     grads = lambda rows, w: jax.ShapeDtypeStruct((rows, n * c, w), jnp.float32)
     return pl.pallas_call(
