@@ -137,7 +137,8 @@ def block_attention_fwd(
     num_groups,
     interpret=False,
 ):
-    """Same contract as pallas_kernels.moba.tpu_blocks.block_attention_fwd."""
+    """Same contract as pallas_kernels.moba.tpu_blocks.block_attention_fwd (here padding tiles
+    run like real ones: tile_group and num_groups are not needed; their output is never read)."""
     ntiles, qt, d = q_rows.shape
     ck = block_sizes.kv_block
     whole, dv = pl.no_block_spec, v.shape[-1]

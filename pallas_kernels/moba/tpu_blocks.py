@@ -8,8 +8,10 @@ ALIGN (an element-offset BlockSpec, `pl.Element`), so consecutive tiles of a gro
 same window index and Pallas skips the copy. Every row sees the whole block, so the forward
 is a plain softmax (no online rescaling) and the backward finishes dq within the step; dK/dV
 accumulate in the resident output block across the group's consecutive tiles and are written
-once per group (megablox's pattern: zero on the group's first tile). Scores are computed
-transposed, [keys, rows], so lse and delta are lane-dense rows, not [rows, 1] columns.
+once per group (megablox's pattern: zero on the group's first tile). Padding tiles (after the
+real ones, group G) keep the last real tile's indices, so nothing is copied, and skip their
+work (`pl.when`). Scores are computed transposed, [keys, rows], so lse and delta are
+lane-dense rows, not [rows, 1] columns.
 """
 
 from __future__ import annotations
