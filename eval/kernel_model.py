@@ -66,7 +66,7 @@ def own_counts(
     steps = b * hq * n
     q = jax.ShapeDtypeStruct((b * hq, n * c, d), jnp.bfloat16 if item == 2 else jnp.float32)
     k, v = jax.ShapeDtypeStruct((b * hkv, 1, d), q.dtype), jax.ShapeDtypeStruct((1, 1, dv), q.dtype)
-    flops = {p: tpu_own._cost(q, k, v, c, n, float(needs.mean()), p).flops for p in ("fwd", "bwd")}
+    flops = {p: tpu_own.cost_estimate(q, k, v, c, n, float(needs.mean()), p).flops for p in ("fwd", "bwd")}
     # K/V copies: the current chunk once per (row, chunk) (the group's heads share it); the
     # previous chunk whenever its index moves (grid order: row, chunk)
     prev_index = np.repeat(np.arange(b * hkv), n) * n + np.tile(prev.reshape(b, n), (1, hkv)).reshape(-1)
@@ -115,8 +115,8 @@ def past_counts(past, *, d: int, dv: int, item: int, block_size: int, seq_pad: i
     return {
         "fwd_steps": ntiles,
         "bwd_steps": ntiles,
-        "fwd_flops": tpu_blocks._cost("fwd", q, k, v, block_size).flops * real // ntiles,
-        "bwd_flops": tpu_blocks._cost("bwd", q, k, v, block_size).flops * real // ntiles,
+        "fwd_flops": tpu_blocks.cost_estimate("fwd", q, k, v, block_size).flops * real // ntiles,
+        "bwd_flops": tpu_blocks.cost_estimate("bwd", q, k, v, block_size).flops * real // ntiles,
         "fwd_kv_bytes": kv_bytes,
         "fwd_hbm_bytes": fwd_bytes,
         "bwd_hbm_bytes": bwd_kernel + bwd_glue,

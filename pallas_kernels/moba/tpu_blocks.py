@@ -123,7 +123,7 @@ def _interpret(interpret):
     return pltpu.InterpretParams() if interpret == "tpu" else bool(interpret)
 
 
-def _cost(part: str, q_rows, k, v, block_size: int, groups: int = 0):
+def cost_estimate(part: str, q_rows, k, v, block_size: int, groups: int = 0):
     """`pl.CostEstimate` as issued: every step multiplies its rows by the whole window."""
     ntiles, qt, d = q_rows.shape
     dv, item, w = v.shape[-1], q_rows.dtype.itemsize, window(block_size)
@@ -187,7 +187,7 @@ def block_attention_fwd(
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
         interpret=_interpret(interpret),
         name="moba_block_fwd",
-        cost_estimate=_cost("fwd", q_rows, k, v, block_size),
+        cost_estimate=cost_estimate("fwd", q_rows, k, v, block_size),
     )(kv_row, block_start // ALIGN, block_start, tile_group, q_rows, k, v)
     return o, lse.reshape(ntiles, qt)
 
@@ -238,7 +238,7 @@ def block_attention_bwd(
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
         interpret=_interpret(interpret),
         name="moba_block_bwd",
-        cost_estimate=_cost("bwd", q_rows, k, v, block_size, num_groups),
+        cost_estimate=cost_estimate("bwd", q_rows, k, v, block_size, num_groups),
     )(
         kv_row,
         block_start // ALIGN,

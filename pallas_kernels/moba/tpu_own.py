@@ -172,7 +172,7 @@ def _specs(c, hkv, groups, n):
     return q_row, kv_cur, kv_prev, own, lane_row
 
 
-def _cost(q_heads, k, v, c: int, n: int, need_fraction: float, part: str):
+def cost_estimate(q_heads, k, v, c: int, n: int, need_fraction: float, part: str):
     """Issued work: per (chunk, head) the causal row parts of the own chunk, plus the whole
     previous chunk where needed (`need_fraction` of the chunks; 1 when not known statically)."""
     bh, _, d = q_heads.shape
@@ -213,7 +213,7 @@ def own_attention_fwd(q_heads, k, v, own, needs, prev, *, scale, block_size, int
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary")),
         interpret=_interpret(interpret),
         name="moba_own_fwd",
-        cost_estimate=_cost(q_heads, k, v, c, n, 1.0, "fwd"),
+        cost_estimate=cost_estimate(q_heads, k, v, c, n, 1.0, "fwd"),
     )(needs, prev, q_heads, k, v, k, v, own)
 
 
@@ -259,5 +259,5 @@ def own_attention_bwd(
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary")),
         interpret=_interpret(interpret),
         name="moba_own_bwd",
-        cost_estimate=_cost(q_heads, k, v, c, n, 1.0, "bwd"),
+        cost_estimate=cost_estimate(q_heads, k, v, c, n, 1.0, "bwd"),
     )(needs, prev, q_heads, k, v, k, v, own, do_heads, lse, delta)
