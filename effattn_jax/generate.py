@@ -6,9 +6,10 @@
 Prompts of different lengths share one batch: they are right-padded and every
 row keeps its own position, so a row's padding slots are never attended
 (causal by position) and are overwritten as the row generates. One prefill
-call per prompt length and one decode step (compiled once) per token. What is
-cached is each kind's own (`init_cache`): K/V for MHA, the latent and RoPE key
-for MLA, plus token ids for EG-MLA. MLA and EG-MLA (gate_at=latent) decode with
+call per prompt length (through the training attention: MoBA's sub-quadratic op)
+and one decode step (compiled once) per token. What is cached is each kind's own
+(`init_cache`): K/V for MHA, the latent and RoPE key for MLA, plus token ids for
+EG-MLA, plus MoBA's block means, so a MoBA step reads only its selected blocks. MLA and EG-MLA (gate_at=latent) decode with
 absorbed weights unless --naive.
 
 In a multi-process launch (as train.py's: JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES /
@@ -49,10 +50,11 @@ class Generator:
         self.model = model
         self.cache_dtype = cache_dtype
 
-        def decode(params, tokens, positions, caches):
-            return nnx.merge(self.graphdef, params).decode(tokens, positions, caches, absorb=absorb)
+        def decode(params, tokens, positions, caches, prefill=False):
+            model = nnx.merge(self.graphdef, params)
+            return model.decode(tokens, positions, caches, absorb=absorb, prefill=prefill)
 
-        self._decode = jax.jit(decode, donate_argnums=3)
+        self._decode = jax.jit(decode, donate_argnums=3, static_argnames="prefill")
 
     def generate(
         self,
@@ -72,7 +74,9 @@ class Generator:
             tokens[i, : len(p)] = p
         caches = init_cache(self.model, b, lp + max_new_tokens, self.cache_dtype)
         positions = np.broadcast_to(np.arange(lp, dtype=np.int32), (b, lp))
-        logits, caches = self._decode(self.params, jnp.asarray(tokens), jnp.asarray(positions), caches)
+        logits, caches = self._decode(
+            self.params, jnp.asarray(tokens), jnp.asarray(positions), caches, prefill=True
+        )
         last = logits[jnp.arange(b), jnp.asarray(lens - 1)]
         key = jax.random.key(seed)
         out, pos = [], jnp.asarray(lens, jnp.int32)

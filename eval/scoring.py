@@ -149,9 +149,11 @@ def _hidden(graphdef, params, ctx, ctx_len, cont, prefix):
     p, lc = ctx.shape
     tc = cont.shape[1]
     caches = init_cache(m, p, lc, jnp.float32)  # the context attends over its own slots only
-    h_ctx, caches = m.decode_hidden(ctx, jnp.broadcast_to(jnp.arange(lc), ctx.shape), caches)
+    h_ctx, caches = m.decode_hidden(ctx, jnp.broadcast_to(jnp.arange(lc), ctx.shape), caches, prefill=True)
     # one cache copy per continuation, with Tc free slots after the context's
-    caches = jax.tree.map(lambda a: jnp.pad(a[prefix], [(0, 0), (0, tc)] + [(0, 0)] * (a.ndim - 2)), caches)
+    caches = jax.tree.map(
+        lambda a, free: free.at[:, : a.shape[1]].set(a[prefix]), caches, init_cache(m, len(prefix), lc + tc)
+    )
     positions = ctx_len[prefix][:, None] + jnp.arange(tc)[None, :]
     h_cont, _ = m.decode_hidden(cont, positions, caches)
     # the state predicting continuation token j: the context's last for j = 0, else token j - 1's

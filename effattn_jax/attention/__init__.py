@@ -7,8 +7,9 @@ and called as `module(x, *, positions, segment_ids, token_ids)` for training and
 `module.decode(x, *, positions, token_ids, cache)` -> `(output, cache)` for
 generation, with the cache from `module.init_cache`. A core (`Core`) holds the
 training attention `attend(q, k, v, *, segment_ids, scale=None)` (q [B, S, Hq, D],
-k/v [B, S, Hkv, D]) and the mask it implies when decoding over a cache; cores have
-no parameters, so switching the core never changes the parameter tree.
+k/v [B, S, Hkv, D]) and its decoding over a cache (with any cache entries of its own,
+such as MoBA's block means); cores have no parameters, so switching the core never
+changes the parameter tree.
 
 The config layer validates these names from its own lists (ATTENTION_KINDS,
 ATTENTION_CORES in effattn_jax/config.py), which must match the keys here.
@@ -25,9 +26,14 @@ import jax.numpy as jnp
 from effattn_jax.attention.eg_mla import EGMLA
 from effattn_jax.attention.mha import MHA
 from effattn_jax.attention.mla import MLA
-from effattn_jax.ops.dense import dense_attention
-from effattn_jax.ops.moba import moba_attention, moba_reference_mask
-from effattn_jax.ops.routing import moba_routing
+from effattn_jax.ops.dense import dense_attention, masked_attention
+from effattn_jax.ops.moba import moba_attention
+from effattn_jax.ops.moba_decode import (
+    empty_block_means,
+    moba_decode_attention,
+    prefill_block_means,
+    update_block_means,
+)
 from effattn_jax.sharding import sharding_rules
 from pallas_kernels.moba.common import BlockSizes
 
@@ -37,49 +43,58 @@ KINDS = {"mha": MHA, "mla": MLA, "eg_mla": EGMLA}
 @dataclasses.dataclass(frozen=True)
 class Core:
     """An attention pattern. `attend(q, k, v, *, segment_ids, scale=None)` for training;
-    `decode_mask(q, k_cache, positions)` -> [B, Hq or 1, T, L] bool for decoding over a
-    cache of L slots, queries at absolute `positions` [B, T] of one document."""
+    `decode(q, k, v, cache, positions, *, scale, prefill)` -> (out, cache entries) for decoding:
+    queries q [B, T, Hq, D] at absolute `positions` [B, T] of one document per row, over the
+    per-head keys/values of every cache slot (k/v [B, L, H, D]) after these tokens were
+    written. `prefill`: the tokens are each row's first (positions 0..T-1), so the training
+    attention runs over them. `init_state(batch, max_len, heads, head_dim)`: the cache
+    entries the core keeps itself (`decode` returns them updated)."""
 
     attend: Callable
-    decode_mask: Callable
+    decode: Callable
+    init_state: Callable = lambda batch, max_len, heads, head_dim: {}
     causal_only: bool = False  # every query sees its whole past (lets MLA decode with absorbed weights)
 
 
-def causal_decode_mask(q, k_cache, positions):
-    return jnp.arange(k_cache.shape[1])[None, None, None, :] <= positions[:, None, :, None]
+def causal_decode(q, k, v, cache, positions, *, scale, prefill=False):
+    mask = jnp.arange(k.shape[1])[None, None, None, :] <= positions[:, None, :, None]
+    return masked_attention(q, k, v, mask, scale), {}
 
 
 def _dense_core(cfg) -> Core:
     attend = functools.partial(dense_attention, impl=cfg.attention.dense_impl, rules=sharding_rules(cfg))
-    return Core(attend, causal_decode_mask, causal_only=True)
+    return Core(attend, causal_decode, causal_only=True)
 
 
 def _moba_core(cfg) -> Core:
-    moba = cfg.moba
-
-    def decode_mask(q, k_cache, positions):  # the training routing, over the cache
-        r = moba_routing(
-            q,
-            k_cache,
-            block_size=moba.block_size,
-            top_k=moba.top_k,
-            query_positions=positions,
-            query_chunk=moba.routing_chunk,
-        )
-        return moba_reference_mask(
-            r, block_size=moba.block_size, query_positions=positions, num_keys=k_cache.shape[1]
-        )
-
+    c, top_k = cfg.moba.block_size, cfg.moba.top_k
     attend = functools.partial(
         moba_attention,
-        block_size=moba.block_size,
-        top_k=moba.top_k,
-        impl=moba.impl,
-        block_sizes=BlockSizes(moba.q_tile, moba.kv_block, moba.bwd_tile_chunk, moba.past_q_tile),
-        routing_chunk=moba.routing_chunk,
+        block_size=c,
+        top_k=top_k,
+        impl=cfg.moba.impl,
+        block_sizes=BlockSizes(
+            cfg.moba.q_tile, cfg.moba.kv_block, cfg.moba.bwd_tile_chunk, cfg.moba.past_q_tile
+        ),
+        routing_chunk=cfg.moba.routing_chunk,
         rules=sharding_rules(cfg),
     )
-    return Core(attend, decode_mask)
+
+    def init_state(batch, max_len, heads, head_dim):
+        return {"block_means": empty_block_means(batch, max_len, heads, head_dim, c)}
+
+    def decode(q, k, v, cache, positions, *, scale, prefill=False):
+        """Sparse: the gate reads the cached block means, attention only the selected blocks."""
+        if prefill:  # the training op (sub-quadratic) over the prompt, then its blocks' means
+            t = q.shape[1]
+            out = attend(q, k[:, :t].astype(q.dtype), v[:, :t].astype(q.dtype), segment_ids=None, scale=scale)
+            means = prefill_block_means(cache["block_means"], k, t, block_size=c, dtype=q.dtype)
+            return out, {"block_means": means}
+        means = update_block_means(cache["block_means"], k, positions, block_size=c, dtype=q.dtype)
+        out = moba_decode_attention(q, k, v, means, positions, block_size=c, top_k=top_k, scale=scale)
+        return out, {"block_means": means}
+
+    return Core(attend, decode, init_state)
 
 
 CORES = {"dense": _dense_core, "moba": _moba_core}

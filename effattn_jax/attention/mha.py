@@ -8,7 +8,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from effattn_jax.layers import Dense, apply_rope
-from effattn_jax.ops.dense import masked_attention
 from effattn_jax.sharding import constrain, sharding_rules
 
 
@@ -35,9 +34,12 @@ class MHA(nnx.Module):
         self.rules = sharding_rules(cfg)
 
     def init_cache(self, batch: int, max_len: int, dtype) -> dict:
-        """The preallocated decode cache: K and V per KV head, [B, L, KV, D] each."""
+        """The preallocated decode cache: K and V per KV head, [B, L, KV, D] each (plus the core's own
+        entries, e.g. MoBA's block means)."""
         shape = (batch, max_len, self.k.kernel.shape[1], self.k.kernel.shape[2])
-        return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+        return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)} | self.core.init_state(
+            batch, max_len, *shape[2:]
+        )
 
     def qkv(self, x, positions):
         q = apply_rope(self.q(x), positions, self.rope_theta)  # [B, S, H, D]
@@ -50,15 +52,17 @@ class MHA(nnx.Module):
         q = constrain(q, ("batch", "length", "heads", "head_dim"), self.rules)
         return self.o(self.core.attend(q, k, v, segment_ids=segment_ids))
 
-    def decode(self, x, *, positions, token_ids, cache, absorb: bool = True):
+    def decode(self, x, *, positions, token_ids, cache, absorb: bool = True, prefill: bool = False):
         """New tokens x [B, T, d_model] at `positions` [B, T]: written into the cache, then
-        attended over it -> ([B, T, d_model], cache). (`absorb` concerns latent kinds only.)"""
+        attended over it -> ([B, T, d_model], cache). `prefill`: see `Core`. (`absorb`
+        concerns latent kinds only.)"""
         q, k, v = self.qkv(x, positions)
         rows = jnp.arange(x.shape[0])[:, None]
-        cache = {
+        cache = cache | {
             "k": cache["k"].at[rows, positions].set(k.astype(cache["k"].dtype)),
             "v": cache["v"].at[rows, positions].set(v.astype(cache["v"].dtype)),
         }
-        mask = self.core.decode_mask(q, cache["k"], positions)
-        out = masked_attention(q, cache["k"], cache["v"], mask, q.shape[-1] ** -0.5)
-        return self.o(out), cache
+        out, state = self.core.decode(
+            q, cache["k"], cache["v"], cache, positions, scale=q.shape[-1] ** -0.5, prefill=prefill
+        )
+        return self.o(out), cache | state

@@ -17,7 +17,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from effattn_jax.layers import Dense, RMSNorm, apply_rope
-from effattn_jax.ops.dense import masked_attention
 from effattn_jax.sharding import constrain, sharding_rules
 
 
@@ -74,11 +73,12 @@ class MLA(nnx.Module):
         self.uv = Dense([in_dim], [h, self.v_dim], axes, rngs=rngs, std=m.init_std, dtype=dtype)
 
     def init_cache(self, batch: int, max_len: int, dtype) -> dict:
-        """The preallocated decode cache: latent c [B, L, d_c] and RoPE key k^R [B, L, d_R] only."""
+        """The preallocated decode cache: latent c [B, L, d_c] and RoPE key k^R [B, L, d_R] (plus
+        the core's own entries over the per-head keys, e.g. MoBA's block means)."""
         return {
             "c": jnp.zeros((batch, max_len, self.kv_norm.scale.shape[0]), dtype),
             "kr": jnp.zeros((batch, max_len, self.rope_dim), dtype),
-        }
+        } | self.core.init_state(batch, max_len, self.num_heads, self.nope + self.rope_dim)
 
     def latent(self, x, positions):
         """What is cached per token: c [B, S, d_c] and the RoPE key k^R [B, S, d_R]."""
@@ -114,7 +114,7 @@ class MLA(nnx.Module):
         )
 
     def write_cache(self, cache, rows, positions, c, kr, token_ids):
-        return {
+        return cache | {
             "c": cache["c"].at[rows, positions].set(c.astype(cache["c"].dtype)),
             "kr": cache["kr"].at[rows, positions].set(kr.astype(cache["kr"].dtype)),
         }
@@ -123,13 +123,14 @@ class MLA(nnx.Module):
         """The latent that attention can run over with absorbed weights [B, L, d]; None if impossible."""
         return cache["c"]
 
-    def decode(self, x, *, positions, token_ids, cache, absorb: bool = True):
+    def decode(self, x, *, positions, token_ids, cache, absorb: bool = True, prefill: bool = False):
         """New tokens x [B, T, d_model] at `positions` [B, T] -> ([B, T, d_model], cache).
 
         absorb=True (dense core only): W_UK folds into the query and W_UV applies after
         attention, so scores and values come straight from the cached latent:
         q_i.k_s = (W_UK,i^T q_nope,i) . c_s + q_rope,i . k^R_s. Otherwise per-head K/V of
-        every cached token are rebuilt from the cache (the naive path, also MoBA's)."""
+        every cached token are rebuilt from the cache (the naive path, also MoBA's). `prefill`:
+        see `Core`."""
         c, kr = self.latent(x, positions)
         rows = jnp.arange(x.shape[0])[:, None]
         cache = self.write_cache(cache, rows, positions, c, kr, token_ids)
@@ -152,5 +153,6 @@ class MLA(nnx.Module):
             k_nope, v = self.kv_heads(cache["c"], cache.get("token_ids"))
             q = jnp.concatenate([q_nope, q_rope], axis=-1)
             k = self.full_keys(k_nope, cache["kr"])
-            out = masked_attention(q, k, v, self.core.decode_mask(q, k, positions), self.scale)
+            out, state = self.core.decode(q, k, v, cache, positions, scale=self.scale, prefill=prefill)
+            cache = cache | state
         return self.o(out), cache

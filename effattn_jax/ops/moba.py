@@ -42,18 +42,11 @@ def check_args(q, k, v, block_size, top_k, segment_ids, impl):
         raise ValueError(f"segment_ids must be [batch, seq] = {q.shape[:2]}, got {segment_ids.shape}")
 
 
-def moba_reference_mask(
-    routing: Routing, *, block_size: int, segment_ids=None, query_positions=None, num_keys: int | None = None
-) -> jax.Array:
-    """[B, Hq, T, S] bool: which keys each query attends to under this routing (dense: for the
-    oracle and for decoding over a cache, where `query_positions` [B, T] and `num_keys` are given)."""
-    b, t, hq, _ = routing.past_start.shape
-    s = t if num_keys is None else num_keys
+def moba_reference_mask(routing: Routing, *, block_size: int, segment_ids=None) -> jax.Array:
+    """[B, Hq, S, S] bool: which keys each query attends to under this routing (dense: the oracle)."""
+    b, s, hq, _ = routing.past_start.shape
     bs = block_starts(segment_ids, b, s, block_size)  # [B, S] block start of each key
-    qpos = jnp.arange(t)[None] if query_positions is None else query_positions  # [B or 1, T]
-    own = (bs[:, None, :] == routing.own_start[:, :, None]) & (
-        jnp.arange(s)[None, None, :] <= qpos[:, :, None]
-    )
+    own = (bs[:, None, :] == routing.own_start[:, :, None]) & (jnp.tril(jnp.ones((s, s), bool))[None])
     past = (bs[:, None, None, :, None] == jnp.moveaxis(routing.past_start, 2, 1)[:, :, :, None, :]).any(-1)
     return own[:, None] | past
 

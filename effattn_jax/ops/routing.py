@@ -26,14 +26,10 @@ class Routing(NamedTuple):
     past_start: jax.Array  # first positions of its selected earlier (full) blocks
 
 
-def moba_routing(
-    q, k, *, block_size: int, top_k: int, segment_ids=None, query_positions=None, query_chunk: int = 512
-) -> Routing:
-    """The one MoBA gate. q [B, T, Hq, D], k [B, S, Hkv, D]; no gradient flows through it.
-
-    Training: T = S and blocks follow `segment_ids`. Decoding: `query_positions`
-    [B, T] gives the absolute position of each query in a single document whose
-    keys (the cache) are k; blocks past a query are never candidates.
+def moba_routing(q, k, *, block_size: int, top_k: int, segment_ids=None, query_chunk: int = 512) -> Routing:
+    """The one MoBA gate. q [B, S, Hq, D], k [B, S, Hkv, D]; blocks follow `segment_ids`; no
+    gradient flows through it. (Decoding gates against cached block means with the same
+    selection: ops/moba_decode.py.)
     Cost: T * blocks * D per head (the gate): block means computed once (S * D), then each
     query chunk against all of them as one matmul, masked and reduced to its top k' within the
     chunk; no [T, S] array, no per-query copy of the means, no [T, blocks] scores at once.
@@ -44,19 +40,14 @@ def moba_routing(
     c = block_size
     n = -(-s // c)
     kk = min(top_k - 1, n - 1)
-    if query_positions is None:
-        pos = document_positions(segment_ids, b, s)
-        doc_start = jnp.arange(s, dtype=jnp.int32)[None] - pos  # [B, S]
-    else:
-        pos = query_positions.astype(jnp.int32)
-        doc_start = jnp.zeros_like(pos)
+    pos = document_positions(segment_ids, b, s)
+    doc_start = jnp.arange(s, dtype=jnp.int32)[None] - pos  # [B, S]
     own_block = pos // c  # index of the own block inside the document
     own_start = doc_start + own_block * c
     if kk <= 0:
         return Routing(own_start, jnp.zeros((b, t, hq, 0), jnp.int32))
 
-    packed = segment_ids is not None and query_positions is None
-    starts, means = _full_block_means(k, pos if packed else None, c)  # [B, n'], [B, n', Hkv, D]
+    starts, means = _full_block_means(k, None if segment_ids is None else pos, c)  # [B, n'], [B, n', Hkv, D]
     chunk = min(query_chunk, t)
     pad = -t % chunk
     by_chunk = lambda x, fill: jnp.moveaxis(
@@ -79,7 +70,7 @@ def moba_routing(
         scores = jnp.where(candidate[:, :, None, :], scores, -jnp.inf)
         count = candidate.sum(-1)[:, :, None]  # [B, Tc, 1]: candidates of each query
         picks = []
-        for i, pick in enumerate(_top_k_first(scores, kk)):  # [B, Tc, Hq] block indices, best first
+        for i, pick in enumerate(top_k_first(scores, kk)):  # [B, Tc, Hq] block indices, best first
             start = jnp.take_along_axis(starts, jnp.minimum(pick, starts.shape[1] - 1).reshape(b, -1), axis=1)
             picks.append(jnp.where(count > i, start.reshape(pick.shape), -1))
         return jnp.stack(picks, axis=-1).astype(jnp.int32)  # [B, Tc, Hq, k']
@@ -88,7 +79,7 @@ def moba_routing(
     return Routing(own_start, jnp.moveaxis(chosen, 0, 1).reshape(b, -1, hq, kk)[:, :t])
 
 
-def _top_k_first(scores, k: int) -> list[jax.Array]:
+def top_k_first(scores, k: int) -> list[jax.Array]:
     """Indices of the k best entries along the last axis, best first, ties to the lower index:
     one variadic reduction carrying a sorted (value, index) list of length k, so the scores
     are read once (a sort or k argmax passes read them k times or more)."""
@@ -138,7 +129,14 @@ def _full_block_means(k, doc_pos, block_size: int):
         starts = jax.vmap(lambda f: jnp.nonzero(f, size=n, fill_value=s)[0])(full).astype(jnp.int32)
         rows = jnp.minimum(starts[:, :, None] + jnp.arange(c), s - 1).reshape(b, n * c)  # [B, n' c]
         blocks = jnp.take_along_axis(k, rows[:, :, None, None], axis=1).reshape(b, n, c, hkv, d)
-    # summed in float32 by a matmul with ones: K is read once, never copied to float32 first
-    sums = jnp.einsum("bnchd,c->bnhd", blocks, jnp.ones((c,), k.dtype), preferred_element_type=jnp.float32)
-    means = (sums / c).astype(k.dtype).astype(jnp.float32)
-    return starts, means
+    return starts, block_means(blocks, k.dtype)
+
+
+def block_means(blocks, dtype) -> jax.Array:
+    """[B, n, C, Hkv, D] keys -> [B, n, Hkv, D] float32 means, rounded to `dtype` as a kernel
+    holding them in the compute dtype would. Summed in float32 by a matmul with ones: the keys
+    are read once, never copied to float32 first."""
+    c = blocks.shape[2]
+    ones = jnp.ones((c,), blocks.dtype)
+    sums = jnp.einsum("bnchd,c->bnhd", blocks, ones, preferred_element_type=jnp.float32)
+    return (sums / c).astype(dtype).astype(jnp.float32)
