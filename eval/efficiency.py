@@ -3,6 +3,7 @@
     python -m eval.efficiency kv-cache --config configs/egmla/paper/mla_base.yaml [--json]
     python -m eval.efficiency decode-latency [--config a.yaml --config b.yaml ...] --context 1024,4096,16384
     python -m eval.efficiency train-cost [--config ...] [key=value ...]
+    python -m eval.efficiency moba-decode [--context 8192,32768,131072] [--batch 1,8] [--json]
 
 kv-cache: elements and bytes per token of the decode cache, all layers,
 counted from the cache arrays the attention modules actually allocate
@@ -18,6 +19,13 @@ is far too slow on a CPU); median of repeated runs after a warm-up. Without
 --config it compares the paper models: MHA, MLA, EG-MLA emb256 with the gate at
 the heads and at the latent, plus MLA decoding naively (no weight absorption).
 
+moba-decode: ms per decode step of one model with core=moba against the same model with
+core=dense (same parameters, one shared synthetic cache, block means taken from its keys),
+alternated step by step, median per model. The model is the MoBA paper's small MHA size
+(12 layers, d 768, 12 heads, block 512, top_k 3, float32); a (context, batch) whose cache
+would exceed --max-cache-gib is skipped and said so. --json prints a list of
+{context, batch, moba_ms, dense_ms, ratio}.
+
 train-cost: tokens/s and compiled memory of one train step for MHA, MLA and
 EG-MLA emb256 at the paper width, measured in one run (batch and sequence
 reduced for a CPU by the overrides, default data.batch_size=2 data.seq_len=256).
@@ -25,6 +33,7 @@ reduced for a CPU by the overrides, default data.batch_size=2 data.seq_len=256).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import statistics
@@ -40,6 +49,7 @@ from flax import nnx  # noqa: E402
 from effattn_jax.cli import ArgumentParser, positive_int, positive_int_list  # noqa: E402
 from effattn_jax.config import ConfigError, load_config  # noqa: E402
 from effattn_jax.model import Transformer, init_cache, param_counts  # noqa: E402
+from effattn_jax.ops.moba_decode import prefill_block_means  # noqa: E402
 from effattn_jax.sharding import make_mesh  # noqa: E402
 from effattn_jax.train.state import init_state, make_setup  # noqa: E402
 from effattn_jax.train.step import make_train_step  # noqa: E402
@@ -128,6 +138,59 @@ def decode_latency(cfg, contexts: list[int], *, absorb: bool, repeats: int = 5) 
     return out
 
 
+MOBA_DECODE_MODEL = [
+    "model.num_layers=12",
+    "model.d_model=768",
+    "model.num_heads=12",
+    "model.mlp_dim=3072",
+    "model.dtype=float32",
+    "moba.block_size=512",
+    "moba.top_k=3",
+]
+
+
+def moba_decode_cases(contexts, batches, max_cache_gib: float):
+    """(context, batch, fits) for every pair: whether one float32 cache fits the budget."""
+    per_token = 2 * 12 * 768 * 4  # K and V, 12 layers, d 768, float32
+    return [(c, b, b * (c + 1) * per_token <= max_cache_gib * 2**30) for c in contexts for b in batches]
+
+
+def moba_vs_dense_decode(context: int, batch: int, *, repeats: int = 5) -> dict:
+    """Median ms of a decode step at position `context` for the MoBA and the dense model, the
+    two alternated over one donated cache (each step writes the same slot)."""
+    steps, caches = {}, None
+    for core in ("moba", "dense"):
+        cfg = load_config(None, MOBA_DECODE_MODEL + [f"attention.core={core}", f"data.seq_len={context + 1}"])
+        model = Transformer(cfg, rngs=nnx.Rngs(0))  # same seed: the same parameters for both
+        graphdef, params = nnx.split(model)
+        step = jax.jit(lambda p, t, pos, c, g=graphdef: nnx.merge(g, p).decode(t, pos, c), donate_argnums=3)
+        steps[core] = functools.partial(step, params)
+        if caches is None:  # the MoBA model's cache: K/V plus block means
+            caches = _synthetic_moba_caches(model, batch, context + 1, cfg.moba.block_size)
+    tokens = jnp.ones((batch, 1), jnp.int32)
+    pos = jnp.full((batch, 1), context, jnp.int32)
+    times = {core: [] for core in steps}
+    for i in range(repeats + 1):  # the first round compiles and warms up
+        for core, step in steps.items():
+            t = time.perf_counter()
+            logits, caches = step(tokens, pos, caches)
+            jax.block_until_ready(logits)
+            if i:
+                times[core].append(time.perf_counter() - t)
+    moba, dense = (statistics.median(times[c]) * 1e3 for c in ("moba", "dense"))
+    return {"context": context, "batch": batch, "moba_ms": moba, "dense_ms": dense, "ratio": moba / dense}
+
+
+def _synthetic_moba_caches(model, batch: int, length: int, block_size: int) -> list[dict]:
+    """Random K/V for every slot and the block means they imply."""
+    caches = []
+    for i, cache in enumerate(init_cache(model, batch, length)):
+        k, v = (jax.random.normal(jax.random.key(2 * i + j), cache["k"].shape) for j in range(2))
+        means = prefill_block_means(cache["block_means"], k, length, block_size=block_size, dtype=k.dtype)
+        caches.append({"k": k, "v": v, "block_means": means})
+    return caches
+
+
 def train_cost(cfg, steps: int = 3) -> dict:
     """Median seconds per train step, tokens/s and compiled memory (synthetic batch)."""
     setup = make_setup(cfg, make_mesh(1, 1, 1))
@@ -159,6 +222,12 @@ def main(argv=None) -> int:
     dl.add_argument("--context", type=positive_int_list, default="1024,4096,16384")
     dl.add_argument("--repeats", type=positive_int, default=5)
     dl.add_argument("overrides", nargs="*")
+    md = sub.add_parser("moba-decode", help="ms/token of MoBA vs dense decoding, one model size")
+    md.add_argument("--context", type=positive_int_list, default="8192,32768,131072")
+    md.add_argument("--batch", type=positive_int_list, default="1,8")
+    md.add_argument("--repeats", type=positive_int, default=5)
+    md.add_argument("--max-cache-gib", type=float, default=10.0, help="skip cases whose cache is larger")
+    md.add_argument("--json", action="store_true")
     tc = sub.add_parser("train-cost", help="tokens/s and compiled memory of one train step")
     tc.add_argument("--config", action="append", default=[])
     tc.add_argument("overrides", nargs="*")
@@ -168,6 +237,8 @@ def main(argv=None) -> int:
             return _print_decode_latency(args)
         if args.command == "train-cost":
             return _print_train_cost(args)
+        if args.command == "moba-decode":
+            return _print_moba_decode(args)
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
         print(e, file=sys.stderr)
@@ -202,6 +273,37 @@ def _print_decode_latency(args) -> int:
     for label, path, overrides, absorb in _variants(args.config, args.overrides):
         ms = decode_latency(load_config(path, overrides), contexts, absorb=absorb, repeats=args.repeats)
         print(f"| {label} | " + " | ".join(f"{ms[c]:.1f}" for c in contexts) + " |", flush=True)
+    return 0
+
+
+def _print_moba_decode(args) -> int:
+    cases = moba_decode_cases(args.context, args.batch, args.max_cache_gib)
+    if not args.json:
+        print(
+            f"jax {jax.__version__} on {jax.devices()[0].device_kind}; 12 layers, d 768, 12 heads, "
+            "block 512, top_k 3, float32; synthetic cache; median of "
+            f"{args.repeats} alternated steps"
+        )
+        print("| context | batch | MoBA ms/token | dense ms/token | MoBA / dense |")
+        print("|---|---|---|---|---|")
+    rows = []
+    for context, batch, fits in cases:
+        if not fits:
+            print(
+                f"context {context}, batch {batch}: skipped, its cache exceeds --max-cache-gib "
+                f"{args.max_cache_gib}",
+                file=sys.stderr,
+            )
+            continue
+        r = moba_vs_dense_decode(context, batch, repeats=args.repeats)
+        rows.append(r)
+        if not args.json:
+            print(
+                f"| {context:,} | {batch} | {r['moba_ms']:.1f} | {r['dense_ms']:.1f} | {r['ratio']:.3f} |",
+                flush=True,
+            )
+    if args.json:
+        print(json.dumps(rows))
     return 0
 
 

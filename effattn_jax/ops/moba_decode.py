@@ -16,7 +16,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from effattn_jax.ops.dense import masked_attention
 from effattn_jax.ops.routing import block_means, top_k_first
 
 
@@ -43,59 +42,67 @@ def update_block_means(means, k_cache, positions, *, block_size: int, dtype) -> 
     touched = min(n, 1 if t == 1 else (t - 1) // c + 2)  # blocks a run of t positions can overlap
     blocks = positions[:, :1] // c + jnp.arange(touched)  # [B, touched]
     complete = (blocks + 1) * c - 1 <= positions[:, -1:]
-    slots = jnp.minimum(blocks, n - 1)[:, :, None] * c + jnp.arange(c)  # [B, touched, C]
-    keys = jnp.take_along_axis(k_cache, slots.reshape(b, -1)[:, :, None, None], axis=1)
-    fresh = block_means(keys.reshape(b, touched, c, *k_cache.shape[2:]), dtype)
-    rows = jnp.arange(b)[:, None]
-    # an incomplete block is left as it is; a block past the cache's last full one is dropped
-    blocks = jnp.where(complete, blocks, n)
-    return means.at[rows, blocks].set(fresh, mode="drop")
+
+    def take_means():
+        slots = jnp.minimum(blocks, n - 1)[:, :, None] * c + jnp.arange(c)  # [B, touched, C]
+        keys = jnp.take_along_axis(k_cache, slots.reshape(b, -1)[:, :, None, None], axis=1)
+        fresh = block_means(keys.reshape(b, touched, c, *k_cache.shape[2:]), dtype)
+        # an incomplete block is left as it is; a block past the cache's last full one is dropped
+        return means.at[jnp.arange(b)[:, None], jnp.where(complete, blocks, n)].set(fresh, mode="drop")
+
+    # a single-token step completes a block once every C steps: the other steps read nothing
+    return jax.lax.cond(complete.any(), take_means, lambda: means)
 
 
 def moba_decode_attention(q, k_cache, v_cache, means, positions, *, block_size: int, top_k: int, scale):
     """q [B, T, Hq, D] at `positions` [B, T] over the cache (k/v [B, L, Hkv, D|Dv], already
     holding these tokens) -> [B, T, Hq, Dv]. The training semantics (docs/moba.md): each query
     head takes the top (top_k - 1) complete blocks strictly before its own by the unscaled
-    float32 gate (ties to the earlier block) plus its own block causally."""
+    float32 gate (ties to the earlier block) plus its own block causally. Only those blocks
+    are read from the cache."""
     b, t, hq, d = q.shape
-    hkv, c, n = k_cache.shape[2], block_size, means.shape[1]
-    own = positions // c  # [B, T] own block index
-    slot = jnp.arange(c)
-    own_slots = own[..., None] * c + slot  # [B, T, C]
+    length, hkv = k_cache.shape[1:3]
+    n = means.shape[1]
+    c = min(block_size, length)
+    qf = q.astype(jnp.float32)
+    own = positions // block_size  # [B, T] own block index
+    # the own block's window, moved back where a short cache ends inside it; masked by slot
+    first = jnp.minimum(own * block_size, length - c)
+    slots = first[..., None] + jnp.arange(c)  # [B, T, C]
+    ok = [(slots >= (own * block_size)[..., None]) & (slots <= positions[..., None])]  # [B, T, C]
+    starts = [jnp.broadcast_to(first[..., None, None], (b, t, hq, 1))]  # [B, T, Hq, blocks]
     kk = min(top_k - 1, n)
-    key_slots = jnp.broadcast_to(own_slots[:, :, None], (b, t, hq, c))  # [B, T, Hq, keys]
-    valid = key_slots <= positions[:, :, None, None]
     if kk > 0:
-        qg = q.astype(jnp.float32).reshape(b, t, hkv, hq // hkv, d)
-        scores = jnp.einsum("btkgd,bnkd->btkgn", qg, means).reshape(b, t, hq, n)
+        qg = qf.reshape(b, t, hkv, hq // hkv, d)
+        scores = jnp.einsum("btkgd,bnkd->btkgn", qg, means).reshape(b, t, hq, n)  # one dot per block
         candidate = jnp.arange(n) < own[..., None]  # [B, T, n]: complete blocks before the own one
         scores = jnp.where(candidate[:, :, None], scores, -jnp.inf)
-        count = candidate.sum(-1)[:, :, None]  # [B, T, 1]
         picks = jnp.stack(top_k_first(scores, kk), axis=-1)  # [B, T, Hq, k'] best first
-        past_slots = (jnp.minimum(picks, n - 1)[..., None] * c + slot).reshape(b, t, hq, kk * c)
-        past_valid = jnp.repeat(jnp.arange(kk) < count[..., None], c, axis=-1)  # [B, T, 1, k' C]
-        key_slots = jnp.concatenate([key_slots, past_slots], axis=-1)
-        valid = jnp.concatenate([valid, jnp.broadcast_to(past_valid, past_slots.shape)], axis=-1)
-    key_slots = jnp.minimum(key_slots, k_cache.shape[1] - 1)  # an own block running past the cache
-    return _attend_slots(q, k_cache, v_cache, key_slots, valid, scale)
+        starts.append(jnp.minimum(picks, n - 1) * block_size)
+        ok.append(jnp.repeat(jnp.arange(kk) < candidate.sum(-1)[..., None], c, axis=-1))  # real picks
+    # computed once, not inside the gathers (XLA would fuse the top-k into every gathered element)
+    starts = jax.lax.optimization_barrier(jnp.concatenate(starts, axis=-1))
+    valid = jnp.concatenate(ok, axis=-1)[:, :, None]  # [B, T, 1, blocks * C]
+    # one batch of single-query attentions over (1 + k') * C gathered keys per (row, query, head)
+    m = b * t * hq
+    keys = _head_blocks(k_cache, starts, c).reshape(m, -1, d)
+    logits = jnp.einsum("md,mcd->mc", qf.reshape(m, d), keys, preferred_element_type=jnp.float32)
+    logits = jnp.where(valid, logits.reshape(b, t, hq, -1) * scale, -jnp.inf)
+    weights = jax.nn.softmax(logits, axis=-1).reshape(m, -1)
+    values = _head_blocks(v_cache, starts, c).reshape(m, weights.shape[-1], -1)
+    out = jnp.einsum("mc,mcd->md", weights, values, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, hq, -1).astype(q.dtype)
 
 
-def _attend_slots(q, k_cache, v_cache, key_slots, valid, scale):
-    """Softmax attention of each (query, head) over its own cache slots [B, T, Hq, N]: only those
-    K/V rows are gathered."""
-    b, t, hq, d = q.shape
-    hkv = k_cache.shape[2]
-    rows = jnp.arange(b)[:, None, None, None]
-    heads = (jnp.arange(hq) // (hq // hkv))[None, None, :, None]
-    k = k_cache[rows, key_slots, heads]  # [B, T, Hq, N, D]
-    v = v_cache[rows, key_slots, heads]  # [B, T, Hq, N, Dv]
-    # one query per (row, position, head): a batch of B * T * Hq single-query attentions
-    m, keys = b * t * hq, key_slots.shape[-1]
-    out = masked_attention(
-        q.reshape(m, 1, 1, d),
-        k.reshape(m, keys, 1, d),
-        v.reshape(m, keys, 1, v.shape[-1]),
-        valid.reshape(m, 1, 1, keys),
-        scale,
-    )
-    return out.reshape(b, t, hq, -1)
+def _head_blocks(cache, starts, size: int):
+    """cache [B, L, Hkv, D], block starts [B, T, Hq, blocks] -> [B, T, Hq, blocks, size, D]: each
+    query head reads its blocks from its own KV head only."""
+    b, t, hq, nb = starts.shape
+    heads = jnp.broadcast_to((jnp.arange(hq) // (hq // cache.shape[2]))[:, None], (hq, nb)).reshape(-1)
+
+    def one(cache_b, start, head):  # [L, Hkv, D], scalar, scalar -> [size, D]
+        return jax.lax.dynamic_slice(cache_b, (start, head, 0), (size, 1, cache_b.shape[-1]))[:, 0]
+
+    per_query = lambda cache_b, starts_q: jax.vmap(one, (None, 0, 0))(cache_b, starts_q.reshape(-1), heads)
+    per_row = lambda cache_b, starts_b: jax.vmap(per_query, (None, 0))(cache_b, starts_b)
+    return jax.vmap(per_row)(cache, starts).reshape(b, t, hq, nb, size, cache.shape[-1])
