@@ -35,16 +35,24 @@ def model_for(name):
 @pytest.mark.parametrize("name", KINDS)
 def test_decode_equals_full_forward(name):
     model = model_for(name)
+    graphdef, params = nnx.split(model)
+    decode = jax.jit(
+        lambda p, t, pos, c, absorb, prefill: nnx.merge(graphdef, p).decode(
+            t, pos, c, absorb=absorb, prefill=prefill
+        ),
+        static_argnames=("absorb", "prefill"),
+    )
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 128, (2, 14)))
-    full = model(tokens)
-    for absorb in (True, False):  # absorbed (where the kind allows it) and naive
+    full = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(params, tokens)
+    # absorbed (where the kind allows it) and naive; a prompt through the prefill path or as
+    # a plain multi-token step
+    for absorb, prefill in ((True, True), (False, False)):
         caches = init_cache(model, 2, 16)
-        logits, caches = model.decode(
-            tokens[:, :6], jnp.broadcast_to(jnp.arange(6), (2, 6)), caches, absorb=absorb
-        )
+        first = jnp.broadcast_to(jnp.arange(6), (2, 6))
+        logits, caches = decode(params, tokens[:, :6], first, caches, absorb=absorb, prefill=prefill)
         steps = [logits]
         for t in range(6, 14):
-            logits, caches = model.decode(tokens[:, t : t + 1], jnp.full((2, 1), t), caches, absorb=absorb)
+            logits, caches = decode(params, tokens[:, t : t + 1], jnp.full((2, 1), t), caches, absorb, False)
             steps.append(logits)
         np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, atol=1e-4, rtol=1e-4)
     if name == "mha_moba":  # the routing is really sparse here, so this is not dense attention
