@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TINY_MODEL
+from conftest import TINY_MLA
 from flax import nnx
 
 from effattn_jax.config import load_config
@@ -16,14 +16,20 @@ BLOCK = 4
 
 
 def model_for(*overrides):
-    cfg = load_config(None, TINY_MODEL + ["attention.core=moba", f"moba.block_size={BLOCK}", *overrides])
+    cfg = load_config(None, TINY_MLA + ["attention.core=moba", f"moba.block_size={BLOCK}", *overrides])
     return Transformer(cfg, rngs=nnx.Rngs(0))
 
 
 @pytest.mark.parametrize(
     "overrides",
-    [["moba.top_k=3", "model.num_kv_heads=2"], ["moba.top_k=1"], ["moba.top_k=2", "model.num_kv_heads=1"]],
-    ids=["gqa_top3", "top1", "mqa_top2"],
+    [
+        ["moba.top_k=3", "model.num_kv_heads=2"],
+        ["moba.top_k=1"],
+        ["moba.top_k=3", "attention.kind=mla"],
+        ["moba.top_k=2", "attention.kind=eg_mla", "eg_mla.gate_at=latent"],
+        ["moba.top_k=2", "attention.kind=eg_mla", "eg_mla.gate_at=heads"],
+    ],
+    ids=["gqa_top3", "top1", "mla_top3", "eg_mla_latent", "eg_mla_heads"],
 )
 def test_decode_equals_packed_forward(overrides):
     """Two documents packed in one row for the forward; decoded as two rows of one batch: a
@@ -101,11 +107,18 @@ def test_long_prefill_holds_no_prompt_by_prompt_array():
     assert big <= 16384 * 4 * 3 * 512 and big / largest(4096) <= 5, big
 
 
-def test_a_step_reads_only_its_blocks():
+@pytest.mark.parametrize("kind", ["mha", "mla", "eg_mla"])
+def test_a_step_reads_only_its_blocks(kind):
     """A single-token step over a 4,096-slot cache: no intermediate has the cache's length (the
-    selected blocks are gathered, the gate reads one mean per block)."""
-    model = model_for("moba.top_k=3", "model.num_kv_heads=2", "data.seq_len=4096")
+    selected blocks are gathered, the gate reads one mean per block; MLA expands only the
+    gathered latent rows)."""
+    kinds = {
+        "mha": ["model.num_kv_heads=2"],
+        "mla": ["attention.kind=mla"],
+        "eg_mla": ["attention.kind=eg_mla"],
+    }
+    model = model_for("moba.top_k=3", "data.seq_len=4096", *kinds[kind])
     shapes = _decode_shapes(model, 1, 4096, False)
     assert shapes and not [(p, s) for p, s in shapes if 4096 in s]
-    dense = Transformer(load_config(None, TINY_MODEL + ["data.seq_len=4096"]), rngs=nnx.Rngs(0))
+    dense = Transformer(load_config(None, TINY_MLA + ["data.seq_len=4096", *kinds[kind]]), rngs=nnx.Rngs(0))
     assert [s for _, s in _decode_shapes(dense, 1, 4096, False) if 4096 in s]  # the check can fail

@@ -43,22 +43,23 @@ KINDS = {"mha": MHA, "mla": MLA, "eg_mla": EGMLA}
 @dataclasses.dataclass(frozen=True)
 class Core:
     """An attention pattern. `attend(q, k, v, *, segment_ids, scale=None)` for training;
-    `decode(q, k, v, cache, positions, *, scale, prefill)` -> (out, cache entries) for decoding:
-    queries q [B, T, Hq, D] at absolute `positions` [B, T] of one document per row, over the
-    per-head keys/values of every cache slot (k/v [B, L, H, D]) after these tokens were
-    written. `prefill`: the tokens are each row's first (positions 0..T-1), so the training
-    attention runs over them. `init_state(batch, max_len, heads, head_dim)`: the cache
-    entries the core keeps itself (`decode` returns them updated)."""
+    `decode(view, cache, positions, *, scale, prefill)` -> (out, cache entries) for decoding:
+    the view's queries (a `CacheView`: what the kind's cache offers, after these tokens were
+    written) at absolute `positions` [B, T] of one document per row. `prefill`: the tokens
+    are each row's first (positions 0..T-1), so the training attention runs over them.
+    `init_state(batch, max_len, heads, dim)`: the cache entries the core keeps itself
+    (`decode` returns them updated; heads and dim of the keys its gate reads)."""
 
     attend: Callable
     decode: Callable
-    init_state: Callable = lambda batch, max_len, heads, head_dim: {}
+    init_state: Callable = lambda batch, max_len, heads, dim: {}
     causal_only: bool = False  # every query sees its whole past (lets MLA decode with absorbed weights)
 
 
-def causal_decode(q, k, v, cache, positions, *, scale, prefill=False):
-    mask = jnp.arange(k.shape[1])[None, None, None, :] <= positions[:, None, :, None]
-    return masked_attention(q, k, v, mask, scale), {}
+def causal_decode(view, cache, positions, *, scale, prefill=False):
+    k, v = view.full()
+    mask = jnp.arange(view.length)[None, None, None, :] <= positions[:, None, :, None]
+    return masked_attention(view.q, k, v, mask, scale), {}
 
 
 def _dense_core(cfg) -> Core:
@@ -80,18 +81,23 @@ def _moba_core(cfg) -> Core:
         rules=sharding_rules(cfg),
     )
 
-    def init_state(batch, max_len, heads, head_dim):
-        return {"block_means": empty_block_means(batch, max_len, heads, head_dim, c)}
+    def init_state(batch, max_len, heads, dim):
+        return {"block_means": empty_block_means(batch, max_len, heads, dim, c)}
 
-    def decode(q, k, v, cache, positions, *, scale, prefill=False):
+    def decode(view, cache, positions, *, scale, prefill=False):
         """Sparse: the gate reads the cached block means, attention only the selected blocks."""
+        q = view.q
         if prefill:  # the training op (sub-quadratic) over the prompt, then its blocks' means
             t = q.shape[1]
-            out = attend(q, k[:, :t].astype(q.dtype), v[:, :t].astype(q.dtype), segment_ids=None, scale=scale)
-            means = prefill_block_means(cache["block_means"], k, t, block_size=c, dtype=q.dtype)
+            k, v = view.prompt(t)
+            out = attend(q, k.astype(q.dtype), v.astype(q.dtype), segment_ids=None, scale=scale)
+            gate_keys = view.gate_keys(jnp.broadcast_to(jnp.arange(t), positions.shape))
+            means = prefill_block_means(cache["block_means"], gate_keys, t, block_size=c, dtype=q.dtype)
             return out, {"block_means": means}
-        means = update_block_means(cache["block_means"], k, positions, block_size=c, dtype=q.dtype)
-        out = moba_decode_attention(q, k, v, means, positions, block_size=c, top_k=top_k, scale=scale)
+        means = update_block_means(
+            cache["block_means"], view.gate_keys, positions, block_size=c, dtype=q.dtype
+        )
+        out = moba_decode_attention(view, means, positions, block_size=c, top_k=top_k, scale=scale)
         return out, {"block_means": means}
 
     return Core(attend, decode, init_state)

@@ -72,6 +72,9 @@ class EGMLA(MLA):
             return None
         return self.c_ln(self.u(cache["c"]) * self.gate(cache["token_ids"]).astype(cache["c"].dtype))
 
+    def absorbed_width(self):
+        return self.c_ln.scale.shape[0] if self.gate_at == "latent" else None
+
     def gate(self, token_ids):
         """E_l[x]: [B, S, d_e]."""
         if token_ids is None:

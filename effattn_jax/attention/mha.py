@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from effattn_jax.layers import Dense, apply_rope
+from effattn_jax.ops.moba_decode import kv_view
 from effattn_jax.sharding import constrain, sharding_rules
 
 
@@ -62,7 +63,6 @@ class MHA(nnx.Module):
             "k": cache["k"].at[rows, positions].set(k.astype(cache["k"].dtype)),
             "v": cache["v"].at[rows, positions].set(v.astype(cache["v"].dtype)),
         }
-        out, state = self.core.decode(
-            q, cache["k"], cache["v"], cache, positions, scale=q.shape[-1] ** -0.5, prefill=prefill
-        )
+        view = kv_view(q, cache["k"], cache["v"])
+        out, state = self.core.decode(view, cache, positions, scale=q.shape[-1] ** -0.5, prefill=prefill)
         return self.o(out), cache | state

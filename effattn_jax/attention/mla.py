@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from effattn_jax.layers import Dense, RMSNorm, apply_rope
+from effattn_jax.ops.moba_decode import CacheView, kv_view, take_slots
 from effattn_jax.sharding import constrain, sharding_rules
 
 
@@ -78,7 +79,17 @@ class MLA(nnx.Module):
         return {
             "c": jnp.zeros((batch, max_len, self.kv_norm.scale.shape[0]), dtype),
             "kr": jnp.zeros((batch, max_len, self.rope_dim), dtype),
-        } | self.core.init_state(batch, max_len, self.num_heads, self.nope + self.rope_dim)
+        } | self.core.init_state(batch, max_len, *self.gate_space())
+
+    def gate_space(self) -> tuple[int, int]:
+        """(heads, width) of the keys a sparse core's gate averages: the absorbed latent and k^R
+        (one key for all heads) where W_UK can be absorbed, else the per-head keys."""
+        d = self.absorbed_width()
+        return (1, d + self.rope_dim) if d else (self.num_heads, self.nope + self.rope_dim)
+
+    def absorbed_width(self) -> int | None:
+        """Width of the latent W_UK and W_UV apply to (d_c); None where absorption is impossible."""
+        return self.kv_norm.scale.shape[0]
 
     def latent(self, x, positions):
         """What is cached per token: c [B, S, d_c] and the RoPE key k^R [B, S, d_R]."""
@@ -126,11 +137,11 @@ class MLA(nnx.Module):
     def decode(self, x, *, positions, token_ids, cache, absorb: bool = True, prefill: bool = False):
         """New tokens x [B, T, d_model] at `positions` [B, T] -> ([B, T, d_model], cache).
 
-        absorb=True (dense core only): W_UK folds into the query and W_UV applies after
-        attention, so scores and values come straight from the cached latent:
-        q_i.k_s = (W_UK,i^T q_nope,i) . c_s + q_rope,i . k^R_s. Otherwise per-head K/V of
-        every cached token are rebuilt from the cache (the naive path, also MoBA's). `prefill`:
-        see `Core`."""
+        absorb=True: W_UK folds into the query and W_UV applies after attention, so scores and
+        values come straight from the cached latent: q_i.k_s = (W_UK,i^T q_nope,i) . c_s +
+        q_rope,i . k^R_s (a sparse core reads only its blocks of the latent: `latent_view`).
+        Otherwise per-head K/V of every cached token are rebuilt from the cache (the naive
+        path). `prefill`: see `Core`."""
         c, kr = self.latent(x, positions)
         rows = jnp.arange(x.shape[0])[:, None]
         cache = self.write_cache(cache, rows, positions, c, kr, token_ids)
@@ -149,10 +160,45 @@ class MLA(nnx.Module):
                 jnp.einsum("bhts,bsd->bthd", probs, lat.astype(jnp.float32)),
                 w_uv.astype(jnp.float32),
             ).astype(x.dtype)
+            return self.o(out), cache
+        latent = self.latent_view(cache, q_nope, q_rope) if self.absorbed_width() else None
+        if absorb and latent is not None:  # a sparse core over the latent: MQA in latent space
+            out, state = self.core.decode(latent, cache, positions, scale=self.scale, prefill=prefill)
+            out = jnp.einsum("bthd,dhv->bthv", out, self.uv.kernel[...].astype(out.dtype))
         else:
             k_nope, v = self.kv_heads(cache["c"], cache.get("token_ids"))
-            q = jnp.concatenate([q_nope, q_rope], axis=-1)
-            k = self.full_keys(k_nope, cache["kr"])
-            out, state = self.core.decode(q, k, v, cache, positions, scale=self.scale, prefill=prefill)
-            cache = cache | state
-        return self.o(out), cache
+            view = kv_view(jnp.concatenate([q_nope, q_rope], axis=-1), self.full_keys(k_nope, cache["kr"]), v)
+            if latent is not None:  # the cache keeps the latent gate's means
+                view = view._replace(gate_q=latent.gate_q, gate_keys=latent.gate_keys)
+            out, state = self.core.decode(view, cache, positions, scale=self.scale, prefill=prefill)
+        return self.o(out), cache | state
+
+    def latent_view(self, cache, q_nope, q_rope) -> CacheView:
+        """The cache as one KV head in latent space: keys [c~ ; k^R] (width d + d_R), values c~,
+        queries [W_UK,i^T q_nope,i ; q_rope,i], so that q_i.k_s is the per-head score. Rows are
+        expanded to c~ only where read (gathered blocks, a completed block, the prompt)."""
+        q_lat = jnp.einsum("bthn,dhn->bthd", q_nope, self.uk.kernel[...].astype(q_nope.dtype))
+        q = jnp.concatenate([q_lat, q_rope], axis=-1)
+        parts = [name for name in ("c", "token_ids") if name in cache]
+
+        def rows(slots):  # slots [B, N] -> keys [B, N, 1, d + d_R], values [B, N, 1, d]
+            lat = self.absorbed_latent({name: take_slots(cache[name], slots) for name in parts})
+            keys = jnp.concatenate([lat, take_slots(cache["kr"], slots).astype(lat.dtype)], axis=-1)
+            return keys[:, :, None], lat[:, :, None]
+
+        def fetch(starts, size):  # [B, T, H, nb] -> [B, T, H, nb, size, width]
+            slots = (starts[..., None] + jnp.arange(size)).reshape(starts.shape[0], -1)
+            return tuple(x.reshape(*starts.shape, size, x.shape[-1]) for x in rows(slots))
+
+        def prompt(t):
+            return rows(jnp.broadcast_to(jnp.arange(t), (q.shape[0], t)))
+
+        return CacheView(
+            q=q,
+            gate_q=q,
+            length=cache["c"].shape[1],
+            full=lambda: prompt(cache["c"].shape[1]),
+            prompt=prompt,
+            fetch=fetch,
+            gate_keys=lambda slots: rows(slots)[0],
+        )

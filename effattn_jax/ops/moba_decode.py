@@ -2,16 +2,22 @@
 only the selected blocks, so a step costs top_k * block_size keys plus one dot product per
 block, not the whole context.
 
-The cache holds, beside K and V, `block_means` [B, L // C, Hkv, D] float32: the mean key of
-every complete block, written when the token that completes a block arrives (from that
-block's C cached keys, rounded to the compute dtype as the training gate rounds it), so no
-step re-reads the context. A row is one document whose tokens sit at positions 0, 1, ... of
-the cache; every decode call writes contiguous positions [B, T]. Slots a right-padded prompt
-filled with padding lie in blocks that are only complete once the row's own tokens have
-overwritten them, and the block's mean is taken then.
+The cache holds, beside K and V (or MLA's latent), `block_means` [B, L // C, Hg, Dg] float32:
+the mean gate key of every complete block, written when the token that completes a block
+arrives (from that block's C cached keys, rounded to the compute dtype as the training gate
+rounds it), so no step re-reads the context. A row is one document whose tokens sit at
+positions 0, 1, ... of the cache; every decode call writes contiguous positions [B, T]. Slots
+a right-padded prompt filled with padding lie in blocks that are only complete once the row's
+own tokens have overwritten them, and the block's mean is taken then.
+
+What is read goes through a `CacheView`, so an attention kind can gather its own cache
+(MHA: K/V rows; MLA: latent rows, expanded only where gathered).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -19,22 +25,61 @@ import jax.numpy as jnp
 from effattn_jax.ops.routing import block_means, top_k_first
 
 
+class CacheView(NamedTuple):
+    """A decode call's cache as a core reads it (after the new tokens were written).
+
+    q: [B, T, Hq, D] the query that attends; gate_q: [B, T, Hq, Dg] the query that routes
+    (MHA: q itself); length: L cache slots; full(): (k [B, L, H, D], v [B, L, H, Dv]) every
+    slot (dense cores); prompt(T): the same for slots [0, T) (a prefill); fetch(starts
+    [B, T, Hq, nb], size): (k, v) [B, T, Hq, nb, size, D|Dv], each query head's blocks from
+    its own KV head; gate_keys(slots [B, N]): [B, N, Hg, Dg] the keys the gate averages."""
+
+    q: jax.Array
+    gate_q: jax.Array
+    length: int
+    full: Callable
+    prompt: Callable
+    fetch: Callable
+    gate_keys: Callable
+
+
+def kv_view(q, k_cache, v_cache) -> CacheView:
+    """The view of a plain K/V cache [B, L, Hkv, D|Dv]: MHA's, or per-head K/V rebuilt."""
+    return CacheView(
+        q=q,
+        gate_q=q,
+        length=k_cache.shape[1],
+        full=lambda: (k_cache, v_cache),
+        prompt=lambda t: (k_cache[:, :t], v_cache[:, :t]),
+        fetch=lambda starts, size: (head_blocks(k_cache, starts, size), head_blocks(v_cache, starts, size)),
+        gate_keys=lambda slots: take_slots(k_cache, slots),
+    )
+
+
+def take_slots(cache, slots):
+    """cache [B, L, ...] at slots [B, N] -> [B, N, ...]."""
+    idx = slots.reshape(*slots.shape, *([1] * (cache.ndim - 2)))
+    return jnp.take_along_axis(cache, idx, axis=1)
+
+
 def empty_block_means(batch: int, max_len: int, kv_heads: int, head_dim: int, block_size: int) -> jax.Array:
     """[B, L // C, Hkv, D] float32 zeros: a block that is never complete needs no slot."""
     return jnp.zeros((batch, max_len // block_size, kv_heads, head_dim), jnp.float32)
 
 
-def prefill_block_means(means, k_cache, length: int, *, block_size: int, dtype) -> jax.Array:
-    """The means after a prefill that wrote positions [0, length) of every row."""
-    b, _, hkv, d = k_cache.shape
+def prefill_block_means(means, gate_keys, length: int, *, block_size: int, dtype) -> jax.Array:
+    """The means after a prefill that wrote positions [0, length) of every row; `gate_keys`
+    [B, length, Hg, Dg] are the prompt's gate keys."""
+    b, _, hg, dg = gate_keys.shape
     n = min(length // block_size, means.shape[1])
-    blocks = k_cache[:, : n * block_size].reshape(b, n, block_size, hkv, d)
+    blocks = gate_keys[:, : n * block_size].reshape(b, n, block_size, hg, dg)
     return means.at[:, :n].set(block_means(blocks, dtype))
 
 
-def update_block_means(means, k_cache, positions, *, block_size: int, dtype) -> jax.Array:
-    """The means after a call that wrote the contiguous `positions` [B, T] into `k_cache`
-    [B, L, Hkv, D]: every block those positions complete gets its mean (C keys read per block)."""
+def update_block_means(means, gate_keys, positions, *, block_size: int, dtype) -> jax.Array:
+    """The means after a call that wrote the contiguous `positions` [B, T]: every block those
+    positions complete gets its mean, from `gate_keys(slots [B, N])` -> [B, N, Hg, Dg] of its C
+    slots (nothing else is read)."""
     b, t = positions.shape
     c, n = block_size, means.shape[1]
     if n == 0:
@@ -45,8 +90,8 @@ def update_block_means(means, k_cache, positions, *, block_size: int, dtype) -> 
 
     def take_means():
         slots = jnp.minimum(blocks, n - 1)[:, :, None] * c + jnp.arange(c)  # [B, touched, C]
-        keys = jnp.take_along_axis(k_cache, slots.reshape(b, -1)[:, :, None, None], axis=1)
-        fresh = block_means(keys.reshape(b, touched, c, *k_cache.shape[2:]), dtype)
+        keys = gate_keys(slots.reshape(b, -1))
+        fresh = block_means(keys.reshape(b, touched, c, *keys.shape[2:]), dtype)
         # an incomplete block is left as it is; a block past the cache's last full one is dropped
         return means.at[jnp.arange(b)[:, None], jnp.where(complete, blocks, n)].set(fresh, mode="drop")
 
@@ -54,17 +99,15 @@ def update_block_means(means, k_cache, positions, *, block_size: int, dtype) -> 
     return jax.lax.cond(complete.any(), take_means, lambda: means)
 
 
-def moba_decode_attention(q, k_cache, v_cache, means, positions, *, block_size: int, top_k: int, scale):
-    """q [B, T, Hq, D] at `positions` [B, T] over the cache (k/v [B, L, Hkv, D|Dv], already
-    holding these tokens) -> [B, T, Hq, Dv]. The training semantics (docs/moba.md): each query
-    head takes the top (top_k - 1) complete blocks strictly before its own by the unscaled
-    float32 gate (ties to the earlier block) plus its own block causally. Only those blocks
-    are read from the cache."""
+def moba_decode_attention(view: CacheView, means, positions, *, block_size: int, top_k: int, scale):
+    """The view's queries at `positions` [B, T] -> [B, T, Hq, Dv]. The training semantics
+    (docs/moba.md): each query head takes the top (top_k - 1) complete blocks strictly before
+    its own by the unscaled float32 gate (ties to the earlier block) plus its own block
+    causally. Only those blocks are fetched from the cache."""
+    q = view.q
     b, t, hq, d = q.shape
-    length, hkv = k_cache.shape[1:3]
-    n = means.shape[1]
+    length, n = view.length, means.shape[1]
     c = min(block_size, length)
-    qf = q.astype(jnp.float32)
     own = positions // block_size  # [B, T] own block index
     # the own block's window, moved back where a short cache ends inside it; masked by slot
     first = jnp.minimum(own * block_size, length - c)
@@ -73,28 +116,28 @@ def moba_decode_attention(q, k_cache, v_cache, means, positions, *, block_size: 
     starts = [jnp.broadcast_to(first[..., None, None], (b, t, hq, 1))]  # [B, T, Hq, blocks]
     kk = min(top_k - 1, n)
     if kk > 0:
-        qg = qf.reshape(b, t, hkv, hq // hkv, d)
+        hg, dg = means.shape[2:]
+        qg = view.gate_q.astype(jnp.float32).reshape(b, t, hg, hq // hg, dg)
         scores = jnp.einsum("btkgd,bnkd->btkgn", qg, means).reshape(b, t, hq, n)  # one dot per block
         candidate = jnp.arange(n) < own[..., None]  # [B, T, n]: complete blocks before the own one
         scores = jnp.where(candidate[:, :, None], scores, -jnp.inf)
         picks = jnp.stack(top_k_first(scores, kk), axis=-1)  # [B, T, Hq, k'] best first
         starts.append(jnp.minimum(picks, n - 1) * block_size)
         ok.append(jnp.repeat(jnp.arange(kk) < candidate.sum(-1)[..., None], c, axis=-1))  # real picks
-    # computed once, not inside the gathers (XLA would fuse the top-k into every gathered element)
-    starts = jax.lax.optimization_barrier(jnp.concatenate(starts, axis=-1))
+    starts = jnp.concatenate(starts, axis=-1)
     valid = jnp.concatenate(ok, axis=-1)[:, :, None]  # [B, T, 1, blocks * C]
-    # one batch of single-query attentions over (1 + k') * C gathered keys per (row, query, head)
+    # one batch of single-query attentions over (1 + k') * C fetched keys per (row, query, head)
     m = b * t * hq
-    keys = _head_blocks(k_cache, starts, c).reshape(m, -1, d)
-    logits = jnp.einsum("md,mcd->mc", qf.reshape(m, d), keys, preferred_element_type=jnp.float32)
+    keys, values = view.fetch(starts, c)
+    keys, values = keys.reshape(m, -1, d), values.reshape(m, valid.shape[-1], -1)
+    logits = jnp.einsum("md,mcd->mc", q.reshape(m, d), keys, preferred_element_type=jnp.float32)
     logits = jnp.where(valid, logits.reshape(b, t, hq, -1) * scale, -jnp.inf)
     weights = jax.nn.softmax(logits, axis=-1).reshape(m, -1)
-    values = _head_blocks(v_cache, starts, c).reshape(m, weights.shape[-1], -1)
-    out = jnp.einsum("mc,mcd->md", weights, values, preferred_element_type=jnp.float32)
+    out = jnp.einsum("mc,mcd->md", weights, values.astype(jnp.float32), preferred_element_type=jnp.float32)
     return out.reshape(b, t, hq, -1).astype(q.dtype)
 
 
-def _head_blocks(cache, starts, size: int):
+def head_blocks(cache, starts, size: int):
     """cache [B, L, Hkv, D], block starts [B, T, Hq, blocks] -> [B, T, Hq, blocks, size, D]: each
     query head reads its blocks from its own KV head only."""
     b, t, hq, nb = starts.shape
