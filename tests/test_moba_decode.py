@@ -2,6 +2,8 @@
 prompts ending mid-block and on a block boundary, prefill and multi-token steps), with no
 [T, L]-sized array in a long prefill and nothing context-sized read by a step."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +13,8 @@ from flax import nnx
 
 from effattn_jax.config import load_config
 from effattn_jax.model import Transformer, init_cache
+from effattn_jax.ops.moba_decode import empty_block_means, kv_view, moba_decode_attention, prefill_block_means
+from pallas_kernels.moba.gpu_decode import moba_decode_gpu
 
 BLOCK = 4
 
@@ -122,3 +126,27 @@ def test_a_step_reads_only_its_blocks(kind):
     assert shapes and not [(p, s) for p, s in shapes if 4096 in s]
     dense = Transformer(load_config(None, TINY_MLA + ["data.seq_len=4096", *kinds[kind]]), rngs=nnx.Rngs(0))
     assert [s for _, s in _decode_shapes(dense, 1, 4096, False) if 4096 in s]  # the check can fail
+
+
+def test_gpu_decode_kernel_matches_xla_and_lowers_for_cuda():
+    """A single-token step through the GPU kernel (interpreted here) equals the XLA step (GQA,
+    a partial own block, picks and an unused pick), and lowers for CUDA with jax.export."""
+    length, block, d = 70, 8, 16
+    k, v = (jax.random.normal(jax.random.key(i), (2, length, 2, d)) for i in range(2))
+    q = jax.random.normal(jax.random.key(2), (2, 1, 4, d))
+    means = prefill_block_means(
+        empty_block_means(2, length, 2, d, block), k, length, block_size=block, dtype=k.dtype
+    )
+    positions = jnp.array([[45], [20]])  # row 1: two earlier blocks for three picks
+    step = lambda impl, q, k, v: moba_decode_attention(
+        kv_view(q, k, v), means, positions, block_size=block, top_k=4, scale=0.25, impl=impl
+    )
+    np.testing.assert_allclose(step("pallas_gpu", q, k, v), step("xla", q, k, v), atol=1e-5, rtol=1e-5)
+    triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+    tables = [jax.ShapeDtypeStruct((2, 8, 3), jnp.int32)] * 3
+    cache = jax.ShapeDtypeStruct((2, 4096, 2, 64), jnp.bfloat16)
+    kernel = lambda q, k, v, *tables: moba_decode_gpu(q, k, v, *tables, 512, 0.125)
+    exported = jax.export.export(jax.jit(kernel), platforms=["cuda"], disabled_checks=[triton])(
+        jax.ShapeDtypeStruct((2, 8, 64), jnp.bfloat16), cache, cache, *tables
+    )
+    assert re.findall(r'name = "(moba_\w+_gpu)"', exported.mlir_module()) == ["moba_decode_gpu"]

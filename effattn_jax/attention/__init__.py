@@ -97,7 +97,9 @@ def _moba_core(cfg) -> Core:
         means = update_block_means(
             cache["block_means"], view.gate_keys, positions, block_size=c, dtype=q.dtype
         )
-        out = moba_decode_attention(view, means, positions, block_size=c, top_k=top_k, scale=scale)
+        out = moba_decode_attention(
+            view, means, positions, block_size=c, top_k=top_k, scale=scale, impl=cfg.moba.impl
+        )
         return out, {"block_means": means}
 
     return Core(attend, decode, init_state)

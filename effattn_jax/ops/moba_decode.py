@@ -22,6 +22,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from effattn_jax.ops.moba import resolve_impl
 from effattn_jax.ops.routing import block_means, top_k_first
 
 
@@ -32,7 +33,9 @@ class CacheView(NamedTuple):
     (MHA: q itself); length: L cache slots; full(): (k [B, L, H, D], v [B, L, H, Dv]) every
     slot (dense cores); prompt(T): the same for slots [0, T) (a prefill); fetch(starts
     [B, T, Hq, nb], size): (k, v) [B, T, Hq, nb, size, D|Dv], each query head's blocks from
-    its own KV head; gate_keys(slots [B, N]): [B, N, Hg, Dg] the keys the gate averages."""
+    its own KV head; gate_keys(slots [B, N]): [B, N, Hg, Dg] the keys the gate averages;
+    caches: the raw (k, v) [B, L, Hkv, D|Dv] where the cache is plain K/V (what a decode
+    kernel reads), else None."""
 
     q: jax.Array
     gate_q: jax.Array
@@ -41,6 +44,7 @@ class CacheView(NamedTuple):
     prompt: Callable
     fetch: Callable
     gate_keys: Callable
+    caches: tuple | None = None
 
 
 def kv_view(q, k_cache, v_cache) -> CacheView:
@@ -53,6 +57,7 @@ def kv_view(q, k_cache, v_cache) -> CacheView:
         prompt=lambda t: (k_cache[:, :t], v_cache[:, :t]),
         fetch=lambda starts, size: (head_blocks(k_cache, starts, size), head_blocks(v_cache, starts, size)),
         gate_keys=lambda slots: take_slots(k_cache, slots),
+        caches=(k_cache, v_cache),
     )
 
 
@@ -99,21 +104,38 @@ def update_block_means(means, gate_keys, positions, *, block_size: int, dtype) -
     return jax.lax.cond(complete.any(), take_means, lambda: means)
 
 
-def moba_decode_attention(view: CacheView, means, positions, *, block_size: int, top_k: int, scale):
+def moba_decode_attention(
+    view: CacheView, means, positions, *, block_size: int, top_k: int, scale, impl: str = "xla"
+):
     """The view's queries at `positions` [B, T] -> [B, T, Hq, Dv]. The training semantics
     (docs/moba.md): each query head takes the top (top_k - 1) complete blocks strictly before
     its own by the unscaled float32 gate (ties to the earlier block) plus its own block
-    causally. Only those blocks are fetched from the cache."""
-    q = view.q
-    b, t, hq, d = q.shape
+    causally. Only those blocks are fetched from the cache. `impl` (as `moba.impl`): where it
+    resolves to the GPU kernel, a single-token step over a plain K/V cache runs
+    `pallas_kernels/moba/gpu_decode.py`; everything else (and every other backend) runs XLA."""
+    starts, lo, hi, size = select_blocks(view, means, positions, block_size=block_size, top_k=top_k)
+    _, kernel, interpret = resolve_impl(impl)
+    if kernel == "gpu" and view.caches is not None and view.q.shape[1] == 1 and size & (size - 1) == 0:
+        from pallas_kernels.moba.gpu_decode import moba_decode_gpu
+
+        tables = (x[:, 0] for x in (starts, lo, hi))
+        out = moba_decode_gpu(view.q[:, 0], *view.caches, *tables, size, float(scale), interpret)
+        return out[:, None]
+    return attend_blocks(view, starts, lo, hi, size, scale)
+
+
+def select_blocks(view: CacheView, means, positions, *, block_size: int, top_k: int):
+    """(starts, lo, hi, size): each query head's blocks [B, T, Hq, 1 + k'] (its own first, then
+    its picks best first) as `size` cache slots from `starts`, of which slots lo..hi count
+    (the own block up to the query; an unused pick has hi < lo)."""
+    b, t, hq, _ = view.q.shape
     length, n = view.length, means.shape[1]
-    c = min(block_size, length)
+    size = min(block_size, length)
     own = positions // block_size  # [B, T] own block index
-    # the own block's window, moved back where a short cache ends inside it; masked by slot
-    first = jnp.minimum(own * block_size, length - c)
-    slots = first[..., None] + jnp.arange(c)  # [B, T, C]
-    ok = [(slots >= (own * block_size)[..., None]) & (slots <= positions[..., None])]  # [B, T, C]
-    starts = [jnp.broadcast_to(first[..., None, None], (b, t, hq, 1))]  # [B, T, Hq, blocks]
+    # the own block's window, moved back where a short cache ends inside it
+    first = jnp.minimum(own * block_size, length - size)
+    column = lambda x: jnp.broadcast_to(x[..., None, None], (b, t, hq, 1))
+    starts, lo, hi = [column(first)], [column(own * block_size)], [column(positions)]
     kk = min(top_k - 1, n)
     if kk > 0:
         hg, dg = means.shape[2:]
@@ -121,14 +143,24 @@ def moba_decode_attention(view: CacheView, means, positions, *, block_size: int,
         scores = jnp.einsum("btkgd,bnkd->btkgn", qg, means).reshape(b, t, hq, n)  # one dot per block
         candidate = jnp.arange(n) < own[..., None]  # [B, T, n]: complete blocks before the own one
         scores = jnp.where(candidate[:, :, None], scores, -jnp.inf)
-        picks = jnp.stack(top_k_first(scores, kk), axis=-1)  # [B, T, Hq, k'] best first
-        starts.append(jnp.minimum(picks, n - 1) * block_size)
-        ok.append(jnp.repeat(jnp.arange(kk) < candidate.sum(-1)[..., None], c, axis=-1))  # real picks
-    starts = jnp.concatenate(starts, axis=-1)
-    valid = jnp.concatenate(ok, axis=-1)[:, :, None]  # [B, T, 1, blocks * C]
-    # one batch of single-query attentions over (1 + k') * C fetched keys per (row, query, head)
+        picks = jnp.minimum(jnp.stack(top_k_first(scores, kk), axis=-1), n - 1)  # [B, T, Hq, k']
+        real = jnp.arange(kk) < candidate.sum(-1)[:, :, None, None]  # fewer candidates than k'
+        starts.append(picks * block_size)
+        lo.append(picks * block_size)
+        hi.append(jnp.where(real, picks * block_size + block_size - 1, -1))
+    # computed once, not inside the gathers (XLA would fuse the top-k into every gathered element)
+    return *jax.lax.optimization_barrier(tuple(jnp.concatenate(x, axis=-1) for x in (starts, lo, hi))), size
+
+
+def attend_blocks(view: CacheView, starts, lo, hi, size: int, scale):
+    """Softmax attention of each (row, query, head) over its blocks' valid slots (XLA): one
+    batch of single-query attentions over (1 + k') * size fetched keys each."""
+    q = view.q
+    b, t, hq, d = q.shape
+    slots = starts[..., None] + jnp.arange(size)  # [B, T, Hq, blocks, size]
+    valid = ((slots >= lo[..., None]) & (slots <= hi[..., None])).reshape(b, t, hq, -1)
     m = b * t * hq
-    keys, values = view.fetch(starts, c)
+    keys, values = view.fetch(starts, size)
     keys, values = keys.reshape(m, -1, d), values.reshape(m, valid.shape[-1], -1)
     logits = jnp.einsum("md,mcd->mc", q.reshape(m, d), keys, preferred_element_type=jnp.float32)
     logits = jnp.where(valid, logits.reshape(b, t, hq, -1) * scale, -jnp.inf)
