@@ -27,6 +27,7 @@ ATTENTION_KINDS = ("mha", "mla", "eg_mla")  # projections and cache (effattn_jax
 ATTENTION_CORES = ("dense", "moba")  # which keys each query sees (effattn_jax.attention.CORES)
 MOBA_IMPLS = ("auto", "reference", "xla", "pallas", "pallas_tpu", "pallas_gpu")  # effattn_jax.ops.moba
 DENSE_IMPLS = ("auto", "xla", "splash", "cudnn")  # effattn_jax.ops.dense
+MLA_DECODE_IMPLS = ("auto", "xla", "pallas")  # effattn_jax.ops.mla_decode
 EG_MLA_GATE_AT = ("latent", "heads")
 
 
@@ -84,6 +85,8 @@ class MlaConfig:
     qk_nope_head_dim: int = 32
     qk_rope_head_dim: int = 16  # decoupled RoPE key shared by all heads (cached)
     v_head_dim: int = 32
+    # absorbed decode step, one of MLA_DECODE_IMPLS: auto = the Pallas kernel on TPU, XLA elsewhere
+    decode_impl: str = "auto"
 
 
 @dataclass
@@ -503,6 +506,12 @@ def _validate_attention(cfg: Config) -> None:
     mla = cfg.mla
     _positive(mla, "mla", ["kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"])
     _positive(mla, "mla", ["q_lora_rank"], allow_zero=True)
+    _check(
+        mla.decode_impl in MLA_DECODE_IMPLS,
+        "mla.decode_impl",
+        mla.decode_impl,
+        f"allowed: {', '.join(MLA_DECODE_IMPLS)}",
+    )
     _check(
         mla.qk_rope_head_dim % 2 == 0,
         "mla.qk_rope_head_dim",

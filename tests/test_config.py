@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
         ("model.remat=yes please", "model.remat"),
         ("mesh.data=3", "data.batch_size"),  # 16 rows do not split over 3 devices
         ("eg_mla.gate_at=middle", "eg_mla.gate_at"),
+        ("mla.decode_impl=triton", "mla.decode_impl"),
         ("moba.kv_block=12", "moba.kv_block"),
         ("train.nonfinite=maybe", "train.nonfinite"),
     ],

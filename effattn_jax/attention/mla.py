@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import math
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from effattn_jax.layers import Dense, RMSNorm, apply_rope
+from effattn_jax.ops.mla_decode import absorbed_attention
 from effattn_jax.ops.moba_decode import CacheView, kv_view, take_slots
 from effattn_jax.sharding import constrain, sharding_rules
 
@@ -60,6 +60,7 @@ class MLA(nnx.Module):
         self.scale = 1.0 / math.sqrt(self.nope + self.rope_dim)
         self.rope_theta = m.rope_theta
         self.q_lora = bool(a.q_lora_rank)
+        self.decode_impl = a.decode_impl
         self.rules = sharding_rules(cfg)
 
     def init_kv_up(self, cfg, rngs):
@@ -148,18 +149,10 @@ class MLA(nnx.Module):
         q_nope, q_rope = self.query(x, positions)
         lat = self.absorbed_latent(cache) if absorb and self.core.causal_only else None
         if lat is not None:
-            w_uk, w_uv = self.uk.kernel[...].astype(lat.dtype), self.uv.kernel[...].astype(lat.dtype)
+            w_uk, w_uv = self.uk.kernel[...].astype(lat.dtype), self.uv.kernel[...].astype(jnp.float32)
             q_lat = jnp.einsum("bthn,dhn->bthd", q_nope, w_uk)
-            logits = jnp.einsum(
-                "bthd,bsd->bhts", q_lat, lat, preferred_element_type=jnp.float32
-            ) + jnp.einsum("bthr,bsr->bhts", q_rope, cache["kr"], preferred_element_type=jnp.float32)
-            mask = jnp.arange(lat.shape[1])[None, None, None, :] <= positions[:, None, :, None]
-            probs = jax.nn.softmax(jnp.where(mask, logits * self.scale, -jnp.inf), axis=-1)
-            out = jnp.einsum(
-                "bthd,dhv->bthv",
-                jnp.einsum("bhts,bsd->bthd", probs, lat.astype(jnp.float32)),
-                w_uv.astype(jnp.float32),
-            ).astype(x.dtype)
+            out = absorbed_attention(q_lat, q_rope, lat, cache["kr"], positions, self.scale, self.decode_impl)
+            out = jnp.einsum("bthd,dhv->bthv", out, w_uv).astype(x.dtype)
             return self.o(out), cache
         latent = self.latent_view(cache, q_nope, q_rope) if self.absorbed_width() else None
         if absorb and latent is not None:  # a sparse core over the latent: MQA in latent space
