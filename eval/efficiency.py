@@ -4,6 +4,7 @@
     python -m eval.efficiency decode-latency [--config a.yaml --config b.yaml ...] --context 1024,4096,16384
     python -m eval.efficiency train-cost [--config ...] [key=value ...]
     python -m eval.efficiency moba-decode [--context 8192,32768,131072] [--batch 1,8] [--json]
+    python -m eval.efficiency latent-decode [--context 4096,8192,16384,32768] [--batch 1,16] [--json]
 
 kv-cache: elements and bytes per token of the decode cache, all layers,
 counted from the cache arrays the attention modules actually allocate
@@ -25,6 +26,12 @@ alternated step by step, median per model. The model is the MoBA paper's small M
 (12 layers, d 768, 12 heads, block 512, top_k 3, float32); a (context, batch) whose cache
 would exceed --max-cache-gib is skipped and said so. --json prints a list of
 {context, batch, moba_ms, dense_ms, ratio}.
+
+latent-decode: ms per absorbed decode step of MLA-Base and EG-MLA kv64 emb256 (the paper
+configs, float32), the cache bytes a step reads (latent, RoPE key and, for EG-MLA, token ids,
+every layer) and that read rate against this machine's copy bandwidth, measured in the same
+run (a 1 GiB float32 array copied into a donated buffer: bytes read + written per second).
+Caches are synthetic and donated; the two models alternate step by step.
 
 train-cost: tokens/s and compiled memory of one train step for MHA, MLA and
 EG-MLA emb256 at the paper width, measured in one run (batch and sequence
@@ -181,6 +188,57 @@ def moba_vs_dense_decode(context: int, batch: int, *, repeats: int = 5) -> dict:
     return {"context": context, "batch": batch, "moba_ms": moba, "dense_ms": dense, "ratio": moba / dense}
 
 
+LATENT_MODELS = [("MLA-Base", "mla_base.yaml"), ("EG-MLA kv64 emb256", "eg_mla_kv64_emb256.yaml")]
+
+
+def copy_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+    """Bytes read + written per second copying a float32 array into a donated buffer."""
+    x = jnp.ones((int(gib * 2**28),), jnp.float32)
+    copy = jax.jit(lambda x, out: x + 0.0, donate_argnums=1)
+    out = copy(x, jnp.zeros_like(x))
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        out = jax.block_until_ready(copy(x, out))
+        times.append(time.perf_counter() - t)
+    return 2 * x.nbytes / statistics.median(times)
+
+
+def latent_decode(context: int, batch: int, *, repeats: int = 5) -> list[dict]:
+    """Median ms of an absorbed decode step at position `context` for each LATENT_MODELS
+    entry (alternated over their donated caches) and the cache bytes each step reads."""
+    steps, caches, read = {}, {}, {}
+    for label, name in LATENT_MODELS:
+        cfg = load_config(os.path.join(PAPER, name), [f"data.seq_len={context + 1}", "model.dtype=float32"])
+        model = Transformer(cfg, rngs=nnx.Rngs(0))
+        graphdef, params = nnx.split(model)
+        step = jax.jit(lambda p, t, pos, c, g=graphdef: nnx.merge(g, p).decode(t, pos, c), donate_argnums=3)
+        steps[label] = functools.partial(step, params)
+        key = jax.random.key(context)
+        caches[label] = [
+            {
+                k: jax.random.normal(key, v.shape) if v.dtype == jnp.float32 else jnp.ones(v.shape, v.dtype)
+                for k, v in c.items()
+            }
+            for c in init_cache(model, batch, context + 1)
+        ]
+        read[label] = sum(x.nbytes for c in caches[label] for x in c.values())
+    tokens, pos = jnp.ones((batch, 1), jnp.int32), jnp.full((batch, 1), context, jnp.int32)
+    times = {label: [] for label in steps}
+    for i in range(repeats + 1):  # the first round compiles and warms up
+        for label, step in steps.items():
+            t = time.perf_counter()
+            logits, caches[label] = step(tokens, pos, caches[label])
+            jax.block_until_ready(logits)
+            if i:
+                times[label].append(time.perf_counter() - t)
+    return [
+        {"model": label, "context": context, "batch": batch, "ms": statistics.median(times[label]) * 1e3,
+         "cache_bytes_read": read[label]}
+        for label in steps
+    ]  # fmt: skip
+
+
 def _synthetic_moba_caches(model, batch: int, length: int, block_size: int) -> list[dict]:
     """Random K/V for every slot and the block means they imply."""
     caches = []
@@ -228,6 +286,13 @@ def main(argv=None) -> int:
     md.add_argument("--repeats", type=positive_int, default=5)
     md.add_argument("--max-cache-gib", type=float, default=10.0, help="skip cases whose cache is larger")
     md.add_argument("--json", action="store_true")
+    ld = sub.add_parser(
+        "latent-decode", help="ms/token and cache read rate of absorbed MLA / EG-MLA decoding"
+    )
+    ld.add_argument("--context", type=positive_int_list, default="4096,8192,16384,32768")
+    ld.add_argument("--batch", type=positive_int_list, default="1,16")
+    ld.add_argument("--repeats", type=positive_int, default=5)
+    ld.add_argument("--json", action="store_true")
     tc = sub.add_parser("train-cost", help="tokens/s and compiled memory of one train step")
     tc.add_argument("--config", action="append", default=[])
     tc.add_argument("overrides", nargs="*")
@@ -239,6 +304,8 @@ def main(argv=None) -> int:
             return _print_train_cost(args)
         if args.command == "moba-decode":
             return _print_moba_decode(args)
+        if args.command == "latent-decode":
+            return _print_latent_decode(args)
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
         print(e, file=sys.stderr)
@@ -304,6 +371,35 @@ def _print_moba_decode(args) -> int:
             )
     if args.json:
         print(json.dumps(rows))
+    return 0
+
+
+def _print_latent_decode(args) -> int:
+    bandwidth = copy_bandwidth()
+    if not args.json:
+        print(
+            f"jax {jax.__version__} on {jax.devices()[0].device_kind}; paper configs, float32, synthetic "
+            f"donated caches, median of {args.repeats} alternated steps; copy bandwidth "
+            f"{bandwidth / 1e9:.2f} GB/s (read + written)"
+        )
+        print("| model | context | batch | ms/token | cache MB read | read GB/s | of copy bandwidth |")
+        print("|---|---|---|---|---|---|---|")
+    rows = []
+    for context in args.context:
+        for batch in args.batch:
+            for r in latent_decode(context, batch, repeats=args.repeats):
+                r["read_bytes_per_s"] = r["cache_bytes_read"] / (r["ms"] / 1e3)
+                r["of_copy_bandwidth"] = r["read_bytes_per_s"] / bandwidth
+                rows.append(r)
+                if not args.json:
+                    print(
+                        f"| {r['model']} | {context:,} | {batch} | {r['ms']:.1f} | "
+                        f"{r['cache_bytes_read'] / 1e6:,.0f} | {r['read_bytes_per_s'] / 1e9:.2f} | "
+                        f"{r['of_copy_bandwidth']:.0%} |",
+                        flush=True,
+                    )
+    if args.json:
+        print(json.dumps({"copy_bytes_per_s": bandwidth, "rows": rows}))
     return 0
 
 
