@@ -27,7 +27,7 @@ ATTENTION_KINDS = ("mha", "mla", "eg_mla")  # projections and cache (effattn_jax
 ATTENTION_CORES = ("dense", "moba")  # which keys each query sees (effattn_jax.attention.CORES)
 MOBA_IMPLS = ("auto", "reference", "xla", "pallas", "pallas_tpu", "pallas_gpu")  # effattn_jax.ops.moba
 DENSE_IMPLS = ("auto", "xla", "splash", "cudnn")  # effattn_jax.ops.dense
-MLA_DECODE_IMPLS = ("auto", "xla", "pallas")  # effattn_jax.ops.mla_decode
+MLA_DECODE_IMPLS = ("auto", "xla", "pallas", "pallas_tpu", "pallas_gpu")  # effattn_jax.ops.mla_decode
 EG_MLA_GATE_AT = ("latent", "heads")
 
 
@@ -85,7 +85,7 @@ class MlaConfig:
     qk_nope_head_dim: int = 32
     qk_rope_head_dim: int = 16  # decoupled RoPE key shared by all heads (cached)
     v_head_dim: int = 32
-    # absorbed decode step, one of MLA_DECODE_IMPLS: auto = the Pallas kernel on TPU, XLA elsewhere
+    # absorbed decode step, one of MLA_DECODE_IMPLS: auto = the Pallas kernel on TPU and GPU, XLA on CPU
     decode_impl: str = "auto"
 
 

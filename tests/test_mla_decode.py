@@ -1,6 +1,8 @@
 """The absorbed MLA decode kernel (one pass over the latent for all heads): interpreted equal
 to the XLA path inside a model's decode, and compiled ahead of time for a real TPU."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,16 +13,19 @@ from flax import nnx
 from effattn_jax.config import load_config
 from effattn_jax.model import Transformer, init_cache
 from effattn_jax.ops.mla_decode import absorbed_attention
+from pallas_kernels.mla_decode.gpu import mla_decode_gpu
 from pallas_kernels.mla_decode.tpu import mla_decode_tpu
 
 
-@pytest.mark.parametrize("kind", ["mla", "eg_mla"])
-def test_kernel_decode_equals_xla_decode(kind):
+@pytest.mark.parametrize(
+    "kind, impl", [("mla", "pallas_tpu"), ("eg_mla", "pallas_tpu"), ("mla", "pallas_gpu")]
+)
+def test_kernel_decode_equals_xla_decode(kind, impl):
     """Prefill 11 tokens (XLA), then single-token steps (the kernel's case) over a 40-slot
     cache, the rows at different lengths; EG-MLA passes its c~."""
     logits = {}
-    for impl in ("xla", "pallas"):
-        cfg = load_config(None, TINY_MLA + [f"attention.kind={kind}", f"mla.decode_impl={impl}"])
+    for name in ("xla", impl):
+        cfg = load_config(None, TINY_MLA + [f"attention.kind={kind}", f"mla.decode_impl={name}"])
         model = Transformer(cfg, rngs=nnx.Rngs(0))
         graphdef, params = nnx.split(model)
         decode = jax.jit(lambda p, t, pos, c, g=graphdef: nnx.merge(g, p).decode(t, pos, c))
@@ -31,14 +36,16 @@ def test_kernel_decode_equals_xla_decode(kind):
         for t in range(11, 16):
             out, caches = decode(params, tokens[:, t : t + 1], jnp.array([[t], [t + 20]]), caches)
             steps.append(out)
-        logits[impl] = jnp.concatenate(steps, axis=1)
-    np.testing.assert_allclose(logits["pallas"], logits["xla"], atol=1e-5, rtol=1e-5)
+        logits[name] = jnp.concatenate(steps, axis=1)
+    np.testing.assert_allclose(logits[impl], logits["xla"], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("interpret", [True, "tpu"])
-def test_kernel_tiles_equal_xla(interpret):
-    """16-slot tiles over 40 slots: a partial last tile, and a row whose length ends in the first
-    tile (its later tiles copy nothing and compute nothing)."""
+@pytest.mark.parametrize(
+    "kernel, interpret", [(mla_decode_tpu, True), (mla_decode_tpu, "tpu"), (mla_decode_gpu, True)]
+)
+def test_kernel_tiles_equal_xla(kernel, interpret):
+    """16-slot tiles over 40 slots: a partial last tile (masked), and a row whose length ends in
+    the first tile (its later tiles are skipped)."""
     keys = jax.random.split(jax.random.key(0), 4)
     q_lat, q_rope = jax.random.normal(keys[0], (2, 1, 4, 16)), jax.random.normal(keys[1], (2, 1, 4, 8))
     lat, kr = jax.random.normal(keys[2], (2, 40, 16)), jax.random.normal(keys[3], (2, 40, 8))
@@ -65,3 +72,18 @@ def test_kernel_compiles_for_a_real_tpu():
     )
     assert lowered.as_text().count("tpu_custom_call") == 1
     lowered.compile()
+
+
+def test_gpu_kernel_lowers_for_cuda():
+    """jax.export lowers the GPU kernel to Triton: bf16, 12 heads (padded to 16), d 256 + 64."""
+    triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+    arg = jax.ShapeDtypeStruct
+    step = jax.jit(lambda ql, qr, lat, kr, lens: mla_decode_gpu(ql, qr, lat, kr, lens, 0.1))
+    exported = jax.export.export(step, platforms=["cuda"], disabled_checks=[triton])(
+        arg((2, 12, 256), jnp.bfloat16),
+        arg((2, 12, 64), jnp.bfloat16),
+        arg((2, 4100, 256), jnp.bfloat16),
+        arg((2, 4100, 64), jnp.bfloat16),
+        arg((2,), jnp.int32),
+    )
+    assert re.findall(r'name = "(mla_\w+_gpu)"', exported.mlir_module()) == ["mla_decode_gpu"]

@@ -1,25 +1,30 @@
 """MLA's absorbed decoding over the cached latent (docs/mla.md), and its one dispatch: XLA, or
-the Pallas TPU kernel that reads each latent tile once for all heads
-(pallas_kernels/mla_decode/tpu.py)."""
+the Pallas kernels that read each latent tile once for all heads
+(pallas_kernels/mla_decode/: tpu.py, gpu.py)."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
+from effattn_jax.ops.moba import resolve_impl
+
 
 def absorbed_attention(q_lat, q_rope, lat, kr, positions, scale: float, impl: str = "xla"):
     """Causal attention in latent space: q_lat [B, T, H, d] (W_UK already folded in), q_rope
     [B, T, H, d_R] over the latent [B, L, d] and k^R [B, L, d_R] up to each query's position
-    -> [B, T, H, d] float32 (W_UV applies after). impl: "xla", "pallas" (the TPU kernel for a
-    single-token step, interpreted off TPU; XLA for more tokens) or "auto" (the kernel on TPU)."""
-    on_tpu = jax.default_backend() == "tpu"
-    if (impl == "pallas" or (impl == "auto" and on_tpu)) and q_lat.shape[1] == 1:
-        from pallas_kernels.mla_decode.tpu import mla_decode_tpu
-
-        out = mla_decode_tpu(
-            q_lat[:, 0], q_rope[:, 0], lat, kr, positions[:, 0] + 1, scale, interpret=not on_tpu
-        )
+    -> [B, T, H, d] float32 (W_UV applies after). impl (`mla.decode_impl`), as `moba.impl`
+    resolves it: "auto" (the kernel on TPU and GPU, XLA elsewhere), "xla", "pallas" (this
+    backend's kernel, the TPU one interpreted on CPU), "pallas_tpu" / "pallas_gpu". A kernel
+    runs a single-token step (more tokens: XLA); the GPU one needs power-of-two widths."""
+    path, kernel, interpret = resolve_impl(impl)
+    pow2 = all(w & (w - 1) == 0 for w in (lat.shape[-1], kr.shape[-1]))
+    if path == "pallas" and q_lat.shape[1] == 1 and (kernel == "tpu" or pow2):
+        if kernel == "tpu":
+            from pallas_kernels.mla_decode.tpu import mla_decode_tpu as decode
+        else:
+            from pallas_kernels.mla_decode.gpu import mla_decode_gpu as decode
+        out = decode(q_lat[:, 0], q_rope[:, 0], lat, kr, positions[:, 0] + 1, scale, interpret=interpret)
         return out[:, None]
     logits = jnp.einsum("bthd,bsd->bhts", q_lat, lat, preferred_element_type=jnp.float32)
     logits += jnp.einsum("bthr,bsr->bhts", q_rope, kr, preferred_element_type=jnp.float32)
