@@ -108,20 +108,26 @@ def compiled_decode_step(cfg, context: int, *, absorb: bool):
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model)
     step = jax.jit(lambda p, t, pos, c: nnx.merge(graphdef, p).decode(t, pos, c, absorb=absorb)[0])
-    key = jax.random.key(context)
-    caches = [
-        {
-            k: (
-                jax.random.normal(key, v.shape, v.dtype)
-                if jnp.issubdtype(v.dtype, jnp.floating)
-                else jax.random.randint(key, v.shape, 0, cfg.model.vocab_size, v.dtype)
-            )
-            for k, v in c.items()
-        }
-        for c in init_cache(model, 1, context + 1, jnp.dtype(cfg.model.dtype))
-    ]
+    caches = synthetic_caches(model, 1, context + 1, jnp.dtype(cfg.model.dtype), seed=context)
     args = (params, jnp.ones((1, 1), jnp.int32), jnp.full((1, 1), context, jnp.int32), caches)
     return step.lower(*args).compile(), args
+
+
+def synthetic_caches(model, batch: int, length: int, dtype=jnp.float32, *, seed: int = 0) -> list[dict]:
+    """Every cache array of `init_cache` filled with random entries: normal floats, token ids
+    drawn from the vocabulary (what a filled cache holds, without running a prefill)."""
+    key = jax.random.key(seed)
+    vocab = model.embed[...].shape[0]
+    fill = lambda x, key: (
+        jax.random.normal(key, x.shape, x.dtype)
+        if jnp.issubdtype(x.dtype, jnp.floating)
+        else jax.random.randint(key, x.shape, 0, vocab, x.dtype)
+    )
+    caches = init_cache(model, batch, length, dtype)
+    return [
+        {name: fill(x, jax.random.fold_in(key, 64 * layer + i)) for i, (name, x) in enumerate(c.items())}
+        for layer, c in enumerate(caches)
+    ]
 
 
 def decode_bytes_accessed(cfg, context: int, *, absorb: bool) -> float:
@@ -214,14 +220,7 @@ def latent_decode(context: int, batch: int, *, repeats: int = 5) -> list[dict]:
         graphdef, params = nnx.split(model)
         step = jax.jit(lambda p, t, pos, c, g=graphdef: nnx.merge(g, p).decode(t, pos, c), donate_argnums=3)
         steps[label] = functools.partial(step, params)
-        key = jax.random.key(context)
-        caches[label] = [
-            {
-                k: jax.random.normal(key, v.shape) if v.dtype == jnp.float32 else jnp.ones(v.shape, v.dtype)
-                for k, v in c.items()
-            }
-            for c in init_cache(model, batch, context + 1)
-        ]
+        caches[label] = synthetic_caches(model, batch, context + 1, seed=context)
         read[label] = sum(x.nbytes for c in caches[label] for x in c.values())
     tokens, pos = jnp.ones((batch, 1), jnp.int32), jnp.full((batch, 1), context, jnp.int32)
     times = {label: [] for label in steps}
@@ -241,11 +240,11 @@ def latent_decode(context: int, batch: int, *, repeats: int = 5) -> list[dict]:
 
 def _synthetic_moba_caches(model, batch: int, length: int, block_size: int) -> list[dict]:
     """Random K/V for every slot and the block means they imply."""
-    caches = []
-    for i, cache in enumerate(init_cache(model, batch, length)):
-        k, v = (jax.random.normal(jax.random.key(2 * i + j), cache["k"].shape) for j in range(2))
-        means = prefill_block_means(cache["block_means"], k, length, block_size=block_size, dtype=k.dtype)
-        caches.append({"k": k, "v": v, "block_means": means})
+    caches = synthetic_caches(model, batch, length)
+    for c in caches:
+        c["block_means"] = prefill_block_means(
+            c["block_means"], c["k"], length, block_size=block_size, dtype=c["k"].dtype
+        )
     return caches
 
 

@@ -127,3 +127,17 @@ def corrupt_step(step_dir, how):
         f.write_bytes(bytes(data[: len(data) // 2]))
     else:
         f.unlink()
+
+
+def jaxpr_outputs(jaxpr):
+    """(primitive name, output shape) of every equation, sub-jaxprs (loops, maps, conds) included:
+    for tests that bound or forbid the arrays a function builds."""
+    for eqn in jaxpr.eqns:
+        for var in eqn.outvars:
+            if hasattr(var.aval, "shape"):
+                yield eqn.primitive.name, tuple(var.aval.shape)
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, tuple | list) else [param]:
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    yield from jaxpr_outputs(sub)

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import jaxpr_outputs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -226,10 +227,4 @@ def test_routing_holds_no_per_query_copy_of_the_block_means(packed):
 
 def _array_shapes(jaxpr):
     """Shapes of every intermediate, sub-jaxprs (loops, maps) included."""
-    for eqn in jaxpr.eqns:
-        yield from (tuple(var.aval.shape) for var in eqn.outvars if hasattr(var.aval, "shape"))
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, tuple | list) else [param]:
-                sub = getattr(sub, "jaxpr", sub)
-                if hasattr(sub, "eqns"):
-                    yield from _array_shapes(sub)
+    return (shape for _, shape in jaxpr_outputs(jaxpr))

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TINY_MLA
+from conftest import TINY_MLA, jaxpr_outputs
 from flax import nnx
 
 from effattn_jax.config import load_config
@@ -77,18 +77,7 @@ def test_decode_equals_packed_forward(overrides):
     np.testing.assert_allclose(np.stack(got[1]), want[1][:19], atol=1e-4, rtol=1e-4)
 
 
-def _shapes(jaxpr, skip=("scatter", "scatter-add", "dynamic_update_slice")):
-    """(primitive, shape) of every intermediate, sub-jaxprs included; cache writes skipped."""
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name not in skip:
-            yield from (
-                (eqn.primitive.name, tuple(v.aval.shape)) for v in eqn.outvars if hasattr(v.aval, "shape")
-            )
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, tuple | list) else [param]:
-                sub = getattr(sub, "jaxpr", sub)
-                if hasattr(sub, "eqns"):
-                    yield from _shapes(sub, skip)
+CACHE_WRITES = ("scatter", "scatter-add", "dynamic_update_slice")
 
 
 def _decode_shapes(model, t, length, prefill):
@@ -96,7 +85,8 @@ def _decode_shapes(model, t, length, prefill):
     tokens = jnp.zeros((1, t), jnp.int32)
     positions = jnp.arange(t)[None] + (0 if prefill else length - t)
     fn = lambda caches: model.decode(tokens, positions, caches, prefill=prefill)[0]
-    return list(_shapes(jax.make_jaxpr(fn)(caches).jaxpr))
+    outputs = jaxpr_outputs(jax.make_jaxpr(fn)(caches).jaxpr)
+    return [(p, s) for p, s in outputs if p not in CACHE_WRITES]  # the cache writes are the cache
 
 
 def test_long_prefill_holds_no_prompt_by_prompt_array():

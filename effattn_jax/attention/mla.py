@@ -154,7 +154,8 @@ class MLA(nnx.Module):
             out = absorbed_attention(q_lat, q_rope, lat, cache["kr"], positions, self.scale, self.decode_impl)
             out = jnp.einsum("bthd,dhv->bthv", out, w_uv).astype(x.dtype)
             return self.o(out), cache
-        latent = self.latent_view(cache, q_nope, q_rope) if self.absorbed_width() else None
+        sparse_latent = self.absorbed_width() and not self.core.causal_only  # what a sparse core gates on
+        latent = self.latent_view(cache, q_nope, q_rope) if sparse_latent else None
         if absorb and latent is not None:  # a sparse core over the latent: MQA in latent space
             out, state = self.core.decode(latent, cache, positions, scale=self.scale, prefill=prefill)
             out = jnp.einsum("bthd,dhv->bthv", out, self.uv.kernel[...].astype(out.dtype))
