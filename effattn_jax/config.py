@@ -54,6 +54,8 @@ class ModelConfig:
     init_std: float = 0.02
     dtype: str = "float32"  # compute dtype; parameters stay float32
     remat: bool = False  # rematerialise each block's activations in backward
+    # logits rows the training loss holds at once (ops/cross_entropy.py); 0: all [B, S, vocab]
+    loss_chunk_tokens: int = 8192
 
 
 @dataclass
@@ -452,7 +454,7 @@ def _validate_model(cfg: Config) -> None:
         "init_std",
     ]
     _positive(model, "model", positive)
-    _positive(model, "model", ["num_kv_heads", "head_dim"], allow_zero=True)
+    _positive(model, "model", ["num_kv_heads", "head_dim", "loss_chunk_tokens"], allow_zero=True)
     _check(
         model.d_model % model.num_heads == 0 or model.head_dim > 0,
         "model.num_heads",

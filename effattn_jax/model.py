@@ -66,10 +66,18 @@ class Transformer(nnx.Module):
         )
         self.dtype = jnp.dtype(m.dtype)
         self.remat = m.remat
+        self.loss_chunk_tokens = m.loss_chunk_tokens
         self.rules = sharding_rules(cfg)
 
     def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
         """tokens, segment_ids: [B, S] int -> float32 logits [B, S, vocab]."""
+        return constrain(
+            self.logits(self.features(tokens, segment_ids)), ("batch", "length", "vocab"), self.rules
+        )
+
+    def features(self, tokens: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+        """tokens, segment_ids: [B, S] int -> the last block's output [B, S, d_model] (before the
+        final norm): what the output head reads (`logits`, or the chunked training loss)."""
         if segment_ids is None:
             segment_ids = jnp.ones_like(tokens)
         positions = segment_positions(segment_ids)
@@ -83,7 +91,7 @@ class Transformer(nnx.Module):
             run = nnx.remat(run)
         for block in self.blocks:
             x = run(block, x)
-        return constrain(self.logits(x), ("batch", "length", "vocab"), self.rules)
+        return x
 
     def logits(self, x):
         return jnp.dot(self.final_norm(x), self.output_projection(), preferred_element_type=jnp.float32)

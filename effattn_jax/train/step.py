@@ -11,16 +11,24 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from effattn_jax.ops.cross_entropy import chunked_cross_entropy
 from effattn_jax.sharding import constrain, sharding_rules
 from effattn_jax.train.state import TrainSetup
 
 
 def loss_sums(model, batch) -> tuple[jax.Array, jax.Array]:
-    """(sum of masked token NLL, number of masked tokens) for one batch, float32."""
-    logits = model(batch["inputs"], batch["segment_ids"])
-    nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    """(sum of masked token NLL, number of masked tokens) for one batch, float32. The output
+    head runs chunked (`model.loss_chunk_tokens`): the [B, S, vocab] logits are never held."""
     mask = batch["loss_mask"]
-    return jnp.sum(nll * mask), jnp.sum(mask)
+    if not model.loss_chunk_tokens:
+        logits = model(batch["inputs"], batch["segment_ids"])
+        nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+        return jnp.sum(nll * mask), jnp.sum(mask)
+    x = model.final_norm(model.features(batch["inputs"], batch["segment_ids"]))
+    total = chunked_cross_entropy(
+        x, model.output_projection(), batch["targets"], mask, chunk_tokens=model.loss_chunk_tokens
+    )
+    return total, jnp.sum(mask)
 
 
 def split_micro_batches(batch: dict, accum: int, rules) -> dict:
