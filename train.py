@@ -3,7 +3,8 @@
 Rerunning the same command resumes from the run directory's last checkpoint. Several processes
 (a TPU pod slice, multi-GPU hosts, or `python -m effattn_jax.launch` here) join through
 jax.distributed: see effattn_jax/launch.py.
-Exit status: 0 done, 1 non-finite loss (train.nonfinite=stop), 2 bad config or data,
+Exit status: 0 done, 1 non-finite loss (train.nonfinite=stop) or a dry run that does not fit its
+chips, 2 bad config or data,
 143 preempted (SIGTERM/SIGINT).
 """
 
@@ -31,6 +32,14 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
         return user_error(e)
+    if cfg.train.dry_run:
+        from effattn_jax.train.dry_run import dry_run
+
+        try:
+            report = dry_run(cfg)
+        except ConfigError as e:
+            return user_error(e)
+        return 1 if report.get("hbm_bytes") and report["bytes_per_chip"] > report["hbm_bytes"] else 0
     from effattn_jax import launch
     from effattn_jax.train.loop import NonFiniteError, final_line, run
 

@@ -154,6 +154,8 @@ class TrainConfig:
     nonfinite: str = "stop"
     # false: start over, moving the run directory's checkpoints and metrics aside (previous-<time>/)
     resume: bool = True
+    # print the run's size (and with mesh.topology its compiled per-chip memory), then exit
+    dry_run: bool = False
 
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -164,6 +166,8 @@ class MeshConfig:
     data: int = -1  # -1 = all devices not used by the other axes
     fsdp: int = 1
     tensor: int = 1
+    # a TPU slice for train.dry_run's ahead-of-time compile (e.g. v5e:2x2, v5p:4x4x4; needs libtpu)
+    topology: str = ""
     # Logical axis name -> mesh axes. A mesh axis that does not divide a dim is not used for it
     # (that dim loses that parallelism; a warning names it); the batch must divide (checked).
     rules: dict[str, list[str]] = field(

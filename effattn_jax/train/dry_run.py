@@ -1,0 +1,128 @@
+"""`train.dry_run=true`: size a run and check it fits its target chips, from a laptop.
+
+The model is built abstractly (shapes only, nothing allocated); the parameter counts, FLOPs per
+token and the whole run's compute are printed. With `mesh.topology` (e.g. v5p:4x4x4) the train
+step is then compiled ahead of time for that TPU slice with libtpu (the `tpu` extra; no TPU
+needed) and the compiler's per-chip memory is printed against the chip's HBM.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from effattn_jax.config import Config, ConfigError
+from effattn_jax.flops import PFLOPS_DAY, pflops_days, train_flops_per_token
+from effattn_jax.model import Transformer, param_counts
+from effattn_jax.sharding import make_mesh
+
+# HBM per chip by libtpu's device_kind (GiB)
+HBM_GIB = {"TPU v4": 32, "TPU v5 lite": 16, "TPU v5e": 16, "TPU v5": 95, "TPU v5p": 95, "TPU v6 lite": 32}
+
+
+def for_tpu(cfg: Config) -> Config:
+    """`auto` kernel choices resolved as they would be on a TPU (this process's backend is the
+    CPU, so `auto` would pick the XLA paths)."""
+    cfg = copy.deepcopy(cfg)
+    if cfg.attention.dense_impl == "auto":
+        cfg.attention.dense_impl = "splash"
+    if cfg.moba.impl == "auto":
+        cfg.moba.impl = "pallas_tpu"
+    return cfg
+
+
+def _topology_devices(name: str):
+    from jax.experimental import topologies
+
+    try:
+        return topologies.get_topology_desc(platform="tpu", topology_name=name).devices
+    except Exception as e:  # libtpu missing, or a topology it does not know
+        raise ConfigError(
+            "mesh.topology",
+            name,
+            f"not a TPU slice libtpu can build ({type(e).__name__}: {str(e).splitlines()[0]}); needs the "
+            "tpu extra (pip install -e '.[tpu]') and a name like v5e:2x2 or v5p:4x4x4",
+        ) from e
+
+
+def compile_for_topology(cfg: Config) -> dict:
+    """Ahead-of-time compile of the train step on the topology's chips -> memory figures."""
+    from effattn_jax.train.state import make_setup
+    from effattn_jax.train.step import make_train_step
+
+    devices = _topology_devices(cfg.mesh.topology)
+    cfg = for_tpu(cfg)
+    mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=devices)
+    setup = make_setup(cfg, mesh)
+    shape, batch_sharding = (cfg.data.batch_size, cfg.data.seq_len), setup.batch_sharding()
+    batch = {
+        name: jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding)
+        for name, dtype in [
+            ("inputs", jnp.int32),
+            ("targets", jnp.int32),
+            ("segment_ids", jnp.int32),
+            ("loss_mask", jnp.float32),
+        ]
+    }
+    start = time.perf_counter()
+    compiled = make_train_step(setup).lower(setup.abstract_state, batch).compile()
+    m = compiled.memory_analysis()
+    kind = devices[0].device_kind
+    return {
+        "chips": len(devices),
+        "mesh": dict(mesh.shape),
+        "device_kind": kind,
+        "compile_seconds": time.perf_counter() - start,
+        # donated state aliases its outputs: count it once
+        "bytes_per_chip": int(
+            m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+        ),
+        "hbm_bytes": HBM_GIB[kind] * 2**30 if kind in HBM_GIB else None,
+    }
+
+
+def dry_run(cfg: Config, *, compile: bool = True) -> dict:
+    """Prints the run's size (and, with mesh.topology, its compiled per-chip memory); returns
+    the figures. Allocates no parameters."""
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=cfg.train.seed)))
+    counts = param_counts(model)
+    flops_token = train_flops_per_token(cfg, counts["non_embedding"])
+    tokens = cfg.train.steps * cfg.data.batch_size * cfg.data.seq_len
+    report = {
+        **{f"params_{k}": v for k, v in counts.items()},
+        "train_flops_per_token": flops_token,
+        "tokens": tokens,
+        "pflops_days_6nd": pflops_days(counts["non_embedding"], tokens),
+        "pflops_days": flops_token * tokens / PFLOPS_DAY,
+    }
+    print(
+        f"parameters: {counts['non_embedding']:,} non-embedding, {counts['embedding']:,} embedding, "
+        f"{counts['embedding_gate']:,} gate tables ({counts['total']:,} in all)"
+    )
+    print(
+        f"train FLOPs/token: {flops_token / 1e9:.2f} GFLOP (6·N incl. the output head, + attention); "
+        f"{tokens / 1e9:.2f}B tokens ({cfg.train.steps:,} steps x {cfg.data.batch_size} x "
+        f"{cfg.data.seq_len}); {report['pflops_days']:,.1f} PFLOP/s-days "
+        f"(6·N·D alone: {report['pflops_days_6nd']:,.1f})"
+    )
+    if not cfg.mesh.topology:
+        print("no mesh.topology: the ahead-of-time compile was skipped (e.g. mesh.topology=v5p:4x4x4)")
+    elif compile:
+        fit = compile_for_topology(cfg)
+        report |= fit
+        gib = fit["bytes_per_chip"] / 2**30
+        cap = f"{fit['hbm_bytes'] / 2**30:.0f} GiB" if fit["hbm_bytes"] else "unknown capacity"
+        verdict = (
+            ""
+            if not fit["hbm_bytes"]
+            else (" fits" if fit["bytes_per_chip"] <= fit["hbm_bytes"] else " DOES NOT FIT")
+        )
+        print(
+            f"compiled for {cfg.mesh.topology} ({fit['chips']} x {fit['device_kind']}, mesh {fit['mesh']}) "
+            f"in {fit['compile_seconds']:.0f} s: {gib:.2f} GiB per chip of {cap}:{verdict}"
+        )
+    return report

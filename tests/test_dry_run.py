@@ -1,0 +1,57 @@
+"""`train.dry_run`: the paper configs size themselves without allocating, and compile ahead of
+time for a TPU slice."""
+
+import glob
+
+import pytest
+
+from effattn_jax.config import ConfigError, load_config
+from effattn_jax.train.dry_run import dry_run
+
+PAPER = sorted(glob.glob("configs/*/paper/*.yaml"))
+# PAPERS.md §1: the scaling-law models' non-embedding parameters
+MOBA_SIZES = {"545m": 545e6, "822m": 822e6, "1.1b": 1.1e9, "1.5b": 1.5e9, "2.1b": 2.1e9}
+
+
+def test_every_paper_config_loads():
+    assert len(PAPER) >= 20
+    for path in PAPER:
+        load_config(path)
+
+
+@pytest.mark.parametrize("size", sorted(MOBA_SIZES))
+def test_moba_scaling_models_have_the_papers_sizes(size):
+    for variant in ("moba", "full"):
+        report = dry_run(load_config(f"configs/moba/paper/{variant}_{size}.yaml"), compile=False)
+        assert report["params_non_embedding"] == pytest.approx(MOBA_SIZES[size], rel=0.06)
+        assert report["params_embedding_gate"] == 0
+
+
+def test_smallest_of_each_family_dry_runs(capsys):
+    moba = dry_run(load_config("configs/moba/paper/moba_545m.yaml"), compile=False)
+    assert moba["tokens"] == pytest.approx(10.8e9, rel=0.01)
+    assert moba["pflops_days_6nd"] == pytest.approx(
+        6 * moba["params_non_embedding"] * moba["tokens"] / 8.64e19
+    )
+    eg = dry_run(load_config("configs/egmla/paper/eg_mla_kv64_emb64.yaml"), compile=False)
+    assert eg["params_embedding_gate"] == 12 * 50304 * 64  # emb64: the paper's 38M tables
+    assert eg["tokens"] == pytest.approx(50e9, rel=0.01)
+    out = capsys.readouterr().out
+    assert out.count("non-embedding") == 2 and out.count("PFLOP/s-days") == 2
+
+
+def test_compiles_for_a_tpu_slice(capsys):
+    """The default small model, compiled for a v5e 2x2 slice: the per-chip memory is reported
+    against the chip's 16 GiB."""
+    pytest.importorskip("libtpu")
+    cfg = load_config(None, ["mesh.topology=v5e:2x2", "data.batch_size=8", "data.seq_len=128"])
+    report = dry_run(cfg)
+    assert report["chips"] == 4 and report["device_kind"] == "TPU v5 lite"
+    assert 0 < report["bytes_per_chip"] < report["hbm_bytes"] == 16 * 2**30
+    assert "fits" in capsys.readouterr().out
+
+
+def test_unknown_topology_is_a_config_error():
+    pytest.importorskip("libtpu")
+    with pytest.raises(ConfigError, match="mesh.topology"):
+        dry_run(load_config(None, ["mesh.topology=v9z:1x1"]))
