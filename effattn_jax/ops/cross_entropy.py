@@ -87,7 +87,7 @@ def _loss_bwd(c, res, g):
 _loss.defvjp(_loss_fwd, _loss_bwd)
 
 
-def chunked_cross_entropy(x, w, targets, weights, *, chunk_tokens: int = 4096) -> jax.Array:
+def chunked_cross_entropy(x, w, targets, weights, *, chunk_tokens: int) -> jax.Array:
     """Σ weights · (−log softmax(x @ w)[target]) as a float32 scalar, without the full logits.
 
     x [B, S, d] (the final-normed hidden states, compute dtype), w [d, V] (the output

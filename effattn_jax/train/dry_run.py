@@ -21,7 +21,7 @@ from effattn_jax.model import Transformer, param_counts
 from effattn_jax.sharding import make_mesh
 
 # HBM per chip by libtpu's device_kind (GiB)
-HBM_GIB = {"TPU v4": 32, "TPU v5 lite": 16, "TPU v5e": 16, "TPU v5": 95, "TPU v5p": 95, "TPU v6 lite": 32}
+HBM_GIB = {"TPU v4": 32, "TPU v5 lite": 16, "TPU v5": 95, "TPU v6 lite": 32}
 
 
 def for_tpu(cfg: Config) -> Config:
