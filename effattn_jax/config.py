@@ -54,8 +54,12 @@ class ModelConfig:
     init_std: float = 0.02
     dtype: str = "float32"  # compute dtype; parameters stay float32
     remat: bool = False  # rematerialise each block's activations in backward
-    # logits rows the training loss holds at once (ops/cross_entropy.py); 0: all [B, S, vocab]
-    loss_chunk_tokens: int = 8192
+    # stack the layers' parameters and run them with one scan (fast compiles for deep models; a
+    # different parameter tree, so a run keeps the value it started with)
+    scan_layers: bool = False
+    # logits rows the training loss holds at once (ops/cross_entropy.py); 0: all [B, S, vocab].
+    # 128 is the fastest measured on CPU (BENCHMARKS.md); accelerator configs set more
+    loss_chunk_tokens: int = 128
 
 
 @dataclass

@@ -7,6 +7,7 @@ for its (kind, core) through `Config.layer_spec`, so hybrids are config only.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -53,11 +54,67 @@ class Block(nnx.Module):
         return x + self.mlp(self.mlp_norm(x)), cache
 
 
+def layer_groups(cfg: Config) -> list[tuple[int, int, list[tuple[int, int]]]]:
+    """Scanned layers: (first layer, count, core runs) per run of layers of one attention kind;
+    the core runs, (offset in the group, count), are scanned one after another. Grouping by kind
+    alone keeps the parameter tree the same when a MoBA -> dense switch changes the cores."""
+    specs = [cfg.layer_spec(i) for i in range(cfg.model.num_layers)]
+    groups = []
+    for i, (kind, core) in enumerate(specs):
+        if not groups or specs[i - 1][0] != kind:
+            groups.append((i, 0, []))
+        start, n, runs = groups[-1]
+        if not runs or specs[i - 1][1] != core:
+            runs.append((i - start, 0))
+        runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        groups[-1] = (start, n + 1, runs)
+    return groups
+
+
+def _stacked_blocks(cfg: Config, layer: int, n: int, rngs: nnx.Rngs) -> Block:
+    """n Blocks like layer `layer`, their parameters stacked on a new leading axis."""
+
+    @nnx.split_rngs(splits=n)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def create(rngs):
+        return Block(cfg, layer, rngs=rngs)
+
+    return create(rngs)
+
+
+def _block_graphdef(cfg: Config, layer: int):
+    """The structure of one layer's Block (its kind and core), to merge with a slice of a stack."""
+    return nnx.graphdef(nnx.eval_shape(lambda: Block(cfg, layer, rngs=nnx.Rngs(0))))
+
+
+def _layer(i: int, a):
+    """Layer i of a stacked parameter (of its shape, for an abstract model)."""
+    return jax.ShapeDtypeStruct(a.shape[1:], a.dtype) if isinstance(a, jax.ShapeDtypeStruct) else a[i]
+
+
+def _scan(graphdef, layers, x, args, remat: bool):
+    """x through the stacked layers in order: one traced layer, not one per layer (compile time)."""
+
+    def body(x, layer):
+        return nnx.merge(graphdef, layer)(x, *args), None
+
+    return jax.lax.scan(jax.checkpoint(body) if remat else body, x, layers)[0]
+
+
 class Transformer(nnx.Module):
     def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
         m = cfg.model
         self.embed = param(rngs, (m.vocab_size, m.d_model), ("vocab", "embed"), m.init_std)
-        self.blocks = nnx.List([Block(cfg, i, rngs=rngs) for i in range(m.num_layers)])
+        self.scan_layers = m.scan_layers
+        if m.scan_layers:
+            groups = layer_groups(cfg)
+            self.blocks = nnx.List([_stacked_blocks(cfg, start, n, rngs) for start, n, _ in groups])
+            self.runs = tuple(
+                tuple((_block_graphdef(cfg, start + offset), offset, n) for offset, n in runs)
+                for start, _, runs in groups
+            )
+        else:
+            self.blocks = nnx.List([Block(cfg, i, rngs=rngs) for i in range(m.num_layers)])
         self.final_norm = RMSNorm(m.d_model, eps=m.norm_eps)
         self.lm_head = (
             None
@@ -84,6 +141,14 @@ class Transformer(nnx.Module):
         x = jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype)
         x = constrain(x, ("batch", "length", "embed"), self.rules)
 
+        if self.scan_layers:
+            for group, runs in zip(self.blocks, self.runs, strict=True):
+                state = nnx.state(group)
+                for graphdef, offset, n in runs:
+                    layers = jax.tree.map(lambda a: a[offset : offset + n], state)  # noqa: B023
+                    x = _scan(graphdef, layers, x, (positions, segment_ids, tokens), self.remat)
+            return x
+
         def run(block, x):
             return block(x, positions, segment_ids, tokens)
 
@@ -92,6 +157,21 @@ class Transformer(nnx.Module):
         for block in self.blocks:
             x = run(block, x)
         return x
+
+    def layers(self) -> list[Block]:
+        """One Block per layer, in order (with scanned layers: views of the stacked parameters),
+        for the per-layer work of decoding."""
+        if not self.scan_layers:
+            return list(self.blocks)
+        out = []
+        for group, runs in zip(self.blocks, self.runs, strict=True):
+            state = nnx.state(group)
+            for graphdef, offset, n in runs:
+                out += [
+                    nnx.merge(graphdef, jax.tree.map(functools.partial(_layer, offset + i), state))
+                    for i in range(n)
+                ]
+        return out
 
     def logits(self, x):
         return jnp.dot(self.final_norm(x), self.output_projection(), preferred_element_type=jnp.float32)
@@ -113,7 +193,7 @@ class Transformer(nnx.Module):
         caches), for callers that need logits at a few positions only (`logits(x)` gives them)."""
         x = jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype)
         new = []
-        for block, cache in zip(self.blocks, caches, strict=True):
+        for block, cache in zip(self.layers(), caches, strict=True):
             x, cache = block.decode(x, positions, tokens, cache, **kw)
             new.append(cache)
         return x, new
@@ -121,7 +201,7 @@ class Transformer(nnx.Module):
 
 def init_cache(model: Transformer, batch: int, max_len: int, dtype=jnp.float32) -> list[dict]:
     """One preallocated decode cache per layer, as each attention kind defines it."""
-    return [block.attn.init_cache(batch, max_len, dtype) for block in model.blocks]
+    return [block.attn.init_cache(batch, max_len, dtype) for block in model.layers()]
 
 
 def param_counts(model: Transformer) -> dict[str, int]:

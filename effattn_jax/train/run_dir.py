@@ -23,6 +23,7 @@ RESUMABLE = (
     "train.nonfinite",
     "train.resume",
     "train.run_dir",
+    "model.loss_chunk_tokens",  # memory and speed of the loss, not the model
 )
 RESUMABLE_SECTIONS = ("checkpoint", "eval", "mesh", "distributed")
 

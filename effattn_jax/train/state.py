@@ -68,10 +68,16 @@ def param_specs(cfg: Config, mesh: Mesh) -> tuple[Any, dict]:
     graphdef, state = nnx.split(nnx.eval_shape(lambda: _new_model(cfg)))
     rules = sharding_rules(cfg)
     flat = {
-        path: logical_to_spec(var.get_metadata()["logical_axes"], var.shape, mesh.shape, rules)
+        path: logical_to_spec(_axes(var), var.shape, mesh.shape, rules)
         for path, var in nnx.to_flat_state(state)
     }
     return graphdef, traversals.unflatten_mapping(flat)
+
+
+def _axes(var) -> tuple:
+    """A parameter's logical axes; stacked (scanned) layers add a leading, unsharded layer axis."""
+    axes = tuple(var.get_metadata()["logical_axes"])
+    return (None,) * (len(var.shape) - len(axes)) + axes
 
 
 def abstract_params(cfg: Config, mesh: Mesh) -> tuple[Any, dict]:
