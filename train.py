@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
             report = dry_run(cfg)
         except ConfigError as e:
             return user_error(e)
-        return 1 if report.get("hbm_bytes") and report["bytes_per_chip"] > report["hbm_bytes"] else 0
+        return 0 if report.get("fits", True) else 1
     from effattn_jax import launch
     from effattn_jax.train.loop import NonFiniteError, final_line, run
 

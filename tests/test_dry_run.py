@@ -47,7 +47,7 @@ def test_compiles_for_a_tpu_slice(capsys):
     cfg = load_config(None, ["mesh.topology=v5e:2x2", "data.batch_size=8", "data.seq_len=128"])
     report = dry_run(cfg)
     assert report["chips"] == 4 and report["device_kind"] == "TPU v5 lite"
-    assert 0 < report["bytes_per_chip"] < report["hbm_bytes"] == 16 * 2**30
+    assert 0 < report["bytes_per_chip"] < report["hbm_bytes"] == 16 * 2**30 and report["fits"]
     assert "fits" in capsys.readouterr().out
 
 
@@ -55,3 +55,11 @@ def test_unknown_topology_is_a_config_error():
     pytest.importorskip("libtpu")
     with pytest.raises(ConfigError, match="mesh.topology"):
         dry_run(load_config(None, ["mesh.topology=v9z:1x1"]))
+
+
+def test_a_run_too_big_for_its_chips_is_reported_not_raised(capsys):
+    pytest.importorskip("libtpu")
+    cfg = load_config(None, ["mesh.topology=v5e:2x2", "data.batch_size=2048", "data.seq_len=2048"])
+    report = dry_run(cfg)
+    assert report["fits"] is False
+    assert "DOES NOT FIT" in capsys.readouterr().out

@@ -69,20 +69,23 @@ def compile_for_topology(cfg: Config) -> dict:
         ]
     }
     start = time.perf_counter()
-    compiled = make_train_step(setup).lower(setup.abstract_state, batch).compile()
-    m = compiled.memory_analysis()
     kind = devices[0].device_kind
-    return {
-        "chips": len(devices),
-        "mesh": dict(mesh.shape),
-        "device_kind": kind,
-        "compile_seconds": time.perf_counter() - start,
-        # donated state aliases its outputs: count it once
-        "bytes_per_chip": int(
-            m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
-        ),
-        "hbm_bytes": HBM_GIB[kind] * 2**30 if kind in HBM_GIB else None,
-    }
+    fit = {"chips": len(devices), "mesh": dict(mesh.shape), "device_kind": kind}
+    fit["hbm_bytes"] = HBM_GIB[kind] * 2**30 if kind in HBM_GIB else None
+    try:
+        m = make_train_step(setup).lower(setup.abstract_state, batch).compile().memory_analysis()
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        # the compiler itself refuses a program larger than the chip: that is the answer
+        return fit | {
+            "compile_seconds": time.perf_counter() - start,
+            "bytes_per_chip": None,
+            "refused": str(e),
+        }
+    # donated state aliases its outputs: count it once
+    used = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+    return fit | {"compile_seconds": time.perf_counter() - start, "bytes_per_chip": int(used)}
 
 
 def dry_run(cfg: Config, *, compile: bool = True) -> dict:
@@ -113,16 +116,19 @@ def dry_run(cfg: Config, *, compile: bool = True) -> dict:
         print("no mesh.topology: the ahead-of-time compile was skipped (e.g. mesh.topology=v5p:4x4x4)")
     elif compile:
         fit = compile_for_topology(cfg)
+        used, cap = fit["bytes_per_chip"], fit["hbm_bytes"]
+        fit["fits"] = used is not None and (cap is None or used <= cap)
         report |= fit
-        gib = fit["bytes_per_chip"] / 2**30
-        cap = f"{fit['hbm_bytes'] / 2**30:.0f} GiB" if fit["hbm_bytes"] else "unknown capacity"
-        verdict = (
-            ""
-            if not fit["hbm_bytes"]
-            else (" fits" if fit["bytes_per_chip"] <= fit["hbm_bytes"] else " DOES NOT FIT")
+        where = (
+            f"compiled for {cfg.mesh.topology} ({fit['chips']} x {fit['device_kind']}, mesh {fit['mesh']})"
         )
-        print(
-            f"compiled for {cfg.mesh.topology} ({fit['chips']} x {fit['device_kind']}, mesh {fit['mesh']}) "
-            f"in {fit['compile_seconds']:.0f} s: {gib:.2f} GiB per chip of {cap}:{verdict}"
-        )
+        if used is None:
+            print(f"{where}: DOES NOT FIT, the compiler refused it: {fit['refused'].splitlines()[0]}")
+        else:
+            of = f"{cap / 2**30:.0f} GiB" if cap else "unknown capacity"
+            verdict = "" if cap is None else (" fits" if fit["fits"] else " DOES NOT FIT")
+            print(
+                f"{where} in {fit['compile_seconds']:.0f} s: {used / 2**30:.2f} GiB per chip of {of}:"
+                f"{verdict}"
+            )
     return report
