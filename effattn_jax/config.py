@@ -184,6 +184,7 @@ class MeshConfig:
             "kv_heads": ["tensor"],
             "head_dim": [],
             "mlp": ["tensor"],
+            "gate": ["fsdp"],  # EG-MLA's per-layer token tables: [vocab, gate], sharded like embeddings
         }
     )
 
