@@ -81,11 +81,13 @@ def compile_for_topology(cfg: Config) -> dict:
         return fit | {
             "compile_seconds": time.perf_counter() - start,
             "bytes_per_chip": None,
+            "fits": False,
             "refused": str(e),
         }
     # donated state aliases its outputs: count it once
     used = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
-    return fit | {"compile_seconds": time.perf_counter() - start, "bytes_per_chip": int(used)}
+    fits = fit["hbm_bytes"] is None or used <= fit["hbm_bytes"]
+    return fit | {"compile_seconds": time.perf_counter() - start, "bytes_per_chip": int(used), "fits": fits}
 
 
 def dry_run(cfg: Config, *, compile: bool = True) -> dict:
@@ -117,7 +119,6 @@ def dry_run(cfg: Config, *, compile: bool = True) -> dict:
     elif compile:
         fit = compile_for_topology(cfg)
         used, cap = fit["bytes_per_chip"], fit["hbm_bytes"]
-        fit["fits"] = used is not None and (cap is None or used <= cap)
         report |= fit
         where = (
             f"compiled for {cfg.mesh.topology} ({fit['chips']} x {fit['device_kind']}, mesh {fit['mesh']})"
