@@ -111,11 +111,8 @@ class MobaConfig:
     block_size: int = 512
     top_k: int = 3  # counts the query's own block
     impl: str = "auto"  # one of MOBA_IMPLS
-    q_tile: int = (
-        128  # query rows per tile (Pallas own-block kernels and the XLA path's selected-block tiles)
-    )
-    kv_block: int = 128  # Pallas own-block kernels (and GPU whole-block kernels): keys per fetched sub-block
-    bwd_tile_chunk: int = 1024  # Pallas own-block backward: tiles per chunk (bounds the dk/dv partials)
+    q_tile: int = 128  # query rows per tile (GPU own-block kernel; the XLA path's selected-block tiles)
+    kv_block: int = 128  # GPU kernels: keys per step
     past_q_tile: int = 256  # Pallas whole-block kernels: query rows per step on a selected earlier block
     routing_chunk: int = 512  # gate scores are computed this many queries at a time (bounds memory)
     # Schedule hybrid: MoBA layers switch to dense attention from this step on
@@ -398,7 +395,19 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     return cfg
 
 
+# Keys an earlier version saved with its runs that no longer mean anything: dropped when a
+# saved config is read back, so old runs still resume and evaluate.
+RETIRED_KEYS = {("moba", "bwd_tile_chunk")}  # the GPU own-block backward no longer runs in chunks
+
+
 def config_from_dict(tree: dict) -> Config:
+    """The config saved with a run (retired keys dropped), validated."""
+    tree = {
+        section: {k: v for k, v in values.items() if (section, k) not in RETIRED_KEYS}
+        if isinstance(values, dict)
+        else values
+        for section, values in tree.items()
+    }
     cfg = _build(Config, tree)
     validate(cfg)
     return cfg
@@ -538,7 +547,7 @@ def _validate_attention(cfg: Config) -> None:
     )
 
     moba = cfg.moba
-    _positive(moba, "moba", ["block_size", "top_k", "bwd_tile_chunk", "routing_chunk"])
+    _positive(moba, "moba", ["block_size", "top_k", "routing_chunk"])
     _positive(moba, "moba", ["full_attention_from_step", "full_attention_from_tokens"], allow_zero=True)
     _check(moba.impl in MOBA_IMPLS, "moba.impl", moba.impl, f"allowed: {', '.join(MOBA_IMPLS)}")
     impl = cfg.attention.dense_impl

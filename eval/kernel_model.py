@@ -15,19 +15,20 @@ the selected earlier blocks (tpu_blocks.py):
   the XLA glue around the kernels: the per-head layouts and tile gathers of q and dO (read +
   write), the dq scatter, and the dK/dV adds (per own chunk, per selected-block group: read
   back and added into dK/dV);
+- the GPU own-block kernels (gpu_own.py): issued (query, key) pairs from their tables, over the
+  own block's visible pairs;
 - routing: HBM bytes of the gate compiled ahead of time for a TPU (libtpu, the `tpu` extra),
   with each loop body counted once per trip (`cost_analysis()` counts it once).
 
 Batch 1, 16 query heads, head dim 128, block 512, top_k 3 (the benchmark shape). `--json`
 prints one JSON object (a list for several shapes) with `fwd_steps`, `bwd_steps`,
 `fwd_flops_over_ideal`, `bwd_flops_over_ideal`, `fwd_kv_bytes`, `fwd_hbm_bytes`,
-`bwd_hbm_bytes`, `routing_bytes`.
+`bwd_hbm_bytes`, `routing_bytes`, `gpu_own_fwd_flops_over_ideal`, `gpu_own_bwd_flops_over_ideal`.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import re
 
 import jax
@@ -36,8 +37,9 @@ import numpy as np
 
 from effattn_jax.cli import ArgumentParser, positive_int, positive_int_list
 from effattn_jax.ops.routing import moba_routing
-from pallas_kernels.moba import tpu_blocks, tpu_own
-from pallas_kernels.moba.common import ALIGN, BlockSizes, past_tiles
+from pallas_kernels.moba import gpu_own, tpu_blocks, tpu_own
+from pallas_kernels.moba.attention import padded_length
+from pallas_kernels.moba.common import BlockSizes, past_tiles
 
 GIB = 2**30
 
@@ -123,12 +125,24 @@ def past_counts(past, *, d: int, dv: int, item: int, block_size: int, seq_pad: i
     }
 
 
-def ideal_pairs(own_start: np.ndarray, past_start: np.ndarray, block_size: int) -> int:
-    """Visible (query head, key) pairs of MoBA: the own block up to the query, plus each
-    selected earlier (full) block."""
+def gpu_own_counts(first: np.ndarray, q_end: np.ndarray, *, b: int, hq: int, seq_pad: int, bs) -> dict:
+    """(query, key) pairs the GPU own-block kernels (gpu_own.py) issue, from their tables:
+    forward and dq walk key steps first..last per (query head, query tile); dK/dV walk query
+    tiles i0..q_end per (KV head, key step), for each query head of the group."""
+    qt, ck = bs.q_tile, bs.kv_block
+    nq, nk = seq_pad // qt, seq_pad // ck
+    last = (np.arange(nq) * qt + qt - 1) // ck
+    q_steps = int((last[None] - first.reshape(b, nq) + 1).sum()) * hq
+    kv_steps = int((q_end.reshape(b, nk) - (np.arange(nk) * ck // qt)[None]).sum()) * hq
+    return {"fwd_pairs": q_steps * qt * ck, "dkv_pairs": kv_steps * qt * ck}
+
+
+def ideal_pairs(own_start: np.ndarray, past_start: np.ndarray, block_size: int) -> tuple[int, int]:
+    """Visible (query head, key) pairs of MoBA: (the own block up to the query, each selected
+    earlier (full) block)."""
     t = np.arange(own_start.shape[1])[None]
     own = int((t - own_start + 1).sum()) * past_start.shape[2]
-    return own + int((past_start >= 0).sum()) * block_size
+    return own, int((past_start >= 0).sum()) * block_size
 
 
 _WIDTH = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4}
@@ -273,8 +287,7 @@ def model(seq: int, hq: int, hkv: int, *, d: int = 128, block_size: int = 512, t
     k = jnp.asarray(rng.standard_normal((1, seq, hkv, d), np.float32), jnp.bfloat16)
     r = jax.jit(lambda q, k: moba_routing(q, k, block_size=block_size, top_k=top_k))(q, k)
     del q, k
-    m = math.lcm(bs.kv_block, block_size)
-    seq_pad = -(-(seq + ALIGN) // m) * m  # as attention._layout pads K/V
+    seq_pad = padded_length(seq, block_size, bs)
     _, needs, prev = tpu_own.own_tables(r.own_start, block_size=block_size, seq_pad=seq_pad)
     own = own_counts(
         np.asarray(needs), np.asarray(prev), b=1, hq=hq, hkv=hkv, d=d, dv=d, item=2, block_size=block_size
@@ -286,7 +299,10 @@ def model(seq: int, hq: int, hkv: int, *, d: int = 128, block_size: int = 512, t
     if past is not None:
         parts.append(past_counts(past, d=d, dv=d, item=2, block_size=block_size, seq_pad=seq_pad))
     total = {key: sum(p[key] for p in parts) for key in parts[0]}
-    pairs = ideal_pairs(np.asarray(r.own_start), np.asarray(r.past_start), block_size)
+    own_pairs, past_pairs = ideal_pairs(np.asarray(r.own_start), np.asarray(r.past_start), block_size)
+    pairs = own_pairs + past_pairs
+    _, first, q_end = gpu_own.own_tables(r.own_start, seq_pad=seq_pad, q_tile=bs.q_tile, kv_block=bs.kv_block)
+    gpu = gpu_own_counts(np.asarray(first), np.asarray(q_end), b=1, hq=hq, seq_pad=seq_pad, bs=bs)
     out = {
         "seq": seq,
         "q_heads": hq,
@@ -305,6 +321,11 @@ def model(seq: int, hq: int, hkv: int, *, d: int = 128, block_size: int = 512, t
         "fwd_hbm_bytes": total["fwd_hbm_bytes"],
         "bwd_hbm_bytes": total["bwd_hbm_bytes"],
         "routing_bytes": None,
+        # GPU own block (gpu_own.py): split backward (dq, then dK/dV) recomputes scores and dP,
+        # 8 D + 6 Dv per issued pair against the fused ideal's 6 D + 4 Dv
+        "gpu_own_fwd_flops_over_ideal": gpu["fwd_pairs"] / own_pairs,
+        "gpu_own_bwd_flops_over_ideal": (gpu["fwd_pairs"] * 6 * d + gpu["dkv_pairs"] * 8 * d)
+        / (own_pairs * 10 * d),
     }
     if topology:
         out["routing_bytes"] = routing_bytes(
@@ -331,9 +352,9 @@ def main(argv=None) -> int:
     if not args.json:
         print(
             "| seq | Hkv | fwd steps | bwd steps | fwd FLOPs/ideal | bwd FLOPs/ideal | fwd K/V GiB "
-            "| fwd HBM GiB | bwd HBM GiB | routing GiB |"
+            "| fwd HBM GiB | bwd HBM GiB | routing GiB | GPU own FLOPs/ideal fwd, bwd |"
         )
-        print("|---|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
     for seq in args.seq:
         for hkv in args.kv_heads:
             row = model(seq, args.q_heads, hkv, topology=topology)
@@ -344,7 +365,9 @@ def main(argv=None) -> int:
                     f"| {seq} | {hkv} | {row['fwd_steps']:,} | {row['bwd_steps']:,} "
                     f"| {row['fwd_flops_over_ideal']:.2f} | {row['bwd_flops_over_ideal']:.2f} "
                     f"| {row['fwd_kv_bytes'] / GIB:.2f} | {row['fwd_hbm_bytes'] / GIB:.2f} "
-                    f"| {row['bwd_hbm_bytes'] / GIB:.2f} | {rb} |",
+                    f"| {row['bwd_hbm_bytes'] / GIB:.2f} | {rb} "
+                    f"| {row['gpu_own_fwd_flops_over_ideal']:.2f}, "
+                    f"{row['gpu_own_bwd_flops_over_ideal']:.2f} |",
                     flush=True,
                 )
     if args.json:

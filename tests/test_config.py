@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from effattn_jax.config import ConfigError, load_config, to_yaml
+from effattn_jax.config import ConfigError, config_from_dict, load_config, to_yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -123,3 +123,13 @@ def test_layer_spec_and_switch():
     assert [cfg.layer_spec(i) for i in range(4)] == [("mha", "moba")] * 3 + [("mla", "moba")]
     dense = cfg.with_full_attention()
     assert [dense.layer_spec(i) for i in range(4)] == [("mha", "dense")] * 3 + [("mla", "dense")]
+
+
+def test_a_saved_config_with_a_retired_key_still_loads():
+    """Runs saved by an earlier version carry keys since retired (moba.bwd_tile_chunk); they
+    resume and evaluate, while a user's file that sets one is told it is unknown."""
+    saved = load_config().to_dict()
+    saved["moba"]["bwd_tile_chunk"] = 1024
+    assert config_from_dict(saved).to_dict() == load_config().to_dict()
+    with pytest.raises(ConfigError, match="moba.bwd_tile_chunk"):
+        load_config(None, ["moba.bwd_tile_chunk=8"])

@@ -63,3 +63,6 @@ def test_json_keys_and_sane_ratios(capsys):
         assert row[key] > 0, key
     assert row["bwd_hbm_bytes"] > row["fwd_kv_bytes"] and row["routing_bytes"] is None
     assert 1.0 <= row["fwd_flops_over_ideal"] < 2.0  # the kernels never issue less than the ideal
+    # GPU own block: its band is the own block up to the query, 128-row tiles of a 512 block
+    assert 1.0 <= row["gpu_own_fwd_flops_over_ideal"] < 1.4
+    assert row["gpu_own_fwd_flops_over_ideal"] < row["gpu_own_bwd_flops_over_ideal"] < 1.4 * 1.4

@@ -92,10 +92,12 @@ def test_kernels_take_bfloat16(kernel):
     np.testing.assert_allclose(out.astype(jnp.float32), ref, atol=3e-2, rtol=2e-2)
 
 
-def test_backward_in_several_tile_chunks():
-    """The GPU's own-block tiles run their backward in chunks (the TPU's own kernel has none)."""
-    chunked = BlockSizes(q_tile=8, kv_block=8, bwd_tile_chunk=3, past_q_tile=8)  # many chunks, a padded last
-    check_against_reference("gpu", True, *CASES["packed_documents"], block_sizes=chunked)
+@pytest.mark.parametrize("q_tile, kv_block", [(16, 8), (8, 16)])
+def test_gpu_own_block_with_query_tiles_unlike_key_steps(q_tile, kv_block):
+    """The GPU own-block kernel's tables (first key step per query tile, last query tile per key
+    step) with tiles that straddle blocks and documents, under GQA."""
+    sizes = BlockSizes(q_tile=q_tile, kv_block=kv_block, past_q_tile=8)
+    check_against_reference("gpu", True, 1, 50, 4, 2, 16, 3, [13, 20, 17], block_sizes=sizes)
 
 
 @pytest.mark.parametrize("name", ["packed_documents"])
@@ -127,8 +129,6 @@ def test_block_sizes_are_checked_and_impls_resolve():
         BlockSizes(q_tile=0)
     with pytest.raises(ValueError, match="kv_block"):
         BlockSizes(kv_block=12)  # Mosaic rejects a K/V block whose rows are not a multiple of 8
-    with pytest.raises(ValueError, match="bwd_tile_chunk"):
-        BlockSizes(bwd_tile_chunk=0)
     with pytest.raises(ValueError, match="past_q_tile"):
         BlockSizes(past_q_tile=0)
     BlockSizes(q_tile=12, kv_block=8, past_q_tile=12).check_backend("tpu", 512)  # any tile compiles
@@ -194,9 +194,7 @@ def test_gpu_kernels_lower_for_cuda():
     )(x, x, x)
     names = re.findall(r'name = "(moba_\w+_gpu)"', exported.mlir_module())
     parts = ("fwd", "dq", "dkv")
-    assert sorted(names) == sorted(
-        [f"moba_tile_{p}_gpu" for p in parts] + [f"moba_block_{p}_gpu" for p in parts]
-    )
+    assert sorted(names) == sorted([f"moba_{k}_{p}_gpu" for k in ("own", "block") for p in parts])
 
 
 def test_kernels_inside_a_sharded_train_step(tmp_path, corpus_dir):

@@ -1,7 +1,7 @@
 """MoBA with Pallas kernels: schedule -> kernels -> log-sum-exp merge, as a custom_vjp.
 
 Forward: the own block runs through the backend's own-block kernel (TPU: tpu_own.py, chunks
-of the sequence; GPU: gpu.py, tiles of queries) and the selected earlier blocks through its
+of the sequence; GPU: gpu_own.py, tiles of queries) and the selected earlier blocks through its
 whole-block kernel (tpu_blocks.py, gpu_blocks.py), each giving (o, lse) per (query, part); the
 parts of a query are merged by log-sum-exp into the output O and the global LSE L. Backward
 (docs/moba.md, "Backward"): with delta = rowsum(dO * O), each part's gradient is an ordinary
@@ -21,13 +21,12 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.moba.common import ALIGN, BACKENDS, BlockSizes, own_tiles, past_tiles
+from pallas_kernels.moba.common import ALIGN, BACKENDS, BlockSizes, past_tiles
 
 
-def _kernels(backend: str, part: str = ""):
+def _kernels(backend: str, part: str):
     """The backend's kernel module (`part`: "_blocks" for the whole-block kernels, "_own" for
-    the TPU's own-block kernel, "" for the GPU's tile kernels), imported only when used (the
-    GPU ones need no TPU code)."""
+    the own-block kernel), imported only when used (the GPU ones need no TPU code)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     return importlib.import_module(f"pallas_kernels.moba.{backend}{part}")
@@ -46,13 +45,17 @@ def _unheads(x, b, s):
     return jnp.moveaxis(x.reshape(b, -1, *x.shape[1:])[:, :, :s], 1, 2)
 
 
-def _layout(q, k, v, ck, block_size):
-    """Flat query rows [B*S*Hq, D]; K/V as [B*Hkv, S_pad, D] with S_pad a multiple of the kv
-    sub-block and of the block (the own-block chunks), and at least S + ALIGN (the whole-block
-    kernels' windows may run past S)."""
+def padded_length(s: int, block_size: int, block_sizes: BlockSizes) -> int:
+    """S_pad: a multiple of the block (the TPU own-block chunks) and of the GPU own-block tiles
+    and sub-blocks, and at least S + ALIGN (the whole-block kernels' windows may run past S)."""
+    m = math.lcm(block_sizes.q_tile, block_sizes.kv_block, block_size)
+    return -(-(s + ALIGN) // m) * m
+
+
+def _layout(q, k, v, block_sizes, block_size):
+    """Flat query rows [B*S*Hq, D]; K/V as [B*Hkv, S_pad, D]."""
     b, s, hq, d = q.shape
-    m = math.lcm(ck, block_size)
-    seq_pad = -(-(s + ALIGN) // m) * m
+    seq_pad = padded_length(s, block_size, block_sizes)
     return q.reshape(b * s * hq, d), _heads(k, seq_pad), _heads(v, seq_pad)
 
 
@@ -61,34 +64,6 @@ def _past_schedule(past_start, *, hkv, block_size, bs: BlockSizes):
     if not past_start.shape[-1]:
         return None
     return past_tiles(past_start, num_kv_heads=hkv, block_size=block_size, q_tile=bs.past_q_tile)
-
-
-def _own_tile_plan(own_start, *, hq, hkv, block_size, bs: BlockSizes, nkb):
-    """(own-block tiles, sub-blocks per tile) of the GPU's tile kernels."""
-    qt, ck = bs.q_tile, bs.kv_block
-    own = own_tiles(own_start, num_q_heads=hq, num_kv_heads=hkv, q_tile=qt)
-    return own, min(-(-(ck + qt + block_size - 2) // ck), nkb)
-
-
-def _tile_inputs(tiles, qf, kf, vf, ck):
-    """The leading arguments every tile kernel takes: (query rows [T, Qt, D], K, V,
-    lo [T, Qt, 1], hi [T, Qt, 1], kv_row [T], first key sub-block [T])."""
-    col = lambda x: x[..., None].astype(jnp.int32)
-    kv_row, first = tiles.kv_row.astype(jnp.int32), (tiles.key_start // ck).astype(jnp.int32)
-    return _gather_rows(qf, tiles.rows), kf, vf, col(tiles.lo), col(tiles.hi), kv_row, first
-
-
-def _chunked(tiles, chunk):
-    """Tiles padded (empty rows) to a multiple of `chunk` and split: leaves [n_chunks, chunk, ...]."""
-    n = tiles.rows.shape[0]
-    chunk = min(chunk, n)
-    pad = -n % chunk
-    fill = {"rows": -1, "lo": 1, "hi": 0, "kv_row": 0, "key_start": 0}
-    padded = {
-        k: jnp.pad(v, ((0, pad),) + ((0, 0),) * (v.ndim - 1), constant_values=fill[k])
-        for k, v in tiles._asdict().items()
-    }
-    return type(tiles)(**{k: v.reshape(-1, chunk, *v.shape[1:]) for k, v in padded.items()})
 
 
 def _gather_rows(x_flat, rows):
@@ -106,42 +81,39 @@ def _own_tpu_fwd(q, kf, vf, own_start, *, block_size, scale, interpret):
     return _unheads(jnp.swapaxes(o_t, 1, 2), b, s), _unheads(lse[:, 0], b, s)
 
 
-def _own_tiles_fwd(q, qf, kf, vf, own_start, *, block_size, scale, interpret, block_sizes):
-    """The own part by the GPU tile kernel (gpu.py): (o [B, S, Hq, Dv], lse [B, S, Hq])."""
-    b, s, hq, _ = q.shape
-    own, nsub = _own_tile_plan(
-        own_start,
-        hq=hq,
-        hkv=kf.shape[0] // b,
-        block_size=block_size,
-        bs=block_sizes,
-        nkb=kf.shape[1] // block_sizes.kv_block,
+def _own_gpu_fwd(q, kf, vf, own_start, *, block_size, scale, interpret, block_sizes):
+    """The own part by the GPU kernel (gpu_own.py): (o [B, S, Hq, Dv], lse [B, S, Hq])."""
+    b, s = own_start.shape
+    gpu_own = _kernels("gpu", "_own")
+    lo, first, _ = gpu_own.own_tables(
+        own_start, seq_pad=kf.shape[1], q_tile=block_sizes.q_tile, kv_block=block_sizes.kv_block
     )
-    o, lse = _kernels("gpu").tile_attention_fwd(
-        *_tile_inputs(own, qf, kf, vf, block_sizes.kv_block),
+    o, lse = gpu_own.own_attention_fwd(
+        _heads(q, kf.shape[1]),
+        kf,
+        vf,
+        lo,
+        first,
         scale=scale,
-        nsub=nsub,
+        block_size=block_size,
         block_sizes=block_sizes,
         interpret=interpret,
     )
-    # tiles are laid out (b, h, chunk, row) -> [B, S, Hq]
-    to_bsh = lambda x: jnp.moveaxis(x.reshape(b, hq, -1, *x.shape[2:])[:, :, :s], 1, 2)
-    return to_bsh(o.reshape(b * hq, -1, o.shape[-1])), to_bsh(lse.reshape(b * hq, -1))
+    return _unheads(o, b, s), _unheads(lse[..., 0], b, s)
 
 
 def _forward(q, k, v, own_start, past_start, *, block_size, scale, backend, interpret, block_sizes):
     b, s, hq, _ = q.shape
-    hkv, ck = k.shape[2], block_sizes.kv_block
-    qf, kf, vf = _layout(q, k, v, ck, block_size)
+    hkv = k.shape[2]
+    qf, kf, vf = _layout(q, k, v, block_sizes, block_size)
     past = _past_schedule(past_start, hkv=hkv, block_size=block_size, bs=block_sizes)
     if backend == "tpu":
         o_own, lse_own = _own_tpu_fwd(
             q, kf, vf, own_start, block_size=block_size, scale=scale, interpret=interpret
         )
     else:
-        o_own, lse_own = _own_tiles_fwd(
+        o_own, lse_own = _own_gpu_fwd(
             q,
-            qf,
             kf,
             vf,
             own_start,
@@ -244,50 +216,39 @@ def _own_tpu_bwd(grads, q, kf, vf, own_start, d_out, lse, delta, *, block_size, 
     return dq + _unheads(dq_h, b, s).reshape(dq.shape), dk, dv
 
 
-def _own_tiles_bwd(
-    grads, q, qf, kf, vf, own_start, do_f, lse_f, delta, *, block_size, scale, interpret, block_sizes
+def _own_gpu_bwd(
+    grads, q, kf, vf, own_start, d_out, lse, delta, *, block_size, scale, interpret, block_sizes
 ):
-    """The own part's gradients by the GPU tile kernels, in chunks of tiles (bounding the
-    per-(tile, sub-block) dK/dV partials), added to (dq, dk, dv)."""
-    ck, b, hq = block_sizes.kv_block, q.shape[0], q.shape[2]
-    own, nsub = _own_tile_plan(
-        own_start, hq=hq, hkv=kf.shape[0] // b, block_size=block_size, bs=block_sizes, nkb=kf.shape[1] // ck
+    """The own part's gradients by the GPU kernels (gpu_own.py), added to (dq, dk, dv). Padding
+    rows have dO = 0 and delta = 0, so they contribute nothing."""
+    dq, dk, dv = grads
+    b, s, hq, _ = q.shape
+    seq_pad = kf.shape[1]
+    gpu_own = _kernels("gpu", "_own")
+    tables = gpu_own.own_tables(
+        own_start, seq_pad=seq_pad, q_tile=block_sizes.q_tile, kv_block=block_sizes.kv_block
     )
-
-    def chunk(grads, tiles):
-        dq, dk, dv = grads
-        inputs = _tile_inputs(tiles, qf, kf, vf, ck)
-        kv_row, first = inputs[5:]
-        real = (tiles.rows >= 0)[..., None]
-        dq_t, dk_t, dv_t = _kernels("gpu").tile_attention_bwd(
-            *inputs,
-            _gather_rows(do_f, tiles.rows),
-            jnp.where(real, _gather_rows(lse_f[:, None], tiles.rows), 0.0),
-            jnp.where(real, _gather_rows(delta[:, None], tiles.rows), 0.0),
-            scale=scale,
-            nsub=nsub,
-            block_sizes=block_sizes,
-            interpret=interpret,
-        )
-        kpos = (first[:, None] + jnp.arange(nsub)[None])[..., None] * ck + jnp.arange(ck)  # [T, nsub, Ck]
-        idx = (jnp.broadcast_to(kv_row[:, None, None], kpos.shape), kpos)
-        return (
-            _add_rows(dq, tiles.rows, dq_t),
-            dk.at[idx].add(dk_t, mode="drop"),
-            dv.at[idx].add(dv_t, mode="drop"),
-        )
-
-    grads, _ = jax.lax.scan(
-        lambda g, t: (chunk(g, t), None), grads, _chunked(own, block_sizes.bwd_tile_chunk)
+    dq_h, dk_o, dv_o = gpu_own.own_attention_bwd(
+        _heads(q, seq_pad),
+        kf,
+        vf,
+        *tables,
+        _heads(d_out.astype(vf.dtype), seq_pad),
+        _heads(lse[..., None], seq_pad),
+        _heads(delta.reshape(b, s, hq, 1), seq_pad),
+        scale=scale,
+        block_size=block_size,
+        block_sizes=block_sizes,
+        interpret=interpret,
     )
-    return grads
+    return dq + _unheads(dq_h, b, s).reshape(dq.shape), dk + dk_o, dv + dv_o
 
 
 def _bwd(block_size, scale, backend, interpret, block_sizes, res, d_out):
     q, k, v, own_start, past_start, out, lse = res
     b, s, hq, d = q.shape
-    hkv, ck = k.shape[2], block_sizes.kv_block
-    qf, kf, vf = _layout(q, k, v, ck, block_size)
+    hkv = k.shape[2]
+    qf, kf, vf = _layout(q, k, v, block_sizes, block_size)
     past = _past_schedule(past_start, hkv=hkv, block_size=block_size, bs=block_sizes)
     do = d_out.astype(jnp.float32)
     delta = jnp.sum(do * out, axis=-1).reshape(-1)  # [B*S*Hq]
@@ -310,15 +271,14 @@ def _bwd(block_size, scale, backend, interpret, block_sizes, res, d_out):
             interpret=interpret,
         )
     else:
-        dq, dk, dv = _own_tiles_bwd(
+        dq, dk, dv = _own_gpu_bwd(
             (dq, dk, dv),
             q,
-            qf,
             kf,
             vf,
             own_start,
-            do_f,
-            lse_f,
+            d_out,
+            lse,
             delta,
             block_size=block_size,
             scale=scale,

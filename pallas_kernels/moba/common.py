@@ -1,23 +1,17 @@
 """What the MoBA kernels (TPU, GPU) and the XLA path share: tile sizes, the
-transposed-dot dimension numbers, and the tile schedule.
+transposed-dot dimension numbers, the Triton compiler parameters and the schedule of the
+selected earlier blocks (docs/moba.md).
 
-Work is organised per *tile*: query rows that all look at one contiguous key range of
-the same KV head. Each row carries its own visible key interval [lo, hi] (inclusive)
-(docs/moba.md):
+Past tiles (KV-block-centric, megablox style): the (query, head, selected earlier block)
+pairs sorted by (batch, KV head, block); each group's rows, from any query head of the KV
+head (GQA), are cut into tiles of consecutive pairs, so work is proportional to the pairs,
+whatever the routing, and a group's tiles are consecutive (the kernels keep its K/V and its
+dK/dV accumulator across them). A row sees the whole block: [start, start + block_size - 1].
+Earlier blocks are full and disjoint, so a row holds at most S // block_size of them and the
+number of past tiles has a static bound. Nothing here is dense in S x S.
 
-* past tiles (KV-block-centric, megablox style): the (query, head, selected
-  earlier block) pairs sorted by (batch, KV head, block); each group's rows, from
-  any query head of the KV head (GQA), are cut into tiles of consecutive pairs, so
-  work is proportional to the pairs, whatever the routing, and a group's tiles are
-  consecutive (the kernels keep its K/V and its dK/dV accumulator across them). A
-  row sees the whole block: [start, start + block_size - 1].
-* own tiles (the GPU's own-block kernel): consecutive queries of one head; a row
-  sees its own block up to itself: [own_start, t]. The TPU's own-block kernel works
-  on chunks of the sequence instead (tpu_own.own_tables).
-
-Earlier blocks are full and disjoint, so a row holds at most S // block_size of
-them and the number of past tiles has a static bound. Nothing here is dense in
-S x S. Pure jnp, no Pallas.
+The own block (each query sees [own_start, t]) needs no schedule: its kernels walk
+contiguous rows (tpu_own.own_tables, gpu_own.own_tables).
 """
 
 from __future__ import annotations
@@ -41,20 +35,18 @@ class BlockSizes:
     128-row query tiles and 128-key sub-blocks).
 
     past_q_tile: query rows per step of the whole-block kernels (the selected earlier blocks,
-    both backends). The GPU's own-block tile kernels also use q_tile (query rows per tile,
-    also the XLA path's selected-block tiles), kv_block (keys per fetched sub-block, also the
-    GPU whole-block kernels' step) and bwd_tile_chunk (tiles per backward chunk, bounding
-    their per-tile dk/dv partials); the TPU's own-block kernel works in chunks of the MoBA
-    block. Construction checks what every path needs; `check_backend` adds what one
-    backend's compiler needs on real hardware (interpret mode needs neither)."""
+    both backends). The GPU's own-block kernel also uses q_tile (query rows per program, also
+    the XLA path's selected-block tiles) and kv_block (keys per step, also the GPU whole-block
+    kernels' step); the TPU's own-block kernel works in chunks of the MoBA block. Construction
+    checks what every path needs; `check_backend` adds what one backend's compiler needs on
+    real hardware (interpret mode needs neither)."""
 
     q_tile: int = 128
     kv_block: int = 128
-    bwd_tile_chunk: int = 1024
     past_q_tile: int = 256
 
     def __post_init__(self):
-        for name in ("q_tile", "kv_block", "bwd_tile_chunk", "past_q_tile"):
+        for name in ("q_tile", "kv_block", "past_q_tile"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"BlockSizes.{name} (moba.{name}) must be a positive int, got {value!r}")
@@ -225,50 +217,8 @@ def past_tiles(past_start: jax.Array, *, num_kv_heads: int, block_size: int, q_t
     )
 
 
-def own_tiles(own_start: jax.Array, *, num_q_heads: int, num_kv_heads: int, q_tile: int) -> Tiles:
-    """Schedule for the own block: tiles of q_tile consecutive queries of one head. own_start [B, S]."""
-    b, s = own_start.shape
-    hq = num_q_heads
-    n = -(-s // q_tile)
-    t = jnp.arange(n * q_tile, dtype=jnp.int32).reshape(n, q_tile)  # [n, Qt] query positions
-    real = t < s
-    own = jnp.where(real[None], own_start[:, jnp.minimum(t, s - 1)], 1)  # [B, n, Qt]
-    hi = jnp.where(real[None], t[None], 0)
-    bb, hh = jnp.meshgrid(jnp.arange(b, dtype=jnp.int32), jnp.arange(hq, dtype=jnp.int32), indexing="ij")
-    rows = jnp.where(
-        real[None, None], (bb[:, :, None, None] * s + t[None, None]) * hq + hh[:, :, None, None], -1
-    )
-    shape = (b * hq * n, q_tile)
-    lo = jnp.broadcast_to(own[:, None], (b, hq, n, q_tile)).reshape(shape)
-    hi = jnp.broadcast_to(hi[:, None], (b, hq, n, q_tile)).reshape(shape)
-    key_start = jnp.min(jnp.where(hi >= lo, lo, jnp.iinfo(jnp.int32).max), axis=1)
-    key_start = jnp.where(key_start == jnp.iinfo(jnp.int32).max, 0, key_start)
-    kv_row = jnp.broadcast_to(
-        (bb * num_kv_heads + hh // (hq // num_kv_heads))[:, :, None], (b, hq, n)
-    ).reshape(-1)
-    return Tiles(rows.reshape(shape), kv_row, key_start, lo, hi)
+def triton_params(num_warps: int = 4):
+    """Compiler parameters of the GPU kernels (Pallas -> Triton)."""
+    from jax.experimental.pallas import triton as pltriton
 
-
-def tile_cost(part: str, q_tiles, k, v, nsub: int, kv_block: int):
-    """`pl.CostEstimate` of one tile kernel (`part`: fwd, dq or dkv), counted from its grid as
-    issued (every (tile, sub-block) step does its full matmuls), so XLA schedules around the
-    kernel and `cost_analysis()` reports it. q_tiles [T, Qt, D]; k/v [.., D|Dv] (their dtype)."""
-    from jax.experimental import pallas as pl
-
-    ntiles, qt, d = q_tiles.shape
-    dv, item = v.shape[-1], q_tiles.dtype.itemsize
-    steps, pairs = ntiles * nsub, ntiles * nsub * qt * kv_block
-    matmuls = {"fwd": 2 * d + 2 * dv, "dq": 4 * d + 2 * dv, "dkv": 4 * d + 4 * dv}[part]  # flops per pair
-    kv_bytes = steps * kv_block * (d + dv) * item  # each step fetches one K/V sub-block
-    q_width = d if part == "fwd" else d + dv  # q, and dO in the backward
-    q_bytes = ntiles * qt * (q_width * item + 3 * 4)  # plus the float32 lo/hi/lse (or delta) columns
-    out_bytes = {
-        "fwd": ntiles * qt * (dv + 1) * 4,
-        "dq": ntiles * qt * d * 4,
-        "dkv": steps * kv_block * (d + dv) * 4,
-    }[part]
-    return pl.CostEstimate(
-        flops=int(pairs * matmuls),
-        transcendentals=int(pairs),
-        bytes_accessed=int(kv_bytes + q_bytes + out_bytes),
-    )
+    return pltriton.CompilerParams(num_warps=num_warps, num_stages=2)

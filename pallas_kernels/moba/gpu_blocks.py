@@ -18,8 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.moba.common import NT, TN
-from pallas_kernels.moba.gpu import _params
+from pallas_kernels.moba.common import NT, TN, triton_params
 
 
 def window(block_size: int) -> int:
@@ -154,7 +153,7 @@ def block_attention_fwd(
             jax.ShapeDtypeStruct((ntiles, qt, dv), jnp.float32),
             jax.ShapeDtypeStruct((ntiles, qt, 1), jnp.float32),
         ],
-        compiler_params=_params(),
+        compiler_params=triton_params(),
         interpret=bool(interpret),
         name="moba_block_fwd_gpu",
         cost_estimate=_cost("fwd", q_rows, k, v, block_size),
@@ -192,7 +191,7 @@ def block_attention_bwd(
         in_specs=[whole, whole, row(d), whole, whole, row(dv), row(1), row(1)],
         out_specs=row(d),
         out_shape=jax.ShapeDtypeStruct((ntiles, qt, d), jnp.float32),
-        compiler_params=_params(),
+        compiler_params=triton_params(),
         interpret=bool(interpret),
         name="moba_block_dq_gpu",
         cost_estimate=_cost("dq", q_rows, k, v, block_size),
@@ -214,7 +213,7 @@ def block_attention_bwd(
             jax.ShapeDtypeStruct((num_groups + 1, block_size, d), jnp.float32),
             jax.ShapeDtypeStruct((num_groups + 1, block_size, dv), jnp.float32),
         ],
-        compiler_params=_params(),
+        compiler_params=triton_params(),
         interpret=bool(interpret),
         name="moba_block_dkv_gpu",
         cost_estimate=_cost("dkv", q_rows, k, v, block_size),

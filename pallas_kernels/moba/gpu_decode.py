@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.moba.gpu import _params
+from pallas_kernels.moba.common import triton_params
 
 
 def _decode_kernel(start_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, o_ref, *, scale, size, blocks, group):
@@ -57,7 +57,7 @@ def moba_decode_gpu(q, k_cache, v_cache, starts, lo, hi, size: int, scale: float
         in_specs=[whole, whole, whole, row(d), whole, whole],
         out_specs=row(dv),
         out_shape=jax.ShapeDtypeStruct((b, hq, dv), q.dtype),
-        compiler_params=_params(),
+        compiler_params=triton_params(),
         interpret=bool(interpret),
         name="moba_decode_gpu",
         cost_estimate=pl.CostEstimate(
