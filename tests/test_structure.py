@@ -120,7 +120,10 @@ def test_imports_run_one_way(graph):
 def test_each_kernel_backend_stands_alone(graph):
     """The GPU kernels do not import the TPU ones (or the reverse): shared code is in common.py."""
     moba = "pallas_kernels.moba."
-    gpu, tpu = {moba + "gpu", moba + "gpu_blocks"}, {moba + "tpu_own", moba + "tpu_blocks"}
+    gpu, tpu = (
+        {moba + "gpu_own", moba + "gpu_blocks", moba + "gpu_decode"},
+        {moba + "tpu_own", moba + "tpu_blocks"},
+    )
     for name in gpu:
         assert graph[name] <= gpu | {moba + "common"}, name
     for name in tpu:
