@@ -43,6 +43,7 @@ CASES = {
     "top_k_covers_all": (1, 40, 2, 2, 8, 8, 8, 5, [25, 15]),
     "batch_rows_route_differently": (3, 64, 2, 2, 8, 8, 8, 2, None),
     "value_dim_differs": (1, 33, 4, 2, 8, 16, 8, 3, [7, 26]),
+    "eight_row_parts_packed": (1, 100, 2, 2, 8, 8, 32, 3, [45, 55]),  # own block in 8 row parts
 }
 
 

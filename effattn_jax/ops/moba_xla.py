@@ -6,14 +6,17 @@ Two parts, merged per query by log-sum-exp (docs/moba.md, item 6):
   `block_size`; each query chunk attends to its own and the previous key chunk
   (the own block always lies inside those 2 * block_size keys), masked to
   "same block, not in the future". Without segment ids blocks are the chunks,
-  so the previous chunk is skipped.
+  so the previous chunk is skipped. A chunk's rows run in `own_row_parts` parts,
+  part h against only the keys up to its last row, so most of the masked upper
+  triangle is never computed ((R + 1) / 2R of the square with R parts).
 * Selected earlier blocks: the grouped-matmul trick. The (query, head, block)
   pairs are sorted by block and cut into tiles of q_tile queries sharing one
   K/V block (`pallas_kernels.moba.common.past_tiles`, the same schedule
   the Pallas kernels run), and one batched einsum runs every tile.
 
-Cost: S * (top_k - 1) * block_size * D for the past part plus
-S * block_size * D (2x with segment ids) for the own part; no [S, S] array.
+Cost: S * (top_k - 1) * block_size * D for the past part plus about
+S * block_size * D / 2 (+ S * block_size * D with segment ids) for the own part;
+no [S, S] array.
 K/V are gathered per tile from the KV head of the tile (GQA without copying
 K/V to every query head).
 """
@@ -26,6 +29,14 @@ import jax.numpy as jnp
 from effattn_jax.ops.routing import Routing
 from effattn_jax.ops.segments import block_starts
 from pallas_kernels.moba.common import past_tiles
+
+
+def own_row_parts(block_size: int) -> int:
+    """Row parts of an own-block chunk: up to 8, each of at least 4 rows."""
+    parts = 8
+    while parts > 1 and (block_size % parts or block_size // parts < 4):
+        parts //= 2
+    return parts
 
 
 def _own_block_part(q, k, v, routing: Routing, *, block_size, segment_ids, scale):
@@ -52,13 +63,22 @@ def _own_block_part(q, k, v, routing: Routing, *, block_size, segment_ids, scale
     own = padt(routing.own_start).reshape(b, n, c)
     mask = (kbs[:, :, None, :] == own[:, :, :, None]) & (kidx[None, :, None, :] <= idx[None, :, :, None])
     mask &= (kidx >= 0)[None, :, None, :]
-    logits = jnp.einsum("bnqkgd,bnckd->bnkgqc", qc, kc, preferred_element_type=jnp.float32) * scale
-    logits = jnp.where(mask[:, :, None, None], logits, -jnp.inf)
-    m = jnp.max(logits, axis=-1)  # every real query sees itself, so m is finite there
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.exp(logits - m[..., None])
-    l = jnp.sum(p, axis=-1)
-    o = jnp.einsum("bnkgqc,bnckd->bnqkgd", p, vc.astype(jnp.float32))
+    parts = own_row_parts(c)
+    cr, prev = c // parts, kc.shape[2] - c  # the previous chunk's keys come first
+    m, l, o = [], [], []
+    for h in range(parts):  # rows of part h see none of the chunk's keys after its last row
+        rows, keys = slice(h * cr, (h + 1) * cr), slice(0, prev + (h + 1) * cr)
+        logits = jnp.einsum(
+            "bnqkgd,bnckd->bnkgqc", qc[:, :, rows], kc[:, :, keys], preferred_element_type=jnp.float32
+        )
+        logits = jnp.where(mask[:, :, None, None, rows, keys], logits * scale, -jnp.inf)
+        m_h = jnp.max(logits, axis=-1)  # every real query sees itself, so m is finite there
+        m_h = jnp.where(jnp.isfinite(m_h), m_h, 0.0)
+        p = jnp.exp(logits - m_h[..., None])
+        m.append(m_h)
+        l.append(jnp.sum(p, axis=-1))
+        o.append(jnp.einsum("bnkgqc,bnckd->bnqkgd", p, vc[:, :, keys].astype(jnp.float32)))
+    m, l, o = jnp.concatenate(m, axis=-1), jnp.concatenate(l, axis=-1), jnp.concatenate(o, axis=2)
     m = jnp.moveaxis(m, -1, 2).reshape(b, s + pad, hq)[:, :s]  # [B, n, Hkv, G, C] -> [B, S, Hq]
     l = jnp.moveaxis(l, -1, 2).reshape(b, s + pad, hq)[:, :s]
     o = o.reshape(b, s + pad, hq, dv)[:, :s]
