@@ -10,8 +10,10 @@ from tokenizers import Tokenizer
 
 from effattn_jax.data.corpus import DataError, Document
 from effattn_jax.data.fetch import cache_root, neox_tokenizer_path
+from effattn_jax.data.small_bpe import SMALL_BPE, small_bpe_path
 
-BUILTIN = {"gpt-neox-olmo": neox_tokenizer_path}  # name -> function returning the .json path
+# name -> function returning the .json path
+BUILTIN = {"gpt-neox-olmo": neox_tokenizer_path} | {n: (lambda n=n: small_bpe_path(n)) for n in SMALL_BPE}
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
 
 
