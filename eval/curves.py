@@ -30,7 +30,13 @@ def _step_point(run_dir: Path, step: int, names: list[str], limit: int | None, b
     acc = cached(run_dir, step, "downstream", {"tasks": names, "limit": limit}, downstream)
     val = checkpoint_lm_loss(run_dir, step, seq_len=cfg.data.seq_len, bucket=bucket)
     tokens = step * cfg.data.batch_size * cfg.data.seq_len
-    return {"step": step, "tokens": tokens, "avg_acc": acc["avg_acc"], "val_loss": val["loss"]}
+    return {
+        "step": step,
+        "tokens": tokens,
+        "avg_acc": acc["avg_acc"],
+        "avg_acc_stderr": acc.get("avg_acc_stderr", float("nan")),  # absent in older caches
+        "val_loss": val["loss"],
+    }
 
 
 def checkpoint_points(

@@ -104,6 +104,12 @@ def average_accuracy(results: dict[str, TaskResult]) -> float:
     return float(np.mean(picks)) if picks else float("nan")
 
 
+def average_stderr(results: dict[str, TaskResult]) -> float:
+    """Standard error of that average, the tasks' questions being independent samples."""
+    picks = [r.metrics[TASKS[name][1] + "_stderr"] for name, r in results.items() if TASKS[name][1]]
+    return math.sqrt(sum(s * s for s in picks)) / len(picks) if picks else float("nan")
+
+
 def run_downstream(model, cfg, names: list[str], *, limit: int | None, progress: bool = True) -> dict:
     """Every figure of one checkpoint on the named tasks, as a JSON-ready dict."""
     from effattn_jax.data.tokenizer import load_tokenizer
@@ -121,6 +127,7 @@ def run_downstream(model, cfg, names: list[str], *, limit: int | None, progress:
     continuations = sum(r.continuations for r in results.values())
     return {
         "avg_acc": average_accuracy(results),
+        "avg_acc_stderr": average_stderr(results),
         "average_rule": AVERAGE_RULE,
         "tasks": [results[n].row() for n in names],
         "limit": limit,

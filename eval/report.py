@@ -37,13 +37,15 @@ def plot(runs: list[dict], path: Path, context: int, note: str) -> None:
     fig, ((a, b), (c, d)) = plt.subplots(2, 2, figsize=(11, 8))
     labels = [r["label"] for r in runs]
     for r in runs:
-        a.plot(
+        a.errorbar(
             [p["tokens"] for p in r["points"]],
             [100 * p["avg_acc"] for p in r["points"]],
-            "o-",
+            yerr=[100 * p.get("avg_acc_stderr", float("nan")) for p in r["points"]],
+            fmt="o-",
+            capsize=2,
             label=r["label"],
         )
-    a.set(xlabel="training tokens", ylabel="avg. accuracy (%)", title="(a) accuracy vs tokens")
+    a.set(xlabel="training tokens", ylabel="avg. accuracy (%, ± 1 s.e.)", title="(a) accuracy vs tokens")
     a.legend(fontsize=7)
     gated = sorted(
         (r for r in runs if r["params"]["embedding_gate"]), key=lambda r: r["params"]["embedding_gate"]

@@ -13,6 +13,9 @@ training resumes from its run directory. Recipes:
 - moba-scaling-cpu: 4 sizes x {full, moba} (configs/moba/cpu/scaling/), then the MoBA paper's
   scaling figure: LM loss (overall and trailing) against training compute, log-log, a power
   law fitted per attention kind, the paper's fitted laws drawn beside for shape.
+- egmla-cpu: MHA, MLA and EG-MLA with 4 gate-table widths (configs/egmla/cpu/), then the EG-MLA
+  paper's four panels (`eval report`): accuracy vs tokens at every kept checkpoint (50 seeded
+  questions per task, standard errors), loss vs gate-table size, KV cache, decode latency.
 """
 
 from __future__ import annotations
@@ -33,16 +36,26 @@ REPO = Path(__file__).resolve().parent.parent
 class Recipe:
     config_dir: str  # relative to the repository
     runs: tuple[str, ...]  # config file stems, in training order
-    draw: str  # name of the function in this module that draws the figure
+    summarize: str  # names of functions in this module: a run's summary (run_dir, config) -> dict
+    draw: str  # ... and the figure from all summaries (summaries, out_dir)
 
 
 RECIPES = {
     "moba-scaling-cpu": Recipe(
         "configs/moba/cpu/scaling",
         tuple(f"{core}_s{i}" for i in (1, 2, 3, 4) for core in ("full", "moba")),
+        "summarize_losses",
         "draw_moba_scaling",
     ),
+    "egmla-cpu": Recipe(
+        "configs/egmla/cpu",
+        ("mha", "mla", "eg_mla_emb16", "eg_mla_emb32", "eg_mla_emb64", "eg_mla_emb128"),
+        "summarize_report",
+        "draw_egmla_report",
+    ),
 }
+EGMLA_LIMIT = 50  # seeded questions per task at every kept checkpoint
+EGMLA_DECODE_CONTEXT = 2048
 
 # The MoBA paper's fitted laws L = a * C^b (C in PFLOP/s-days), drawn beside ours for shape.
 PAPER_MOBA_LAWS = {
@@ -65,10 +78,8 @@ def train_run(config: Path, run_dir: Path, overrides: list[str]) -> float:
     return time.perf_counter() - start
 
 
-def summarize(
-    run_dir: Path, *, recipe: str, name: str, config: Path, overrides: list[str], train_seconds: float
-) -> dict:
-    """The summary a figure needs: sizes, tokens, compute, and the losses of the final checkpoint."""
+def summarize_losses(run_dir: Path) -> dict:
+    """Sizes, tokens, compute, and the losses (overall, by position, trailing) of the final checkpoint."""
     from effattn_jax import checkpoint
     from effattn_jax.flops import run_pflops_days
     from eval.lm_loss import checkpoint_lm_loss
@@ -76,14 +87,9 @@ def summarize(
 
     step = checkpoint.kept_steps(run_dir)[-1]
     cfg = checkpoint.load_run_config(run_dir, step)
-    start = time.perf_counter()
     report = checkpoint_lm_loss(run_dir, step, seq_len=cfg.data.seq_len, bucket=cfg.data.seq_len // 4)
     n = model_param_counts(cfg)["non_embedding"]
     return {
-        "recipe": recipe,
-        "run": name,
-        "config": str(config.relative_to(REPO)),
-        "overrides": overrides,
         "label": attention_label(cfg),
         "step": step,
         "non_embedding_params": n,
@@ -94,9 +100,19 @@ def summarize(
         "trailing": report["trailing"],
         "buckets": report["buckets"],
         "eval_context": cfg.data.seq_len,
-        "train_seconds": round(train_seconds, 1),
-        "eval_seconds": round(time.perf_counter() - start, 1),
     }
+
+
+def summarize_report(run_dir: Path) -> dict:
+    """`eval report`'s entry of one run: every kept checkpoint's accuracy (EGMLA_LIMIT questions per
+    task) and validation loss, parameter counts, KV-cache elements per token, decode ms/token."""
+    from eval.curves import collect
+    from eval.report import efficiency
+    from eval.tasks import parse_tasks
+
+    return collect([run_dir], parse_tasks(None), EGMLA_LIMIT)[0] | efficiency(
+        str(run_dir), EGMLA_DECODE_CONTEXT
+    )
 
 
 def run_recipe(name: str, *, root: Path, results: Path, only=None, overrides=(), redraw=False) -> list[dict]:
@@ -115,13 +131,19 @@ def run_recipe(name: str, *, root: Path, results: Path, only=None, overrides=(),
         config = REPO / recipe.config_dir / f"{run}.yaml"
         run_dir = root / name / run
         seconds = train_run(config, run_dir, list(overrides))
-        summary = summarize(
-            run_dir, recipe=name, name=run, config=config, overrides=list(overrides), train_seconds=seconds
-        )
+        start = time.perf_counter()
+        summary = globals()[recipe.summarize](run_dir) | {  # "run": the name, not the directory
+            "recipe": name,
+            "run": run,
+            "config": str(config.relative_to(REPO)),
+            "overrides": list(overrides),
+            "train_seconds": round(seconds, 1),
+        }
+        summary["eval_seconds"] = round(time.perf_counter() - start, 1)
         tmp = summary_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(summary, indent=1) + "\n")
         tmp.rename(summary_path)
-        print(f"{run}: loss {summary['loss']:.4f}, trailing {summary['trailing']['loss']:.4f}", flush=True)
+        print(f"{run}: summary written, {summary['train_seconds']} s training", flush=True)
     summaries = [json.loads((out / f"{r}.json").read_text()) for r in runs if (out / f"{r}.json").exists()]
     if summaries:
         globals()[recipe.draw](summaries, out)
@@ -137,6 +159,10 @@ def _fits(points: list[dict], key) -> dict:
         cs = [p["pflops_days"] for p in pts]
         fits[label] = fit_power_law(cs, [key(p) for p in pts]) if len(set(cs)) > 1 else None
     return fits
+
+
+def _stderr(fit: dict) -> str:
+    return "" if fit["b_stderr"] != fit["b_stderr"] else f" (b ± {fit['b_stderr']:.3f})"  # nan: 2 points
 
 
 def draw_moba_scaling(summaries: list[dict], out: Path) -> None:
@@ -163,7 +189,7 @@ def draw_moba_scaling(summaries: list[dict], out: Path) -> None:
                     fit["a"] * grid ** fit["b"],
                     "--",
                     color=f"C{i}",
-                    label=f"{label}: {fit['a']:.3g}·C^{fit['b']:.3f} (±{fit['b_stderr']:.3f})",
+                    label=f"{label}: {fit['a']:.3g}·C^{fit['b']:.3f}" + _stderr(fit),
                 )
             else:
                 ax.plot([], [], "o", color=f"C{i}", label=f"{label} (one size: no fit)")
@@ -209,6 +235,18 @@ def draw_moba_scaling(summaries: list[dict], out: Path) -> None:
             if fit:
                 print(f"{name} {label}: L = {fit['a']:.4g} * C^{fit['b']:.4f} (±{fit['b_stderr']:.2g})")
     print(f"wrote {out / 'scaling.png'} {out / 'fits.json'}")
+
+
+def draw_egmla_report(summaries: list[dict], out: Path) -> None:
+    """report.png (the four panels) and report.md (the table), as `eval report` draws them."""
+    from eval.curves import scale_note
+    from eval.report import markdown, plot
+
+    note = scale_note(summaries) + f", {EGMLA_LIMIT} questions/task (fixed budget, not compute-optimal)"
+    (out / "report.md").write_text(markdown(summaries, EGMLA_DECODE_CONTEXT, note))
+    plot(summaries, out / "report.png", EGMLA_DECODE_CONTEXT, note)
+    print(markdown(summaries, EGMLA_DECODE_CONTEXT, note), end="")
+    print(f"wrote {out / 'report.png'} {out / 'report.md'}")
 
 
 def main(argv=None) -> int:
