@@ -87,6 +87,41 @@ def run_point(run_dir: Path, *, loss: str, seq_len: int | None, bucket: int, com
     }
 
 
+def fits_per_label(points: list[dict], value=lambda p: p["loss"]) -> dict:
+    """label -> fit_power_law of value(point) against pflops_days (None for one compute value)."""
+    fits = {}
+    for label in sorted({p["label"] for p in points}):
+        pts = [p for p in points if p["label"] == label]
+        cs = [p["pflops_days"] for p in pts]
+        fits[label] = fit_power_law(cs, [value(p) for p in pts]) if len(set(cs)) > 1 else None
+    return fits
+
+
+def draw_fits(ax, points: list[dict], fits: dict, value=lambda p: p["loss"]) -> None:
+    """Each label's points and fitted line (dashed, over its compute range) on a log-log axis."""
+    for i, (label, fit) in enumerate(sorted(fits.items())):
+        pts = [p for p in points if p["label"] == label]
+        color = f"C{i}"
+        cs = np.array([p["pflops_days"] for p in pts])
+        ax.scatter(cs, [value(p) for p in pts], color=color)
+        if fit:
+            grid = np.geomspace(cs.min() / 2, cs.max() * 2, 50)
+            se = (
+                "" if fit["b_stderr"] != fit["b_stderr"] else f" (b ± {fit['b_stderr']:.3f})"
+            )  # nan: 2 points
+            ax.plot(
+                grid,
+                fit["a"] * grid ** fit["b"],
+                "--",
+                color=color,
+                label=f"{label}: {fit['a']:.3g}·C^{fit['b']:.3f}{se}",
+            )
+        else:
+            ax.plot([], [], "o", color=color, label=f"{label} (too few points to fit)")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+
+
 def plot(points: list[dict], fits: dict, loss: str, path: Path) -> None:
     import matplotlib
 
@@ -94,22 +129,7 @@ def plot(points: list[dict], fits: dict, loss: str, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4.8))
-    for i, (label, fit) in enumerate(sorted(fits.items())):
-        pts = [p for p in points if p["label"] == label]
-        color = f"C{i}"
-        cs = np.array([p["pflops_days"] for p in pts])
-        ax.scatter(cs, [p["loss"] for p in pts], color=color)
-        if fit:
-            grid = np.geomspace(cs.min() / 2, cs.max() * 2, 50)
-            ax.plot(
-                grid,
-                fit["a"] * grid ** fit["b"],
-                "--",
-                color=color,
-                label=f"{label}: {fit['a']:.3g}·C^{fit['b']:.3f}",
-            )
-        else:
-            ax.plot([], [], "o", color=color, label=f"{label} (too few points to fit)")
+    draw_fits(ax, points, fits)
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("training compute (PFLOP/s-days)")
@@ -147,11 +167,7 @@ def command(args) -> int:
     ]
     if not writes():
         return 0
-    fits = {}
-    for label in sorted({p["label"] for p in points}):
-        pts = [p for p in points if p["label"] == label]
-        cs = [p["pflops_days"] for p in pts]
-        fits[label] = fit_power_law(cs, [p["loss"] for p in pts]) if len(set(cs)) > 1 else None
+    fits = fits_per_label(points)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "scaling.json").write_text(

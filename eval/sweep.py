@@ -150,56 +150,27 @@ def run_recipe(name: str, *, root: Path, results: Path, only=None, overrides=(),
     return summaries
 
 
-def _fits(points: list[dict], key) -> dict:
-    from eval.scaling import fit_power_law
-
-    fits = {}
-    for label in sorted({p["label"] for p in points}):
-        pts = [p for p in points if p["label"] == label]
-        cs = [p["pflops_days"] for p in pts]
-        fits[label] = fit_power_law(cs, [key(p) for p in pts]) if len(set(cs)) > 1 else None
-    return fits
-
-
-def _stderr(fit: dict) -> str:
-    return "" if fit["b_stderr"] != fit["b_stderr"] else f" (b ± {fit['b_stderr']:.3f})"  # nan: 2 points
-
-
 def draw_moba_scaling(summaries: list[dict], out: Path) -> None:
     """scaling.png: overall and trailing loss vs compute with fits, and the paper's laws;
     fits.json: the fitted (a, b) per attention kind and loss."""
     import matplotlib
+
+    from eval.scaling import draw_fits, fits_per_label
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
 
     losses = {"overall": lambda p: p["loss"], "trailing": lambda p: p["trailing"]["loss"]}
-    fits = {name: _fits(summaries, key) for name, key in losses.items()}
+    fits = {name: fits_per_label(summaries, key) for name, key in losses.items()}
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.6))
     for ax, (name, key) in zip(axes, losses.items(), strict=False):
-        for i, (label, fit) in enumerate(fits[name].items()):
-            pts = [p for p in summaries if p["label"] == label]
-            cs = np.array([p["pflops_days"] for p in pts])
-            ax.scatter(cs, [key(p) for p in pts], color=f"C{i}")
-            if fit:
-                grid = np.geomspace(cs.min() / 1.5, cs.max() * 1.5, 50)
-                ax.plot(
-                    grid,
-                    fit["a"] * grid ** fit["b"],
-                    "--",
-                    color=f"C{i}",
-                    label=f"{label}: {fit['a']:.3g}·C^{fit['b']:.3f}" + _stderr(fit),
-                )
-            else:
-                ax.plot([], [], "o", color=f"C{i}", label=f"{label} (one size: no fit)")
+        draw_fits(ax, summaries, fits[name], key)
         trailing = summaries[0]["trailing"]
         what = (
             "all positions" if name == "overall" else f"last {trailing['end'] - trailing['start']} positions"
         )
         ax.set(
-            xscale="log",
-            yscale="log",
             xlabel="training compute (PFLOP/s-days, 6ND)",
             ylabel=f"LM loss ({what})",
             title=f"ours: {name} loss",

@@ -217,6 +217,26 @@ def past_tiles(past_start: jax.Array, *, num_kv_heads: int, block_size: int, q_t
     )
 
 
+def online_softmax_init(rows: int, dv: int):
+    """(running max, running sum, accumulator) of a flash-attention forward over `rows` queries."""
+    return (
+        jnp.full((rows, 1), -jnp.inf, jnp.float32),
+        jnp.zeros((rows, 1), jnp.float32),
+        jnp.zeros((rows, dv), jnp.float32),
+    )
+
+
+def online_softmax_step(carry, s, v):
+    """One key step of a flash-attention forward: scores s [Qt, Ck] (-inf where masked) and
+    values v [Ck, Dv] folded into (m, l, acc) [Qt, 1], [Qt, 1], [Qt, Dv]."""
+    m, l, acc = carry
+    m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row that has seen no key yet
+    p, alpha = jnp.exp(s - m_safe), jnp.exp(m - m_safe)
+    acc = alpha * acc + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return m_new, alpha * l + jnp.sum(p, axis=1, keepdims=True), acc
+
+
 def triton_params(num_warps: int = 4):
     """Compiler parameters of the GPU kernels (Pallas -> Triton)."""
     from jax.experimental.pallas import triton as pltriton

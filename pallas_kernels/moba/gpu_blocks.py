@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.moba.common import NT, TN, triton_params
+from pallas_kernels.moba.common import NT, TN, online_softmax_init, online_softmax_step, triton_params
 
 
 def window(block_size: int) -> int:
@@ -35,22 +35,11 @@ def _fwd_kernel(kv_ref, start_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale
     qt, dv = q.shape[0], o_ref.shape[-1]
 
     def body(j, carry):
-        m, l, acc = carry
         keys = pl.ds(start + j * ck, ck)
         s = jax.lax.dot_general(q, k_ref[kv, keys, :], NT, preferred_element_type=jnp.float32) * scale
-        m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
-        p = jnp.exp(s - m_new)
-        alpha = jnp.exp(m - m_new)
-        v = v_ref[kv, keys, :]
-        acc = alpha * acc + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-        return m_new, alpha * l + jnp.sum(p, axis=1, keepdims=True), acc
+        return online_softmax_step(carry, s, v_ref[kv, keys, :])
 
-    init = (
-        jnp.full((qt, 1), -jnp.inf, jnp.float32),
-        jnp.zeros((qt, 1), jnp.float32),
-        jnp.zeros((qt, dv), jnp.float32),
-    )
-    m, l, acc = jax.lax.fori_loop(0, nsub, body, init)
+    m, l, acc = jax.lax.fori_loop(0, nsub, body, online_softmax_init(qt, dv))
     o_ref[...] = acc / l
     lse_ref[...] = m + jnp.log(l)
 

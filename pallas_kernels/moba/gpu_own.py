@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.moba.common import NT, TN, triton_params
+from pallas_kernels.moba.common import NT, TN, online_softmax_init, online_softmax_step, triton_params
 
 
 def own_tables(own_start: jax.Array, *, seq_pad: int, q_tile: int, kv_block: int):
@@ -58,24 +58,13 @@ def _fwd_kernel(first_ref, q_ref, lo_ref, k_ref, v_ref, o_ref, lse_ref, *, scale
     qt, dv = q.shape[0], o_ref.shape[-1]
 
     def body(j, carry):
-        m, l, acc = carry
         keys = pl.ds(j * ck, ck)
         s, mask = _scores(q, k_ref[kv, keys, :], lo, i * qt, j * ck, scale=scale)
-        s = jnp.where(mask, s, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row whose band starts later
-        p, alpha = jnp.exp(s - m_safe), jnp.exp(m - m_safe)
-        v = v_ref[kv, keys, :]
-        acc = alpha * acc + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-        return m_new, alpha * l + jnp.sum(p, axis=1, keepdims=True), acc
+        return online_softmax_step(carry, jnp.where(mask, s, -jnp.inf), v_ref[kv, keys, :])
 
-    init = (
-        jnp.full((qt, 1), -jnp.inf, jnp.float32),
-        jnp.zeros((qt, 1), jnp.float32),
-        jnp.zeros((qt, dv), jnp.float32),
-    )
     first = first_ref[(r // hq) * nq + i]
-    m, l, acc = jax.lax.fori_loop(first, (i * qt + qt - 1) // ck + 1, body, init)
+    last = (i * qt + qt - 1) // ck
+    m, l, acc = jax.lax.fori_loop(first, last + 1, body, online_softmax_init(qt, dv))
     o_ref[...] = acc / l  # every row sees itself: l > 0
     lse_ref[...] = m + jnp.log(l)
 
