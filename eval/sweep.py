@@ -105,14 +105,49 @@ def summarize_losses(run_dir: Path) -> dict:
 
 def summarize_report(run_dir: Path) -> dict:
     """`eval report`'s entry of one run: every kept checkpoint's accuracy (EGMLA_LIMIT questions per
-    task) and validation loss, parameter counts, KV-cache elements per token, decode ms/token."""
+    task) and validation loss, parameter counts, KV-cache elements per token. Decode latency is
+    measured for all runs together when drawing (`measure_decode`)."""
+    from effattn_jax import checkpoint
     from eval.curves import collect
-    from eval.report import efficiency
+    from eval.efficiency import kv_cache_report
     from eval.tasks import parse_tasks
 
-    return collect([run_dir], parse_tasks(None), EGMLA_LIMIT)[0] | efficiency(
-        str(run_dir), EGMLA_DECODE_CONTEXT
-    )
+    cfg = checkpoint.load_run_config(run_dir, checkpoint.kept_steps(run_dir)[-1])
+    return collect([run_dir], parse_tasks(None), EGMLA_LIMIT)[0] | {
+        "kv_elements_per_token": kv_cache_report(cfg)["kv_elements_per_token"],
+        "kind": cfg.attention.kind,
+    }
+
+
+def measure_decode(summaries: list[dict], out: Path) -> dict:
+    """run -> decode ms/token at EGMLA_DECODE_CONTEXT (batch 1, synthetic cache: it depends on the
+    config only), every run measured in one process so the ratios compare like with like; kept
+    in decode_latency.json and remeasured only when the set of runs changes."""
+    import datetime
+
+    import jax
+
+    path = out / "decode_latency.json"
+    runs = [s["run"] for s in summaries]
+    if path.exists() and sorted(json.loads(path.read_text())["ms_per_token"]) == sorted(runs):
+        return json.loads(path.read_text())["ms_per_token"]
+    from effattn_jax.config import load_config
+    from eval.efficiency import decode_latency
+
+    ms = {}
+    for s in summaries:
+        cfg = load_config(REPO / s["config"], s["overrides"])
+        ms[s["run"]] = decode_latency(cfg, [EGMLA_DECODE_CONTEXT], absorb=True)[EGMLA_DECODE_CONTEXT]
+    record = {
+        "context": EGMLA_DECODE_CONTEXT,
+        "batch": 1,
+        "date": datetime.date.today().isoformat(),
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "ms_per_token": ms,
+    }
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    return ms
 
 
 def run_recipe(name: str, *, root: Path, results: Path, only=None, overrides=(), redraw=False) -> list[dict]:
@@ -213,6 +248,8 @@ def draw_egmla_report(summaries: list[dict], out: Path) -> None:
     from eval.curves import scale_note
     from eval.report import markdown, plot
 
+    ms = measure_decode(summaries, out)
+    summaries = [s | {"decode_ms_per_token": ms[s["run"]]} for s in summaries]
     note = scale_note(summaries) + f", {EGMLA_LIMIT} questions/task (fixed budget, not compute-optimal)"
     (out / "report.md").write_text(markdown(summaries, EGMLA_DECODE_CONTEXT, note))
     plot(summaries, out / "report.png", EGMLA_DECODE_CONTEXT, note)
