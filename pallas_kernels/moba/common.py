@@ -237,6 +237,15 @@ def online_softmax_step(carry, s, v):
     return m_new, alpha * l + jnp.sum(p, axis=1, keepdims=True), acc
 
 
+def dkv_step(carry, q, do, p, ds, scale):
+    """dK, dV [Ck, D|Dv] += the contribution of queries q, dO [Qt, D|Dv] with probabilities p and
+    score gradients ds [Qt, Ck] (flash attention's dK/dV loop)."""
+    dk, dv = carry
+    dk = dk + jax.lax.dot_general(ds.astype(q.dtype), q, TN, preferred_element_type=jnp.float32) * scale
+    dv = dv + jax.lax.dot_general(p.astype(do.dtype), do, TN, preferred_element_type=jnp.float32)
+    return dk, dv
+
+
 def triton_params(num_warps: int = 4):
     """Compiler parameters of the GPU kernels (Pallas -> Triton)."""
     from jax.experimental.pallas import triton as pltriton

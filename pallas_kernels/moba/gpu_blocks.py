@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.moba.common import NT, TN, online_softmax_init, online_softmax_step, triton_params
+from pallas_kernels.moba.common import NT, dkv_step, online_softmax_init, online_softmax_step, triton_params
 
 
 def window(block_size: int) -> int:
@@ -84,14 +84,10 @@ def _dkv_kernel(
     k, v = k_ref[kv_ref[g], keys, :], v_ref[kv_ref[g], keys, :]
 
     def body(t, carry):
-        dk, dv = carry
         q, do = q_ref[t], do_ref[t]
         p = jnp.exp(jax.lax.dot_general(q, k, NT, preferred_element_type=jnp.float32) * scale - lse_ref[t])
         dp = jax.lax.dot_general(do, v, NT, preferred_element_type=jnp.float32)
-        ds = p * (dp - delta_ref[t])
-        dk = dk + jax.lax.dot_general(ds.astype(q.dtype), q, TN, preferred_element_type=jnp.float32) * scale
-        dv = dv + jax.lax.dot_general(p.astype(do.dtype), do, TN, preferred_element_type=jnp.float32)
-        return dk, dv
+        return dkv_step(carry, q, do, p, p * (dp - delta_ref[t]), scale)
 
     first = first_ref[g]
     init = (jnp.zeros(dk_ref.shape, jnp.float32), jnp.zeros(dv_ref.shape, jnp.float32))

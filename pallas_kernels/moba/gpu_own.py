@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.moba.common import NT, TN, online_softmax_init, online_softmax_step, triton_params
+from pallas_kernels.moba.common import NT, dkv_step, online_softmax_init, online_softmax_step, triton_params
 
 
 def own_tables(own_start: jax.Array, *, seq_pad: int, q_tile: int, kv_block: int):
@@ -129,7 +129,6 @@ def _dkv_kernel(
     tiles = q_end_ref[b * nk + j] - i0  # query tiles that reach these keys, per query head
 
     def body(n, carry):
-        dk, dv = carry
         r, i = b * hq + (rk % hkv) * group + n // tiles, i0 + n % tiles
         rows = pl.ds(i * qt, qt)
         q, do = q_ref[r, rows, :], do_ref[r, rows, :]
@@ -145,9 +144,7 @@ def _dkv_kernel(
             j * ck,
             scale=scale,
         )
-        dk = dk + jax.lax.dot_general(ds.astype(q.dtype), q, TN, preferred_element_type=jnp.float32) * scale
-        dv = dv + jax.lax.dot_general(p.astype(do.dtype), do, TN, preferred_element_type=jnp.float32)
-        return dk, dv
+        return dkv_step(carry, q, do, p, ds, scale)
 
     init = (jnp.zeros(dk_ref.shape, jnp.float32), jnp.zeros(dv_ref.shape, jnp.float32))
     dk_ref[...], dv_ref[...] = jax.lax.fori_loop(0, group * tiles, body, init)
