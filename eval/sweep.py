@@ -36,8 +36,8 @@ REPO = Path(__file__).resolve().parent.parent
 class Recipe:
     config_dir: str  # relative to the repository
     runs: tuple[str, ...]  # config file stems, in training order
-    summarize: str  # names of functions in this module: a run's summary (run_dir, config) -> dict
-    draw: str  # ... and the figure from all summaries (summaries, out_dir)
+    summarize: str  # names of functions in this module: a run's summary, (run_dir) -> dict,
+    draw: str  # and the figure from all summaries, (summaries, out_dir) -> None
 
 
 RECIPES = {
