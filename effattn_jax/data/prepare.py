@@ -141,24 +141,30 @@ def _run(inputs: Inputs, out: Path, info: dict, request: dict, state: dict, work
         if state["shards"]["train"]
         else np.zeros(info["vocab_size"], np.int64)
     )
-    bar = tqdm(
-        desc="prepare", unit=" docs", disable=None if progress else True, dynamic_ncols=True
-    )  # None: a tty only
-    started, tokens = time.perf_counter(), 0
+    tty_only = None if progress else True  # tqdm: None shows the bar on a terminal only
+    bar = tqdm(desc="prepare", unit=" docs", disable=tty_only, dynamic_ncols=True)
+    started, tokens, counted = time.perf_counter(), 0, []
+
+    def count():  # training ids since the last call -> counts, in one bincount
+        if counted:
+            counts[:] += np.bincount(np.concatenate(counted), minlength=len(counts))
+            counted.clear()
+
     try:
         for meta, flat, lengths in _tokenized(inputs, state["next"], info, workers):
-            for (file_index, doc_index, held_out), ids in zip(
-                meta, np.split(flat, np.cumsum(lengths)[:-1]), strict=True
-            ):
+            docs = np.split(flat, np.cumsum(lengths)[:-1])
+            for (file_index, doc_index, held_out), ids in zip(meta, docs, strict=True):
                 split = "val" if held_out else "train"
                 writers[split].add(ids)
                 state["documents"][split] += 1
                 if not held_out:
-                    counts += np.bincount(ids, minlength=len(counts))
+                    counted.append(ids)
                 if writers["train"].tokens >= request["shard_tokens"]:
                     state["next"] = [file_index, doc_index + 1]
                     _close_shards(writers, state)
+                    count()
                     _save_progress(out, request, state, counts)
+            count()
             tokens += len(flat)
             bar.update(len(meta))
             bar.set_postfix_str(f"{tokens / (time.perf_counter() - started):,.0f} tokens/s", refresh=False)
