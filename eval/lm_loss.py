@@ -18,8 +18,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
-from effattn_jax.data.corpus import load_splits
-from effattn_jax.data.tokenizer import tokenize_documents
+from effattn_jax.data.pipeline import corpus_manifest
 from effattn_jax.sharding import logical_to_spec, sharding_rules
 from eval.processes import share, total, writes
 
@@ -27,9 +26,8 @@ LOGITS_BUDGET = 1 << 26  # float32 logits per batch (256 MiB): sets the rows per
 
 
 def validation_documents(cfg) -> list[np.ndarray]:
-    """The run's validation documents, tokenized as in training (each ends with EOS)."""
-    _, val_docs = load_splits(cfg.data)
-    return tokenize_documents(val_docs, cfg.data.tokenizer)
+    """The run's validation documents from its prepared corpus, as in training (each ends with EOS)."""
+    return corpus_manifest(cfg.data).stream("val").documents()
 
 
 def document_rows(docs: list[np.ndarray], seq_len: int) -> tuple[np.ndarray, np.ndarray]:

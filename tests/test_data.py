@@ -3,50 +3,79 @@ import pytest
 from conftest import tiny_overrides
 
 from effattn_jax.config import load_config
-from effattn_jax.data.corpus import SOTU_VALIDATION, DataError, load_splits, read_file
-from effattn_jax.data.pipeline import (
-    PackedRows,
-    build_corpus,
-    pack_documents,
-    row_to_example,
-    train_iterator,
-    unigram_loss,
-    val_batches,
-)
+from effattn_jax.data.corpus import SOTU_VALIDATION, DataError, config_inputs, read_file
+from effattn_jax.data.pipeline import build_corpus, train_iterator, unigram_loss, val_batches
+from effattn_jax.data.shards import PackedRows, ShardWriter, TokenStream, row_to_example
 
 
-def test_packing_never_crosses_documents():
-    docs = [np.arange(1, 6), np.arange(10, 13), np.arange(20, 31)]  # 5 + 3 + 11 tokens
-    tokens, segs = pack_documents(docs, seq_len=4)
+def pack_documents(docs, seq_len):
+    """The in-memory packing the streamed rows must equal: rows of seq_len + 1 tokens at stride
+    seq_len from the concatenated documents, segment ids numbering each row's documents from 1."""
     stream = np.concatenate(docs)
-    assert tokens.shape == (4, 5) and (tokens[:, 0] == stream[0:16:4]).all()
-    assert set(range(20, 29)) <= set(tokens.ravel())  # an 11-token document split over rows, not dropped
-    for t, s in zip(tokens, segs, strict=True):
-        ex = row_to_example(t, s)
+    owner = np.repeat(np.arange(len(docs)), [len(d) for d in docs])
+    rows = (len(stream) - 1) // seq_len
+    idx = np.arange(rows)[:, None] * seq_len + np.arange(seq_len + 1)[None, :]
+    starts = np.concatenate([np.ones((rows, 1), bool), owner[idx][:, 1:] != owner[idx][:, :-1]], axis=1)
+    return stream[idx], np.cumsum(starts, axis=1)
+
+
+def stream_of(tmp_path, docs, chunk=7, shard_tokens=30):
+    """Token ids written as shards (records of `chunk` ids, a new shard after `shard_tokens`)."""
+    w, shards = ShardWriter(tmp_path, "train", np.dtype("<u2"), chunk), []
+    for d in docs:
+        w.add(np.asarray(d))
+        if w.tokens >= shard_tokens:
+            shards.append(w.close_shard())
+    shards.append(w.close_shard())
+    return TokenStream(tmp_path, [s for s in shards if s], np.dtype("<u2"), chunk)
+
+
+def test_streamed_rows_equal_the_in_memory_packing(tmp_path):
+    docs = [np.arange(1, 6), np.arange(10, 13), np.arange(20, 51), np.arange(60, 61), np.arange(70, 95)]
+    stream = stream_of(tmp_path, docs)
+    assert [list(d) for d in stream.documents()] == [list(d) for d in docs]  # round trip
+    for seq_len in (4, 7, 16):
+        tokens, segments = pack_documents(docs, seq_len)
+        rows = PackedRows(stream, seq_len)
+        assert len(rows) == len(tokens)
+        for i in range(len(rows)):
+            want = row_to_example(tokens[i], segments[i])
+            assert all((rows[i][k] == want[k]).all() for k in want), (seq_len, i)
+
+
+def test_packing_never_crosses_documents(tmp_path):
+    docs = [np.arange(1, 6), np.arange(10, 13), np.arange(20, 31)]  # 5 + 3 + 11 tokens
+    rows = PackedRows(stream_of(tmp_path, docs, chunk=4, shard_tokens=6), seq_len=4)
+    assert len(rows) == 4
+    for i in range(len(rows)):
+        ex = rows[i]
         assert ex["segment_ids"][0] == 1 and (np.diff(ex["segment_ids"]) >= 0).all()
         for inp, tgt, m in zip(ex["inputs"], ex["targets"], ex["loss_mask"], strict=True):
             same_doc = any(inp in d and tgt in d for d in docs)
             assert bool(m) == same_doc  # trained exactly on within-document targets
 
 
-def test_pipeline_is_deterministic_and_resumable():
-    rows = PackedRows(*pack_documents([np.arange(i * 100, i * 100 + 57) for i in range(10)], seq_len=8))
+def test_pipeline_is_deterministic_and_resumable(tmp_path):
+    rows = PackedRows(stream_of(tmp_path, [np.arange(i * 100, i * 100 + 57) for i in range(10)]), seq_len=8)
     a, b = train_iterator(rows, batch_size=4, seed=3), train_iterator(rows, batch_size=4, seed=3)
     first = [next(a)["inputs"] for _ in range(5)]
     assert all((x == next(b)["inputs"]).all() for x in first)
     state = a.get_state()
-    later = [next(a)["inputs"] for _ in range(3)]
+    later = [next(a)["inputs"] for _ in range(30)]  # past the end of the 71-row epoch
     c = train_iterator(rows, batch_size=4, seed=3)
     c.set_state(state)
     assert all((x == next(c)["inputs"]).all() for x in later)
-    # two processes see disjoint halves of each global batch
-    p0 = next(train_iterator(rows, batch_size=4, seed=3, process_index=0, process_count=2))["inputs"]
-    p1 = next(train_iterator(rows, batch_size=4, seed=3, process_index=1, process_count=2))["inputs"]
-    assert p0.shape == (2, 8) and not set(map(tuple, p0)) & set(map(tuple, p1))
+    # two processes: disjoint halves of each global batch, together the whole epoch
+    shares = [train_iterator(rows, batch_size=4, seed=3, process_index=p, process_count=2) for p in range(2)]
+    seen = [tuple(r) for _ in range(len(rows) // 4) for it in shares for r in next(it)["inputs"]]
+    assert len(seen) == len(set(seen)) == len(rows) // 4 * 4
+    assert set(seen) <= {tuple(rows[i]["inputs"]) for i in range(len(rows))}
+    tail = {tuple(r) for it in shares for r in next(it)["inputs"]}  # the 71st row, then epoch 2
+    assert len(set(seen) | tail) == len(rows)
 
 
-def test_val_batches_pad_with_masked_rows():
-    rows = PackedRows(*pack_documents([np.arange(50)], seq_len=8))  # 6 rows
+def test_val_batches_pad_with_masked_rows(tmp_path):
+    rows = PackedRows(stream_of(tmp_path, [np.arange(50)]), seq_len=8)  # 6 rows
     batches = list(val_batches(rows, batch_size=4, max_batches=10))
     assert len(batches) == 2 and batches[1]["loss_mask"][2:].sum() == 0
     counts = np.bincount(np.arange(50), minlength=64)
@@ -62,7 +91,7 @@ def test_bad_files_are_named(tmp_path):
             read_file(tmp_path / name)
     cfg = load_config(None, ["data.source=files", f"data.train_files=[{tmp_path}/nothing*.txt]"])
     with pytest.raises(DataError, match="no files match"):
-        load_splits(cfg.data)
+        config_inputs(cfg.data)
 
 
 def test_user_files_and_jsonl(tmp_path, corpus_dir):
@@ -76,6 +105,6 @@ def test_user_files_and_jsonl(tmp_path, corpus_dir):
 
 
 def test_builtin_corpus_split_is_fixed():
-    train, val = load_splits(load_config(None).data)
-    assert [d.doc_id for d in val] == sorted(SOTU_VALIDATION)
-    assert len(train) + len(val) == 249 and not {d.doc_id for d in train} & set(SOTU_VALIDATION)
+    inputs = config_inputs(load_config(None).data)
+    assert sorted(p.stem for p in inputs.val_files) == sorted(SOTU_VALIDATION)
+    assert len(inputs.files) == 249 and all(p in inputs.files for p in inputs.val_files)

@@ -48,7 +48,17 @@ def test_compiles_for_a_tpu_slice(capsys):
     report = dry_run(cfg)
     assert report["chips"] == 4 and report["device_kind"] == "TPU v5 lite"
     assert 0 < report["bytes_per_chip"] < report["hbm_bytes"] == 16 * 2**30 and report["fits"]
-    assert "fits" in capsys.readouterr().out
+    assert report["tpu_kernels"] >= 2 and "fits" in capsys.readouterr().out  # splash, forward and backward
+
+
+def test_moba_compiles_its_real_tpu_kernels():
+    """On a CPU host, `pallas` means the interpreted kernel; compiled for a TPU slice it must be
+    the Mosaic kernels (forward and backward of the own and selected blocks)."""
+    pytest.importorskip("libtpu")
+    moba = ["attention.core=moba", "moba.block_size=128", "moba.top_k=2", "model.num_layers=1"]
+    cfg = load_config(None, ["mesh.topology=v5e:2x2", "data.batch_size=4", "data.seq_len=512", *moba])
+    report = dry_run(cfg)
+    assert report["tpu_kernels"] >= 4 and report["fits"]
 
 
 def test_unknown_topology_is_a_config_error():

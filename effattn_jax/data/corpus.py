@@ -1,11 +1,13 @@
-"""Documents for training and validation: the built-in State-of-the-Union corpus
-or user text/jsonl files. Splits are deterministic and at document level."""
+"""Documents for training and validation: the built-in State-of-the-Union corpus or user
+files (.txt, .jsonl, .jsonl.zst, .parquet), streamed. Splits are deterministic and at document
+level. Bad input names the file and the line or row."""
 
 from __future__ import annotations
 
 import glob
 import hashlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,29 +54,113 @@ def _read_text(path: Path) -> str:
         raise DataError(f"{path}: not valid UTF-8 (byte {e.start})") from None
 
 
-def read_file(path: Path, jsonl_field: str = "text") -> list[Document]:
-    """A .jsonl file gives one document per line (its `jsonl_field`); any other file is one document."""
-    text = _read_text(path)
-    if path.suffix != ".jsonl":
+def iter_documents(path: Path, field: str = "text") -> Iterator[Document]:
+    """One input file's documents, streamed (never the whole file in memory, except a plain text
+    file, which is one document): `.jsonl` and `.jsonl.zst` give one per line (its `field`),
+    `.parquet` one per row (column `field`); any other file is one document. Blank documents of
+    jsonl and Parquet are skipped; a file with none is an error."""
+    name = path.name
+    if name.endswith(".parquet"):
+        docs = _parquet_documents(path, field)
+    elif name.endswith((".jsonl", ".jsonl.zst")):
+        docs = _jsonl_documents(path, field, zstd=name.endswith(".zst"))
+    else:
+        text = _read_text(path)
         if not text.strip():
             raise DataError(f"{path}: empty file")
-        return [Document(str(path), text)]
-    docs = []
-    for i, line in enumerate(text.splitlines()):
-        if not line.strip():
+        yield Document(str(path), text)
+        return
+    n = 0
+    for doc in docs:
+        n += 1
+        yield doc
+    if not n:
+        raise DataError(f"{path}: no non-empty documents")
+
+
+def read_file(path: Path, jsonl_field: str = "text") -> list[Document]:
+    return list(iter_documents(path, jsonl_field))
+
+
+def _binary_lines(path: Path, zstd: bool) -> Iterator[bytes]:
+    try:
+        with open(path, "rb") as raw:
+            if not zstd:
+                yield from raw
+                return
+            import zstandard
+
+            rest, n = b"", 0
+            try:
+                for block in _zstd_blocks(raw):
+                    *lines, rest = (rest + block).split(b"\n")
+                    n += len(lines)
+                    yield from lines
+            except zstandard.ZstdError as e:
+                raise DataError(f"{path}:{n + 1}: corrupt zstd stream ({e})") from None
+            if rest:
+                yield rest
+    except OSError as e:
+        raise DataError(f"{path}: cannot read ({e.strerror or e})") from None
+
+
+def _zstd_blocks(raw) -> Iterator[bytes]:
+    """Decompressed blocks of a zstd file (any number of frames); a truncated last frame is an
+    error, not a silent end."""
+    import zstandard
+
+    dctx = zstandard.ZstdDecompressor()
+    frame, open_frame = dctx.decompressobj(), False
+    while block := raw.read(1 << 20):
+        while block:
+            yield frame.decompress(block)
+            open_frame = not frame.eof
+            block = frame.unused_data if frame.eof else b""
+            if frame.eof:
+                frame = dctx.decompressobj()
+    if open_frame:
+        raise zstandard.ZstdError("the stream ends inside a frame (truncated)")
+
+
+def _jsonl_documents(path: Path, field: str, zstd: bool) -> Iterator[Document]:
+    for i, line in enumerate(_binary_lines(path, zstd), 1):
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path}:{i}: not valid UTF-8 (byte {e.start} of the line)") from None
+        if not text.strip():
             continue
         try:
-            rec = json.loads(line)
-            body = rec[jsonl_field]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise DataError(f"{path}:{i + 1}: not a JSON object with a '{jsonl_field}' string") from None
+            body = json.loads(text)[field]
+        except (json.JSONDecodeError, KeyError, TypeError, IndexError):
+            raise DataError(f"{path}:{i}: not a JSON object with a '{field}' string") from None
         if not isinstance(body, str):
-            raise DataError(f"{path}:{i + 1}: '{jsonl_field}' is not a string")
+            raise DataError(f"{path}:{i}: '{field}' is not a string")
         if body.strip():
-            docs.append(Document(f"{path}:{i + 1}", body))
-    if not docs:
-        raise DataError(f"{path}: no non-empty documents")
-    return docs
+            yield Document(f"{path}:{i}", body)
+
+
+def _parquet_documents(path: Path, field: str, batch_rows: int = 1024) -> Iterator[Document]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+    except (OSError, pa.ArrowException) as e:
+        raise DataError(f"{path}: not a readable Parquet file ({str(e)[:120]})") from None
+    if field not in pf.schema_arrow.names:
+        raise DataError(f"{path}: no column '{field}' (columns: {', '.join(pf.schema_arrow.names)})")
+    row = 0
+    try:
+        for batch in pf.iter_batches(batch_size=batch_rows, columns=[field]):
+            for body in batch.column(0).to_pylist():
+                row += 1
+                if not isinstance(body, str):
+                    raise DataError(f"{path}: row {row}: '{field}' is not a string ({type(body).__name__})")
+                if body.strip():
+                    yield Document(f"{path}:{row}", body)
+    except pa.ArrowException as e:
+        raise DataError(f"{path}: row {row + 1}: unreadable ({str(e)[:120]})") from None
 
 
 def expand_globs(patterns: list[str], key: str) -> list[Path]:
@@ -89,23 +175,43 @@ def _in_validation(doc_id: str, fraction: float) -> bool:
     return h / 2**64 < fraction
 
 
-def load_splits(data_cfg) -> tuple[list[Document], list[Document]]:
-    """(train, validation) documents, in a fixed order."""
+@dataclass(frozen=True)
+class Inputs:
+    """What a corpus is made of: input files in processing order, and which documents are held
+    out for validation (whole files in `val_files`, else a `val_fraction` of the documents by a
+    hash of their id; 0: none)."""
+
+    files: tuple[Path, ...]
+    val_files: frozenset[Path] = frozenset()
+    val_fraction: float = 0.0
+    field: str = "text"
+
+    @classmethod
+    def of(cls, train: list[Path], val: list[Path], val_fraction: float, field: str) -> Inputs:
+        """Held-out files when there are any, else a fraction of the training files' documents."""
+        if val:
+            return cls(tuple(sorted({*train, *val})), frozenset(val), field=field)
+        return cls(tuple(train), val_fraction=val_fraction, field=field)
+
+    def is_validation(self, path: Path, doc: Document) -> bool:
+        if self.val_files:
+            return path in self.val_files
+        return _in_validation(doc.doc_id, self.val_fraction)
+
+    def documents(self) -> Iterator[tuple[int, Document, bool]]:
+        """(file index, document, held out?) in order, streamed."""
+        for i, path in enumerate(self.files):
+            for doc in iter_documents(path, self.field):
+                yield i, doc, self.is_validation(path, doc)
+
+
+def config_inputs(data_cfg) -> Inputs:
+    """The inputs of `data.source` sotu (validation: the fixed speeches) or files."""
     if data_cfg.source == "sotu":
-        docs = [Document(p.stem, _read_text(p)) for p in sorted(sotu_dir().glob("*.txt"))]
-        if not docs:
+        files = tuple(sorted(sotu_dir().glob("*.txt")))
+        if not files:
             raise DataError(f"{sotu_dir()}: built-in corpus is empty; delete the cache and refetch")
-        val_ids = set(SOTU_VALIDATION)
-        return [d for d in docs if d.doc_id not in val_ids], [d for d in docs if d.doc_id in val_ids]
-    read = lambda pats, key: [d for p in expand_globs(pats, key) for d in read_file(p, data_cfg.jsonl_field)]
-    train = read(data_cfg.train_files, "data.train_files")
-    if data_cfg.val_files:
-        return train, read(data_cfg.val_files, "data.val_files")
-    val = [d for d in train if _in_validation(d.doc_id, data_cfg.val_fraction)]
-    train = [d for d in train if not _in_validation(d.doc_id, data_cfg.val_fraction)]
-    if not val or not train:
-        raise DataError(
-            f"data.val_fraction={data_cfg.val_fraction} leaves {len(train)} training and {len(val)} "
-            "validation documents; set data.val_files or add documents"
-        )
-    return train, val
+        return Inputs(files, frozenset(p for p in files if p.stem in SOTU_VALIDATION))
+    train = expand_globs(data_cfg.train_files, "data.train_files")
+    val = expand_globs(data_cfg.val_files, "data.val_files") if data_cfg.val_files else []
+    return Inputs.of(train, val, data_cfg.val_fraction, data_cfg.jsonl_field)

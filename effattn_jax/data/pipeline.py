@@ -1,6 +1,7 @@
-"""Grain input pipeline: tokenized documents -> packed rows with segment ids ->
-shuffle -> shard across processes -> batch. The training iterator's state
-is checkpointed with the run (Orbax + grain.checkpoint).
+"""Grain input pipeline: a prepared corpus (token shards on disk, effattn_jax/data/shards.py)
+-> packed rows with segment ids, read by index -> global shuffle -> shard across processes ->
+batch, a few batches read ahead by threads. The corpus is never loaded whole. The training
+iterator's state is checkpointed with the run (Orbax + grain.checkpoint).
 
 A packed row holds `seq_len + 1` tokens cut from the concatenated stream of
 documents (stride `seq_len`, so consecutive rows overlap by one token).
@@ -11,55 +12,50 @@ target ever crosses into the next document.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 
 import grain
 import numpy as np
 
-from effattn_jax.data.corpus import DataError, load_splits
-from effattn_jax.data.tokenizer import load_tokenizer, tokenize_documents
+from effattn_jax.data.corpus import DataError, config_inputs
+from effattn_jax.data.fetch import cache_root
+from effattn_jax.data.prepare import DEFAULT_SHARD_TOKENS, prepare, request_of, tokenizer_info
+from effattn_jax.data.shards import Manifest, PackedRows
+
+READ_THREADS = 4  # grain threads reading batches ahead of the train step
 
 
-def pack_documents(docs: list[np.ndarray], seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """Returns (tokens, segments), both int32 [rows, seq_len + 1]; the tail shorter than a row is dropped."""
-    if not docs:
-        return np.zeros((0, seq_len + 1), np.int32), np.zeros((0, seq_len + 1), np.int32)
-    stream = np.concatenate(docs).astype(np.int32)
-    doc_index = np.repeat(np.arange(len(docs), dtype=np.int64), [len(d) for d in docs])
-    rows = (len(stream) - 1) // seq_len
-    idx = np.arange(rows)[:, None] * seq_len + np.arange(seq_len + 1)[None, :]
-    tokens, owner = stream[idx], doc_index[idx]
-    starts = np.concatenate([np.ones((rows, 1), bool), owner[:, 1:] != owner[:, :-1]], axis=1)
-    segments = np.cumsum(starts, axis=1).astype(np.int32)  # 1, 1, ..., 2, 2, ... per row
-    return tokens, segments
-
-
-def row_to_example(tokens: np.ndarray, segments: np.ndarray) -> dict[str, np.ndarray]:
-    """One packed row -> model inputs, targets, segment ids and the loss mask (all [seq_len])."""
-    return {
-        "inputs": tokens[:-1],
-        "targets": tokens[1:],
-        "segment_ids": segments[:-1],
-        "loss_mask": (segments[1:] == segments[:-1]).astype(np.float32),
-    }
-
-
-class PackedRows:
-    """Random-access source of packed examples for grain."""
-
-    def __init__(self, tokens: np.ndarray, segments: np.ndarray):
-        self.tokens, self.segments = tokens, segments
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
-        return row_to_example(self.tokens[i], self.segments[i])
+def corpus_manifest(data_cfg) -> Manifest:
+    """The prepared corpus of `data_cfg`: `data.path` for source=prepared; the built-in corpus and
+    user files are prepared once into the cache (keyed by the request and the files' mtimes).
+    Fails in one line when it was prepared with another tokenizer than `data.tokenizer`."""
+    info = tokenizer_info(data_cfg.tokenizer)
+    if data_cfg.source == "prepared":
+        manifest = Manifest.load(data_cfg.path)
+        theirs = manifest.data["tokenizer"]
+        if theirs["sha256"] != info["sha256"]:
+            raise DataError(
+                f"data.path={data_cfg.path}: prepared with tokenizer {theirs['name']!r}, not "
+                f"data.tokenizer={data_cfg.tokenizer!r} (their files differ); set data.tokenizer to match"
+            )
+        return manifest
+    inputs = config_inputs(data_cfg)
+    key = json.dumps(
+        [request_of(inputs, info, DEFAULT_SHARD_TOKENS), [p.stat().st_mtime_ns for p in inputs.files]]
+    )
+    return prepare(
+        inputs,
+        cache_root() / "prepared" / hashlib.sha256(key.encode()).hexdigest()[:24],
+        tokenizer=data_cfg.tokenizer,
+    )
 
 
 @dataclass
 class Corpus:
-    """Tokenized, packed train and validation rows plus what the unigram baseline needs."""
+    """Packed train and validation rows, streamed from a prepared corpus, plus what the unigram
+    baseline needs."""
 
     train: PackedRows
     val: PackedRows
@@ -72,26 +68,19 @@ class Corpus:
 
 
 def build_corpus(data_cfg) -> Corpus:
-    train_docs, val_docs = load_splits(data_cfg)
-    tok, eos, _ = load_tokenizer(data_cfg.tokenizer)
-    train_ids = tokenize_documents(train_docs, data_cfg.tokenizer)
-    val_ids = tokenize_documents(val_docs, data_cfg.tokenizer)
-    counts = np.bincount(np.concatenate(train_ids), minlength=tok.get_vocab_size(with_added_tokens=True))
-    train, val = (
-        PackedRows(*pack_documents(train_ids, data_cfg.seq_len)),
-        PackedRows(*pack_documents(val_ids, data_cfg.seq_len)),
-    )
+    manifest = corpus_manifest(data_cfg)
+    train, val = (PackedRows(manifest.stream(split), data_cfg.seq_len) for split in ("train", "val"))
     if len(train) == 0 or len(val) == 0:
         raise DataError(
             f"data.seq_len={data_cfg.seq_len}: the corpus gives {len(train)} training and {len(val)} "
-            "validation rows; use shorter sequences or more data"
+            "validation rows; use shorter sequences or more data (or more validation documents)"
         )
     if len(train) < data_cfg.batch_size:
         raise DataError(
             f"data.batch_size={data_cfg.batch_size}: the corpus gives only {len(train)} training rows of "
             f"data.seq_len={data_cfg.seq_len} tokens, fewer than one batch; use a smaller batch or more data"
         )
-    return Corpus(train, val, counts, eos)
+    return Corpus(train, val, manifest.token_counts(), manifest.data["tokenizer"]["eos_id"])
 
 
 def train_iterator(
@@ -106,7 +95,10 @@ def train_iterator(
         .repeat(None)[process_index::process_count]
         .batch(batch_size // process_count, drop_remainder=True)
     )
-    return iter(ds)
+    # a few batches ahead, not grain's default 500 (gigabytes at paper batch sizes)
+    return iter(
+        ds.to_iter_dataset(grain.ReadOptions(num_threads=READ_THREADS, prefetch_buffer_size=2 * READ_THREADS))
+    )
 
 
 def val_batches(

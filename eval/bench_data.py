@@ -1,0 +1,129 @@
+"""The input pipeline at scale, measured in one run: prepare throughput, the training input
+pipeline's streaming throughput against the default model's consumption, and a training
+process's peak resident memory on a large prepared corpus against on the built-in one.
+
+    python -m eval.bench_data [--copies 90] [--workers 2] [--steps 30] [--root DIR] [--keep]
+
+The synthetic corpus is `--copies` copies of the built-in corpus's training speeches, each copy
+with every speech's paragraphs shuffled by its own seed (no two copies alike), written as one
+.jsonl file per copy (90 copies: about 204M tokens with the default tokenizer). It lives under
+`--root` (default: a fresh temporary directory) and is deleted afterwards unless `--keep`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from effattn_jax.config import load_config
+from effattn_jax.data.corpus import Inputs, config_inputs
+from effattn_jax.data.pipeline import train_iterator
+from effattn_jax.data.prepare import prepare
+from effattn_jax.train.metrics import read_scalars
+
+CONFIG = "configs/cpu/default.yaml"
+
+
+def write_corpus(root: Path, copies: int) -> Inputs:
+    inputs = config_inputs(load_config(CONFIG).data)
+    speeches = [d.text for _, d, held_out in inputs.documents() if not held_out]
+    root.mkdir(parents=True, exist_ok=True)
+    for c in range(copies):
+        rng = np.random.default_rng(c)
+        with open(root / f"copy{c:03d}.jsonl", "w") as f:
+            for text in speeches:
+                paragraphs = text.split("\n\n")
+                f.write(json.dumps({"text": "\n\n".join(rng.permutation(paragraphs))}) + "\n")
+    return Inputs(tuple(sorted(root.glob("*.jsonl"))), val_fraction=0.01)
+
+
+def stream_rate(manifest, seconds: float = 10.0) -> tuple[float, float]:
+    """(tokens/s, rows/s) of the training iterator alone (default batch and sequence length)."""
+    data = load_config(CONFIG).data
+    from effattn_jax.data.shards import PackedRows
+
+    it = train_iterator(
+        PackedRows(manifest.stream("train"), data.seq_len), batch_size=data.batch_size, seed=0
+    )
+    for _ in range(20):
+        next(it)
+    batches, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds:
+        next(it)
+        batches += 1
+    rows = batches * data.batch_size / elapsed
+    return rows * data.seq_len, rows
+
+
+def train_process(run_dir: Path, steps: int, overrides: list[str]) -> tuple[float, float]:
+    """(peak RSS GiB, median logged tokens/s) of `train.py` on the default config."""
+    cmd = [sys.executable, "train.py", "--config", CONFIG, f"train.run_dir={run_dir}", f"train.steps={steps}"]
+    cmd += ["train.progress=false", "train.log_every=5", *overrides]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _, status, usage = os.wait4(proc.pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr.read()[-2000:]}")
+    rates = [v for step, v in read_scalars(run_dir)["tokens_per_sec"] if step > 5]
+    return usage.ru_maxrss / 2**20, statistics.median(rates)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--copies", type=int, default=90)
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--steps", type=int, default=30, help="train steps per training process")
+    p.add_argument("--root", type=Path, default=None)
+    p.add_argument("--keep", action="store_true")
+    args = p.parse_args(argv)
+    root = args.root or Path(tempfile.mkdtemp(prefix="effattn-bench-data-"))
+    try:
+        t = time.perf_counter()
+        inputs = write_corpus(root / "text", args.copies)
+        text_gb = sum(f.stat().st_size for f in inputs.files) / 1e9
+        print(
+            f"synthetic corpus: {args.copies} copies, {text_gb:.2f} GB of jsonl "
+            f"({time.perf_counter() - t:.0f} s)"
+        )
+
+        t = time.perf_counter()
+        manifest = prepare(
+            inputs, root / "prepared", tokenizer=load_config(CONFIG).data.tokenizer, workers=args.workers
+        )
+        seconds = time.perf_counter() - t
+        tokens = manifest.data["train"]["tokens"] + manifest.data["val"]["tokens"]
+        shards_gb = sum(f.stat().st_size for f in (root / "prepared").glob("*.arrayrecord")) / 1e9
+        print(
+            f"prepare: {tokens:,} tokens in {seconds:.0f} s with {args.workers} workers = "
+            f"{tokens / seconds:,.0f} tokens/s; shards {shards_gb:.2f} GB"
+        )
+
+        tok_s, rows_s = stream_rate(manifest)
+        print(f"input pipeline alone: {tok_s:,.0f} tokens/s, {rows_s:,.0f} packed rows/s")
+
+        rss_small, rate_small = train_process(root / "run_sotu", args.steps, [])
+        big = ["data.source=prepared", f"data.path={root / 'prepared'}"]
+        rss_big, rate_big = train_process(root / "run_big", args.steps, big)
+        print(f"train.py on SOTU: peak RSS {rss_small:.2f} GiB, {rate_small:,.0f} tokens/s consumed")
+        print(
+            f"train.py on {tokens / 1e6:.0f}M tokens: peak RSS {rss_big:.2f} GiB, "
+            f"{rate_big:,.0f} tokens/s consumed"
+        )
+        print(f"input pipeline / model consumption: {tok_s / rate_big:.0f}x")
+        print(f"peak RSS, large corpus / SOTU: {rss_big / rss_small:.3f}")
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
