@@ -47,24 +47,26 @@ def plot(runs: list[dict], path: Path, context: int, note: str) -> None:
         )
     a.set(xlabel="training tokens", ylabel="avg. accuracy (%, ± 1 s.e.)", title="(a) accuracy vs tokens")
     a.legend(fontsize=7)
+    colour = {id(r): f"C{i}" for i, r in enumerate(runs)}  # one colour per run in every panel
     gated = sorted(
         (r for r in runs if r["params"]["embedding_gate"]), key=lambda r: r["params"]["embedding_gate"]
     )
     if gated:
-        b.plot(
+        sizes, losses = (
             [r["params"]["embedding_gate"] for r in gated],
             [r["points"][-1]["val_loss"] for r in gated],
-            "o-",
-            label="EG-MLA",
         )
+        b.plot(sizes, losses, "-", color="0.6", label="EG-MLA")
+        b.scatter(sizes, losses, c=[colour[id(r)] for r in gated], zorder=3)
         b.set_xscale("log")
-    for i, r in enumerate(r for r in runs if not r["params"]["embedding_gate"]):
-        b.axhline(r["points"][-1]["val_loss"], ls="--", color=f"C{i + 1}", label=r["label"])
+    for r in runs:
+        if not r["params"]["embedding_gate"]:
+            b.axhline(r["points"][-1]["val_loss"], ls="--", color=colour[id(r)], label=r["label"])
     b.set(xlabel="gate-table parameters", ylabel="validation loss", title="(b) loss vs gate-table size")
     b.legend(fontsize=7)
-    c.bar(labels, [r["kv_elements_per_token"] for r in runs], color=[f"C{i}" for i in range(len(runs))])
+    c.bar(labels, [r["kv_elements_per_token"] for r in runs], color=[colour[id(r)] for r in runs])
     c.set(ylabel="KV-cache elements / token", title="(c) KV cache")
-    d.bar(labels, [r["decode_ms_per_token"] for r in runs], color=[f"C{i}" for i in range(len(runs))])
+    d.bar(labels, [r["decode_ms_per_token"] for r in runs], color=[colour[id(r)] for r in runs])
     d.set(ylabel="ms / token", title=f"(d) decode latency, context {context}, batch 1")
     for ax in (c, d):
         ax.tick_params(axis="x", labelrotation=20, labelsize=7)
