@@ -134,7 +134,9 @@ def test_bad_inputs_name_the_file_and_row(tmp_path):
     (tmp_path / "fake.parquet").write_bytes(b"not parquet at all")
     pq.write_table(pa.table({"body": ["a", "b"]}), tmp_path / "nofield.parquet")
     pq.write_table(pa.table({"text": ["a", None]}), tmp_path / "null.parquet")
+    (tmp_path / "dir.jsonl").mkdir()
     cases = {
+        "dir.jsonl": r"dir.jsonl: cannot read",
         "latin1.jsonl": r"latin1.jsonl:2: not valid UTF-8",
         "cut.jsonl.zst": r"cut.jsonl.zst:\d+: corrupt zstd",
         "fake.parquet": r"fake.parquet: not a readable Parquet",

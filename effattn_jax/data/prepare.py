@@ -164,6 +164,9 @@ def _run(inputs: Inputs, out: Path, info: dict, request: dict, state: dict, work
                     _close_shards(writers, state)
                     count()
                     _save_progress(out, request, state, counts)
+                    if progress and bar.disable:  # no terminal: one line per shard instead of the bar
+                        rate = tokens / (time.perf_counter() - started)
+                        print(f"{out}: {len(state['shards']['train'])} training shards, {rate:,.0f} tokens/s")
             count()
             tokens += len(flat)
             bar.update(len(meta))
