@@ -92,6 +92,11 @@ def test_bad_files_are_named(tmp_path):
     cfg = load_config(None, ["data.source=files", f"data.train_files=[{tmp_path}/nothing*.txt]"])
     with pytest.raises(DataError, match="no files match"):
         config_inputs(cfg.data)
+    (tmp_path / "one").mkdir()
+    (tmp_path / "one" / "a.txt").write_text("a single document")
+    cfg = load_config(None, ["data.source=files", f"data.train_files=[{tmp_path}/one/*.txt]"])
+    with pytest.raises(DataError, match=r"(1 training and 0|0 training and 1) validation documents"):
+        build_corpus(cfg.data)
 
 
 def test_user_files_and_jsonl(tmp_path, corpus_dir):

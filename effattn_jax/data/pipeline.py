@@ -69,6 +69,12 @@ class Corpus:
 
 def build_corpus(data_cfg) -> Corpus:
     manifest = corpus_manifest(data_cfg)
+    docs = {split: manifest.data[split]["documents"] for split in ("train", "val")}
+    if not all(docs.values()):
+        raise DataError(
+            f"the corpus splits into {docs['train']} training and {docs['val']} validation documents; "
+            "set data.val_files (prepare: --val-input), change data.val_fraction or add documents"
+        )
     train, val = (PackedRows(manifest.stream(split), data_cfg.seq_len) for split in ("train", "val"))
     if len(train) == 0 or len(val) == 0:
         raise DataError(
