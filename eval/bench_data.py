@@ -36,7 +36,7 @@ CONFIG = "configs/cpu/default.yaml"
 
 def write_corpus(root: Path, copies: int) -> Inputs:
     inputs = config_inputs(load_config(CONFIG).data)
-    speeches = [d.text for _, d, held_out in inputs.documents() if not held_out]
+    speeches = [d.text for _, _, d, held_out in inputs.documents() if not held_out]
     root.mkdir(parents=True, exist_ok=True)
     for c in range(copies):
         rng = np.random.default_rng(c)

@@ -3,7 +3,7 @@ import pytest
 from conftest import tiny_overrides
 
 from effattn_jax.config import load_config
-from effattn_jax.data.corpus import SOTU_VALIDATION, DataError, config_inputs, read_file
+from effattn_jax.data.corpus import SOTU_VALIDATION, DataError, config_inputs, iter_documents
 from effattn_jax.data.pipeline import build_corpus, train_iterator, unigram_loss, val_batches
 from effattn_jax.data.shards import PackedRows, ShardWriter, TokenStream, row_to_example
 
@@ -88,7 +88,7 @@ def test_bad_files_are_named(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"body": "no text"}\n')
     for name, needle in (("empty.txt", "empty"), ("latin1.txt", "UTF-8"), ("bad.jsonl", "bad.jsonl:2")):
         with pytest.raises(DataError, match=needle):
-            read_file(tmp_path / name)
+            list(iter_documents(tmp_path / name))
     cfg = load_config(None, ["data.source=files", f"data.train_files=[{tmp_path}/nothing*.txt]"])
     with pytest.raises(DataError, match="no files match"):
         config_inputs(cfg.data)
@@ -101,7 +101,7 @@ def test_bad_files_are_named(tmp_path):
 
 def test_user_files_and_jsonl(tmp_path, corpus_dir):
     (tmp_path / "a.jsonl").write_text('{"text": "one two"}\n\n{"text": "three"}\n')
-    assert [d.text for d in read_file(tmp_path / "a.jsonl")] == ["one two", "three"]
+    assert [d.text for d in iter_documents(tmp_path / "a.jsonl")] == ["one two", "three"]
     cfg = load_config(None, tiny_overrides(corpus_dir, tmp_path / "run"))
     corpus = build_corpus(cfg.data)
     assert len(corpus.train) > 0 and len(corpus.val) > 0 and corpus.eos_id == 50279

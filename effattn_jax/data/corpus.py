@@ -78,10 +78,6 @@ def iter_documents(path: Path, field: str = "text") -> Iterator[Document]:
         raise DataError(f"{path}: no non-empty documents")
 
 
-def read_file(path: Path, jsonl_field: str = "text") -> list[Document]:
-    return list(iter_documents(path, jsonl_field))
-
-
 def _binary_lines(path: Path, zstd: bool) -> Iterator[bytes]:
     try:
         with open(path, "rb") as raw:
@@ -198,11 +194,15 @@ class Inputs:
             return path in self.val_files
         return _in_validation(doc.doc_id, self.val_fraction)
 
-    def documents(self) -> Iterator[tuple[int, Document, bool]]:
-        """(file index, document, held out?) in order, streamed."""
-        for i, path in enumerate(self.files):
-            for doc in iter_documents(path, self.field):
-                yield i, doc, self.is_validation(path, doc)
+    def documents(self, start: tuple[int, int] = (0, 0)) -> Iterator[tuple[int, int, Document, bool]]:
+        """(file index, document index in the file, document, held out?) in order, streamed, from
+        document `start` (earlier files are not opened; earlier documents of its file are read, not
+        returned)."""
+        for i in range(start[0], len(self.files)):
+            path = self.files[i]
+            for j, doc in enumerate(iter_documents(path, self.field)):
+                if i > start[0] or j >= start[1]:
+                    yield i, j, doc, self.is_validation(path, doc)
 
 
 def config_inputs(data_cfg) -> Inputs:

@@ -48,7 +48,7 @@ def corpus_manifest(data_cfg) -> Manifest:
     return prepare(
         inputs,
         cache_root() / "prepared" / hashlib.sha256(key.encode()).hexdigest()[:24],
-        tokenizer=data_cfg.tokenizer,
+        tokenizer=info,
     )
 
 

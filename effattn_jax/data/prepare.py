@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from effattn_jax.data.corpus import DataError, Inputs, expand_globs, iter_documents
+from effattn_jax.data.corpus import DataError, Inputs, expand_globs
 from effattn_jax.data.shards import FORMAT, MANIFEST, Manifest, ShardWriter, file_sha256, token_dtype
 from effattn_jax.data.tokenizer import load_tokenizer
 
@@ -41,8 +41,15 @@ BATCH_CHARS = 1 << 20  # text per worker task
 
 
 def tokenizer_info(name: str) -> dict:
+    """What a manifest records of the tokenizer (and, under "path", where its file is)."""
     tok, eos, path = load_tokenizer(name)
-    return {"name": name, "sha256": file_sha256(path), "vocab_size": tok.get_vocab_size(True), "eos_id": eos}
+    return {
+        "name": name,
+        "sha256": file_sha256(path),
+        "vocab_size": tok.get_vocab_size(True),
+        "eos_id": eos,
+        "path": str(path),
+    }
 
 
 def request_of(inputs: Inputs, tokenizer: dict, shard_tokens: int, chunk_tokens: int = CHUNK_TOKENS) -> dict:
@@ -63,17 +70,18 @@ def prepare(
     inputs: Inputs,
     out: str | Path,
     *,
-    tokenizer: str,
+    tokenizer: str | dict,
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
     workers: int = 0,
     progress: bool = True,
     chunk_tokens: int = CHUNK_TOKENS,
 ) -> Manifest:
-    """Prepares `inputs` into `out` (or returns the finished result already there, silently)."""
+    """Prepares `inputs` into `out` (or returns the finished result already there, silently).
+    `tokenizer`: a name (as `data.tokenizer`) or its `tokenizer_info`."""
     out = Path(out)
     if shard_tokens < 1 or chunk_tokens < 1:
         raise DataError(f"--shard-tokens={shard_tokens}, chunk {chunk_tokens}: must be positive")
-    info = tokenizer_info(tokenizer)
+    info = tokenizer_info(tokenizer) if isinstance(tokenizer, str) else tokenizer
     request = request_of(inputs, info, shard_tokens, chunk_tokens)
     out.mkdir(parents=True, exist_ok=True)
     with _exclusive(out):
@@ -180,7 +188,7 @@ def _run(inputs: Inputs, out: Path, info: dict, request: dict, state: dict, work
     manifest = {
         "format": FORMAT,
         "request": request,
-        "tokenizer": info,
+        "tokenizer": {k: v for k, v in info.items() if k != "path"},
         "dtype": dtype.str,
         "chunk_tokens": request["chunk_tokens"],
         "train_token_counts": "train_token_counts.npy",
@@ -217,24 +225,20 @@ def _close_shards(writers: dict, state: dict) -> None:
 def _batches(inputs: Inputs, start: list[int]):
     """(meta [(file, doc, held out?)], texts) of about BATCH_CHARS text, from document `start`."""
     meta, texts, chars = [], [], 0
-    for file_index in range(start[0], len(inputs.files)):
-        path = inputs.files[file_index]
-        for doc_index, doc in enumerate(iter_documents(path, inputs.field)):
-            if file_index == start[0] and doc_index < start[1]:
-                continue
-            meta.append((file_index, doc_index, inputs.is_validation(path, doc)))
-            texts.append(doc.text)
-            chars += len(doc.text)
-            if chars >= BATCH_CHARS:
-                yield meta, texts
-                meta, texts, chars = [], [], 0
+    for file_index, doc_index, doc, held_out in inputs.documents(tuple(start)):
+        meta.append((file_index, doc_index, held_out))
+        texts.append(doc.text)
+        chars += len(doc.text)
+        if chars >= BATCH_CHARS:
+            yield meta, texts
+            meta, texts, chars = [], [], 0
     if meta:
         yield meta, texts
 
 
 def _tokenized(inputs: Inputs, start: list[int], info: dict, workers: int):
     """(meta, flat ids, lengths) per batch, in input order; `workers` processes (0: this one)."""
-    path = str(load_tokenizer(info["name"])[2])
+    path = info["path"]
     if workers <= 0:
         _init_worker(path, info["eos_id"], in_pool=False)
         for meta, texts in _batches(inputs, start):

@@ -180,14 +180,11 @@ class TokenStream:
 
     @property
     def source(self):
-        if self._source is None:  # opened lazily: a stream pickles (grain workers) without open files
+        if self._source is None:  # opened on the first read
             import grain
 
             self._source = grain.sources.ArrayRecordDataSource(self._paths)
         return self._source
-
-    def __getstate__(self):
-        return {**self.__dict__, "_source": None}
 
     def span(self, start: int, length: int) -> tuple[np.ndarray, np.ndarray]:
         """(ids int32 [length], document starts bool [length]) of tokens start .. start + length."""

