@@ -12,9 +12,10 @@ the selected earlier blocks (tpu_blocks.py):
   backward: scores, dP, dV, dQ, dK);
 - HBM bytes under the TPU pipeline's rules: a block is copied only when its index differs
   from the previous grid step's; lse and delta are lane-dense rows. Both directions also count
-  the XLA glue around the kernels: the per-head layouts and tile gathers of q and dO (read +
-  write), the dq scatter, and the dK/dV adds (per own chunk, per selected-block group: read
-  back and added into dK/dV);
+  the XLA glue around the kernels: the per-head layouts of q, K, V, dO and o (read + write),
+  the tile gathers of q and dO (read + write), and the backward's final pass, which reads each
+  part's gradient once (dq: the own part's and each selection's row; dK/dV: the own part's and,
+  for keys of a selected block, the row of its group's float32 window) and writes dq, dK, dV;
 - the GPU own-block kernels (gpu_own.py): issued (query, key) pairs from their tables, over the
   own block's visible pairs;
 - routing: HBM bytes of the gate compiled ahead of time for a TPU (libtpu, the `tpu` extra),
@@ -63,7 +64,8 @@ def own_counts(
     block_size: int,
 ) -> dict:
     """The chunk-diagonal own-block kernels (tpu_own.py): grid (B x Hkv, chunk, query head of
-    the group), forward and fused backward; the previous chunk only where a chunk needs it."""
+    the group), forward and fused backward; the previous chunk only where a chunk needs it (its
+    dK/dV carried in VMEM); every gradient written once, in the input dtype."""
     c, n = block_size, needs.shape[0] // b
     steps = b * hq * n
     q = jax.ShapeDtypeStruct((b * hq, n * c, d), jnp.bfloat16 if item == 2 else jnp.float32)
@@ -75,28 +77,26 @@ def own_counts(
     kv_bytes = (b * hkv * n + _copies(prev_index)) * c * (d + dv) * item
     rows_q, rows_do = steps * c * d * item, steps * c * dv * item
     lane_row = steps * c * 4
-    own_grads = b * hkv * n * c * (d + dv) * 4  # dK, dV of each chunk's own keys, written once
-    # dK, dV of the previous chunk's keys: written only where needed (and the first block)
-    prev_grads = b * hkv * (int(needs.sum()) + 1) * c * (d + dv) * 4
+    own_grads = b * hkv * n * c * (d + dv) * item  # dK, dV of the keys, written once
+    kv_layout = 2 * b * hkv * n * c * (d + dv) * item  # K/V to [B*Hkv, S_pad, D]: read + write
     fwd_bytes = kv_bytes + rows_q + steps * c * dv * 4 + lane_row
-    bwd_kernel = kv_bytes + rows_q + rows_do + 2 * lane_row + steps * c * d * 4 + own_grads + prev_grads
-    # head layouts of q and dO; dq back to rows; both dK/dV arrays read, their sum written
-    glue = 2 * (rows_q + rows_do) + 2 * steps * c * d * 4 + 3 * own_grads
+    bwd_kernel = kv_bytes + rows_q + rows_do + 2 * lane_row + steps * c * d * item + own_grads
+    glue = 2 * (rows_q + rows_do) + kv_layout  # head layouts of q, dO, K, V (the final pass: combine_counts)
     return {
         "fwd_steps": steps,
         "bwd_steps": steps,
         "fwd_flops": flops["fwd"],
         "bwd_flops": flops["bwd"],
         "fwd_kv_bytes": kv_bytes,
-        "fwd_hbm_bytes": fwd_bytes + 2 * rows_q + 2 * steps * c * dv * 4,  # + q and o layout passes
+        "fwd_hbm_bytes": fwd_bytes + 2 * rows_q + 2 * steps * c * dv * 4 + kv_layout,  # + layouts
         "bwd_hbm_bytes": bwd_kernel + glue,
     }
 
 
 def past_counts(past, *, d: int, dv: int, item: int, block_size: int, seq_pad: int) -> dict:
     """The whole-block kernels (tpu_blocks.py): one step per tile, forward and fused backward,
-    padding tiles skipped (`pl.when`, same block index: no copy); dK/dV written once per
-    (batch, KV head, block) group and added by XLA."""
+    padding tiles skipped (`pl.when`, same block index: no copy); dq per tile row in the input
+    dtype, dK/dV (float32) written once per (batch, KV head, block) group."""
     ntiles, qt = past.tiles.rows.shape
     groups = int((np.asarray(past.group_tiles) > 0).sum())
     real = int(np.asarray(past.group_tiles).sum())  # tiles that do work
@@ -109,11 +109,11 @@ def past_counts(past, *, d: int, dv: int, item: int, block_size: int, seq_pad: i
     )
     lane_rows = ntiles * qt * 4  # one lane-dense float32 [1, Qt] row per tile
     rows_in = ntiles * qt * (d + dv) * item  # q and dO tiles
-    dq = ntiles * qt * d * 4
+    dq = ntiles * qt * d * item
     group_grads = groups * w * (d + dv) * 4
     fwd_bytes = kv_bytes + 3 * ntiles * qt * d * item + ntiles * qt * dv * 4 + lane_rows  # q gathered, read
     bwd_kernel = kv_bytes + rows_in + 2 * lane_rows + dq + group_grads
-    bwd_glue = 2 * rows_in + 4 * lane_rows + 3 * dq + 3 * group_grads
+    bwd_glue = 2 * rows_in + 4 * lane_rows  # q, dO, lse, delta gathered into tiles (read + write)
     return {
         "fwd_steps": ntiles,
         "bwd_steps": ntiles,
@@ -123,6 +123,17 @@ def past_counts(past, *, d: int, dv: int, item: int, block_size: int, seq_pad: i
         "fwd_hbm_bytes": fwd_bytes,
         "bwd_hbm_bytes": bwd_kernel + bwd_glue,
     }
+
+
+def combine_counts(
+    *, b: int, s: int, hq: int, hkv: int, d: int, dv: int, item: int, pairs: int, selected_keys: int
+) -> int:
+    """The backward's final pass (attention._bwd): dq reads the own part's rows and each real
+    selection's tile row (input dtype); dK/dV read the own part's rows and, for the keys of
+    selected blocks, their group window's float32 rows; all three written once."""
+    dq = 2 * b * s * hq * d * item + pairs * d * item
+    dkv = 2 * b * s * hkv * (d + dv) * item + selected_keys * (d + dv) * 4
+    return dq + dkv
 
 
 def gpu_own_counts(first: np.ndarray, q_end: np.ndarray, *, b: int, hq: int, seq_pad: int, bs) -> dict:
@@ -300,6 +311,18 @@ def model(seq: int, hq: int, hkv: int, *, d: int = 128, block_size: int = 512, t
         parts.append(past_counts(past, d=d, dv=d, item=2, block_size=block_size, seq_pad=seq_pad))
     total = {key: sum(p[key] for p in parts) for key in parts[0]}
     own_pairs, past_pairs = ideal_pairs(np.asarray(r.own_start), np.asarray(r.past_start), block_size)
+    selected_keys = 0 if past is None else int((np.asarray(past.group_tiles) > 0).sum()) * block_size
+    total["bwd_hbm_bytes"] += combine_counts(
+        b=1,
+        s=seq,
+        hq=hq,
+        hkv=hkv,
+        d=d,
+        dv=d,
+        item=2,
+        pairs=past_pairs // block_size,
+        selected_keys=selected_keys,
+    )
     pairs = own_pairs + past_pairs
     _, first, q_end = gpu_own.own_tables(r.own_start, seq_pad=seq_pad, q_tile=bs.q_tile, kv_block=bs.kv_block)
     gpu = gpu_own_counts(np.asarray(first), np.asarray(q_end), b=1, hq=hq, seq_pad=seq_pad, bs=bs)

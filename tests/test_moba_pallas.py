@@ -77,19 +77,26 @@ def test_kernels_interpreted_match_reference(kernel, name):
 
 @pytest.mark.parametrize("kernel", ["tpu", "gpu"])
 def test_kernels_take_bfloat16(kernel):
-    """bf16 inputs, float32 accumulation: within bf16 rounding of the float32 reference
-    (inputs to each matmul are rounded to 8 mantissa bits; outputs are O(1))."""
+    """bf16 inputs, float32 accumulation: output and gradients within bf16 rounding of the
+    float32 reference (inputs to each matmul are rounded to 8 mantissa bits, and each part's
+    gradient once before the parts are added; values are O(1))."""
     q, k, v = rand_qkv(6, 1, 40, 4, 2, 8, dtype=jnp.bfloat16)
     seg = segments(1, [17, 23])
     r = moba_routing(q, k, block_size=8, top_k=3, segment_ids=seg)
-    out = jax.jit(
-        lambda q, k, v: moba_pallas(q, k, v, r.own_start, r.past_start, 8, 8**-0.5, kernel, True, SMALL)
-    )(q, k, v)
-    ref = moba_reference(
-        *(x.astype(jnp.float32) for x in (q, k, v)), r, block_size=8, segment_ids=seg, scale=8**-0.5
+    pallas = lambda q, k, v: moba_pallas(q, k, v, r.own_start, r.past_start, 8, 8**-0.5, kernel, True, SMALL)
+    ref = lambda q, k, v: moba_reference(
+        q, k, v, r, block_size=8, segment_ids=seg, scale=8**-0.5
     )  # same routing
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    out = jax.jit(pallas)(q, k, v)
     assert out.dtype == jnp.bfloat16
-    np.testing.assert_allclose(out.astype(jnp.float32), ref, atol=3e-2, rtol=2e-2)
+    np.testing.assert_allclose(out.astype(jnp.float32), ref(*f32), atol=3e-2, rtol=2e-2)
+    w = jnp.asarray(np.random.default_rng(5).standard_normal(out.shape), jnp.float32)
+    loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * w)
+    grads = jax.jit(jax.grad(loss(pallas), argnums=(0, 1, 2)))(q, k, v)
+    for a, e in zip(grads, jax.grad(loss(ref), argnums=(0, 1, 2))(*f32), strict=True):
+        assert a.dtype == jnp.bfloat16
+        np.testing.assert_allclose(a.astype(jnp.float32), e, atol=3e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("q_tile, kv_block", [(16, 8), (8, 16)])

@@ -89,7 +89,6 @@ def _past_blocks_part(q, k, v, routing: Routing, *, block_size, scale, q_tile):
     """(m, l, o) per (query, head, selected block): [B, S, Hq, K'], ..., [B, S, Hq, K', Dv]."""
     b, s, hq, d = q.shape
     hkv, dv, c = k.shape[2], v.shape[3], block_size
-    kp = routing.past_start.shape[-1]
     sched = past_tiles(routing.past_start, num_kv_heads=hkv, block_size=c, q_tile=q_tile)
     t = sched.tiles
     qt = q.reshape(-1, d)[jnp.maximum(t.rows, 0)]  # [T, Qt, D]
@@ -102,11 +101,12 @@ def _past_blocks_part(q, k, v, routing: Routing, *, block_size, scale, q_tile):
     l = jnp.sum(p, axis=-1)
     o = jnp.einsum("tqc,tcd->tqd", p, vt.astype(jnp.float32))
     # Back to pair order; unused selections contribute nothing.
-    valid, pt, ps = sched.valid, sched.pair_tile, sched.pair_slot
-    m_p = jnp.where(valid, m[pt, ps], -jnp.inf)
-    l_p = jnp.where(valid, l[pt, ps], 0.0)
-    o_p = jnp.where(valid[:, None], o[pt, ps], 0.0)
-    return m_p.reshape(b, s, hq, kp), l_p.reshape(b, s, hq, kp), o_p.reshape(b, s, hq, kp, dv)
+    valid, rows = sched.valid, sched.pair_row  # [K', B*S*Hq]
+    per_query = lambda x: jnp.moveaxis(x, 0, -1).reshape(b, s, hq, -1)  # [K', B*S*Hq] -> [B, S, Hq, K']
+    m_p = per_query(jnp.where(valid, m.reshape(-1)[rows], -jnp.inf))
+    l_p = per_query(jnp.where(valid, l.reshape(-1)[rows], 0.0))
+    o_p = jnp.where(valid[..., None], o.reshape(-1, dv)[rows], 0.0)  # [K', B*S*Hq, Dv]
+    return m_p, l_p, jnp.moveaxis(o_p, 0, 1).reshape(b, s, hq, -1, dv)
 
 
 def moba_xla(q, k, v, routing: Routing, *, block_size: int, segment_ids=None, scale: float, q_tile: int):

@@ -122,8 +122,7 @@ def _forward(q, k, v, own_start, past_start, *, block_size, scale, backend, inte
             interpret=interpret,
             block_sizes=block_sizes,
         )
-    dv = o_own.shape[-1]
-    o_parts, l_parts = [o_own[..., None, :]], [lse_own[..., None]]  # [B, S, Hq, 1, Dv], [B, S, Hq, 1]
+    o_parts, l_parts = [o_own], [lse_own]  # [B, S, Hq, Dv], [B, S, Hq] per part
     if past is not None:
         t = past.tiles
         o_p, lse_p = _kernels(backend, "_blocks").block_attention_fwd(
@@ -139,16 +138,10 @@ def _forward(q, k, v, own_start, past_start, *, block_size, scale, backend, inte
             num_groups=past.group_tiles.shape[0],
             interpret=interpret,
         )
-        kp = past_start.shape[-1]
-        o_parts.append(
-            jnp.where(past.valid[:, None], o_p[past.pair_tile, past.pair_slot], 0.0).reshape(b, s, hq, kp, dv)
-        )
-        l_parts.append(
-            jnp.where(past.valid, lse_p[past.pair_tile, past.pair_slot], -jnp.inf).reshape(b, s, hq, kp)
-        )
-    o_all, l_all = jnp.concatenate(o_parts, axis=3), jnp.concatenate(l_parts, axis=3)
-    lse = jax.nn.logsumexp(l_all, axis=-1)  # [B, S, Hq]; every query sees itself, so finite
-    out = jnp.sum(jnp.exp(l_all - lse[..., None])[..., None] * o_all, axis=3)
+        o_parts += _selections(past, o_p, 0.0, (b, s, hq))
+        l_parts += _selections(past, lse_p, -jnp.inf, (b, s, hq))
+    lse = jax.nn.logsumexp(jnp.stack(l_parts), axis=0)  # [B, S, Hq]; every query sees itself: finite
+    out = sum(jnp.exp(l - lse)[..., None] * o for l, o in zip(l_parts, o_parts, strict=True))
     return out, lse
 
 
@@ -173,29 +166,26 @@ def _fwd(q, k, v, own_start, past_start, block_size, scale, backend, interpret, 
         interpret=interpret,
         block_sizes=block_sizes,
     )
-    return out.astype(q.dtype), (q, k, v, own_start, past_start, out, lse)
+    out = out.astype(
+        q.dtype
+    )  # also the residual: delta = rowsum(dO * O) of the output, as in flash attention
+    return out, (q, k, v, own_start, past_start, out, lse)
 
 
-def _add_rows(dq, rows, dq_t):
-    """dq [B*S*Hq, D] += each tile row's dq (padding rows, -1, dropped)."""
-    return dq.at[jnp.where(rows >= 0, rows, dq.shape[0])].add(dq_t, mode="drop")
-
-
-def _own_tpu_bwd(grads, q, kf, vf, own_start, d_out, lse, delta, *, block_size, scale, interpret):
-    """The own part's gradients by the chunk-diagonal TPU kernel, added to (dq, dk, dv)."""
-    dq, dk, dv = grads
+def _own_tpu_bwd(q, kf, vf, own_start, d_out, lse, delta, *, block_size, scale, interpret):
+    """The own part's gradients by the chunk-diagonal TPU kernel: dq [B, S, Hq, D] and dK/dV
+    [B*Hkv, S_pad, D|Dv], float32."""
     b, s, hq, d = q.shape
     seq_pad, c = kf.shape[1], block_size
     tpu_own = _kernels("tpu", "_own")
-    tables = tpu_own.own_tables(own_start, block_size=c, seq_pad=seq_pad)
     lane_rows = lambda x, fill: jnp.pad(
         jnp.moveaxis(x, 2, 1).reshape(-1, 1, s), ((0, 0), (0, 0), (0, seq_pad - s)), constant_values=fill
     )  # [B, S, Hq] -> [B*Hq, 1, S_pad]
-    dq_h, dkc, dvc, dkp, dvp = tpu_own.own_attention_bwd(
+    dq_h, dk, dv = tpu_own.own_attention_bwd(
         _heads(q, seq_pad),
         kf,
         vf,
-        *tables,
+        *tpu_own.own_tables(own_start, block_size=c, seq_pad=seq_pad),
         _heads(d_out.astype(vf.dtype), seq_pad),
         lane_rows(lse, jnp.inf),
         lane_rows(delta.reshape(b, s, hq), 0.0),
@@ -203,25 +193,12 @@ def _own_tpu_bwd(grads, q, kf, vf, own_start, d_out, lse, delta, *, block_size, 
         block_size=c,
         interpret=interpret,
     )
-    # a chunk's contribution to the previous chunk's keys sits at its own rows (written only
-    # where the chunk needed it): mask, shift by C
-    needs = jnp.repeat(tables[1].reshape(b, 1, -1), kf.shape[0] // b, axis=1).reshape(kf.shape[0], -1, 1, 1)
-    shift = lambda x: jnp.pad(
-        jnp.where(needs == 1, x.reshape(x.shape[0], -1, c, x.shape[-1]), 0.0).reshape(x.shape)[:, c:],
-        ((0, 0), (0, c), (0, 0)),
-    )
-    n_c = dkc.shape[1]
-    dk = dk.at[:, :n_c].add(dkc + shift(dkp))
-    dv = dv.at[:, :n_c].add(dvc + shift(dvp))
-    return dq + _unheads(dq_h, b, s).reshape(dq.shape), dk, dv
+    return _unheads(dq_h, b, s), dk, dv
 
 
-def _own_gpu_bwd(
-    grads, q, kf, vf, own_start, d_out, lse, delta, *, block_size, scale, interpret, block_sizes
-):
-    """The own part's gradients by the GPU kernels (gpu_own.py), added to (dq, dk, dv). Padding
+def _own_gpu_bwd(q, kf, vf, own_start, d_out, lse, delta, *, block_size, scale, interpret, block_sizes):
+    """The own part's gradients by the GPU kernels (gpu_own.py), as _own_tpu_bwd's. Padding
     rows have dO = 0 and delta = 0, so they contribute nothing."""
-    dq, dk, dv = grads
     b, s, hq, _ = q.shape
     seq_pad = kf.shape[1]
     gpu_own = _kernels("gpu", "_own")
@@ -241,54 +218,62 @@ def _own_gpu_bwd(
         block_sizes=block_sizes,
         interpret=interpret,
     )
-    return dq + _unheads(dq_h, b, s).reshape(dq.shape), dk + dk_o, dv + dv_o
+    return _unheads(dq_h, b, s), dk_o, dv_o
+
+
+def _selections(past, x_t, fill, shape):
+    """Per-tile rows x_t [T, Qt, ...] back at their queries: one `shape` [B, S, Hq] + [...] array
+    per selection slot (`fill` where the slot is unused). One gather per slot, so XLA can fuse
+    each into its consumer instead of materialising a [B, S, Hq, K', ...] array."""
+    rows = x_t.reshape(-1, *x_t.shape[2:])
+    ones = (1,) * (x_t.ndim - 2)
+    return [
+        jnp.where(valid.reshape(valid.shape + ones), rows[index], fill).reshape(*shape, *x_t.shape[2:])
+        for index, valid in zip(past.pair_row, past.valid, strict=True)
+    ]
+
+
+def _group_of_keys(past, own_start, num_kv_heads):
+    """For each key [B, S, Hkv]: the (batch, KV head, block) group of the block holding it, or
+    -1 when no query selected that block. A key's block starts at its own_start."""
+    b, s = own_start.shape
+    num_groups = past.group_tiles.shape[0]
+    used_row = jnp.where(past.group_tiles > 0, past.group_kv_row, b * num_kv_heads)  # unused: dropped
+    table = jnp.full((b * num_kv_heads, s), -1, jnp.int32)
+    table = table.at[used_row, past.group_start].set(jnp.arange(num_groups, dtype=jnp.int32), mode="drop")
+    rows = jnp.arange(b)[:, None, None] * num_kv_heads + jnp.arange(num_kv_heads)[None, None]  # [B, 1, Hkv]
+    return table[rows, own_start[..., None]]
+
+
+def _key_grads(own_grad, group_grad, group, window_start, b, s):
+    """A key's gradient: its own-part gradient own_grad [B*Hkv, S_pad, D] plus, where its block
+    was selected, its row of the group's window group_grad [G + 1, W, D] -> [B, S, Hkv, D]."""
+    pos = jnp.arange(s, dtype=jnp.int32)[None, :, None]
+    offset = pos - window_start[jnp.maximum(group, 0)]
+    past = jnp.where((group >= 0)[..., None], group_grad[jnp.maximum(group, 0), offset], 0.0)
+    return _unheads(own_grad, b, s).astype(jnp.float32) + past
 
 
 def _bwd(block_size, scale, backend, interpret, block_sizes, res, d_out):
+    """Each part's kernels give its gradients; every final gradient is then one fused pass that
+    gathers its parts (no zero-filled float32 arrays, scatter-adds or separate casts)."""
     q, k, v, own_start, past_start, out, lse = res
     b, s, hq, d = q.shape
     hkv = k.shape[2]
     qf, kf, vf = _layout(q, k, v, block_sizes, block_size)
     past = _past_schedule(past_start, hkv=hkv, block_size=block_size, bs=block_sizes)
     do = d_out.astype(jnp.float32)
-    delta = jnp.sum(do * out, axis=-1).reshape(-1)  # [B*S*Hq]
-    do_f, lse_f = d_out.astype(v.dtype).reshape(-1, v.shape[-1]), lse.reshape(-1)
-    dq = jnp.zeros((b * s * hq, d), jnp.float32)
-    dk, dv = jnp.zeros(kf.shape, jnp.float32), jnp.zeros(vf.shape, jnp.float32)
-
-    if backend == "tpu":
-        dq, dk, dv = _own_tpu_bwd(
-            (dq, dk, dv),
-            q,
-            kf,
-            vf,
-            own_start,
-            d_out,
-            lse,
-            delta,
-            block_size=block_size,
-            scale=scale,
-            interpret=interpret,
-        )
+    delta = jnp.sum(do * out.astype(jnp.float32), axis=-1).reshape(-1)  # [B*S*Hq]
+    own_bwd = _own_tpu_bwd if backend == "tpu" else functools.partial(_own_gpu_bwd, block_sizes=block_sizes)
+    dq, dk_own, dv_own = own_bwd(
+        q, kf, vf, own_start, d_out, lse, delta, block_size=block_size, scale=scale, interpret=interpret
+    )
+    if past is None:
+        dk, dv = _unheads(dk_own, b, s), _unheads(dv_own, b, s)
     else:
-        dq, dk, dv = _own_gpu_bwd(
-            (dq, dk, dv),
-            q,
-            kf,
-            vf,
-            own_start,
-            d_out,
-            lse,
-            delta,
-            block_size=block_size,
-            scale=scale,
-            interpret=interpret,
-            block_sizes=block_sizes,
-        )
-    if past is not None:
         t, kern = past.tiles, _kernels(backend, "_blocks")
         real = t.rows >= 0
-        groups = past.group_tiles.shape[0]
+        do_f, lse_f = d_out.astype(v.dtype).reshape(-1, v.shape[-1]), lse.reshape(-1)
         dq_t, dk_g, dv_g = kern.block_attention_bwd(
             _gather_rows(qf, t.rows),
             kf,
@@ -303,19 +288,15 @@ def _bwd(block_size, scale, backend, interpret, block_sizes, res, d_out):
             scale=scale,
             block_size=block_size,
             block_sizes=block_sizes,
-            num_groups=groups,
+            num_groups=past.group_tiles.shape[0],
             interpret=interpret,
         )
-        dq = _add_rows(dq, t.rows, dq_t)
-        # each group's window, added once; unused group slots (no tiles) hold nothing written
-        used = (past.group_tiles > 0)[:, None, None]
-        kpos = kern.window_starts(past.group_start)[:, None] + jnp.arange(dk_g.shape[1])  # [G, W]
-        rows = jnp.where(past.group_tiles > 0, past.group_kv_row, kf.shape[0])[:, None]
-        idx = (jnp.broadcast_to(rows, kpos.shape), kpos)
-        dk = dk.at[idx].add(jnp.where(used, dk_g[:groups], 0.0), mode="drop")
-        dv = dv.at[idx].add(jnp.where(used, dv_g[:groups], 0.0), mode="drop")
-    unlayout = lambda x, like: _unheads(x, b, s).astype(like.dtype)
-    return dq.reshape(q.shape).astype(q.dtype), unlayout(dk, k), unlayout(dv, v), None, None
+        dq = sum(_selections(past, dq_t, 0.0, (b, s, hq)), dq.astype(jnp.float32))
+        group = _group_of_keys(past, own_start, hkv)
+        window_start = kern.window_starts(past.group_start)
+        dk = _key_grads(dk_own, dk_g, group, window_start, b, s)
+        dv = _key_grads(dv_own, dv_g, group, window_start, b, s)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 
 moba_pallas.defvjp(_fwd, _bwd)

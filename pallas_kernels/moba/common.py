@@ -100,9 +100,8 @@ class Tiles(NamedTuple):
 
 class PastTiles(NamedTuple):
     tiles: Tiles
-    pair_tile: jax.Array  # [P] tile of each (b, t, h, i) pair (clipped; check `valid`)
-    pair_slot: jax.Array  # [P] row inside that tile
-    valid: jax.Array  # [P] the pair is a real selection
+    pair_row: jax.Array  # [K', B*S*Hq] tile row (tile * Qt + slot) of each selection (clipped; see valid)
+    valid: jax.Array  # [K', B*S*Hq] the selection slot is used
     tile_group: jax.Array  # [T] (batch, KV head, block) group of each tile; G = padding
     group_first: jax.Array  # [T] 1 where a tile is the first of its group (accumulators start)
     group_tiles: jax.Array  # [G] tiles of each group (0: an unused group slot)
@@ -166,7 +165,7 @@ def _assign_tiles(sorted_pairs: _SortedPairs, *, max_groups: int, num_tiles: int
 
 def past_tiles(past_start: jax.Array, *, num_kv_heads: int, block_size: int, q_tile: int) -> PastTiles:
     """Schedule for the selected earlier blocks. past_start [B, S, Hq, K'] (-1 = unused)."""
-    b, s, hq, _ = past_start.shape
+    b, s, hq, kp = past_start.shape
     pairs = _flat_pairs(past_start)
     num_pairs = pairs.block_start.shape[0]
     max_groups = max(b * num_kv_heads * (s // block_size), 1)  # (batch, KV head, full block) groups
@@ -194,8 +193,10 @@ def past_tiles(past_start: jax.Array, *, num_kv_heads: int, block_size: int, q_t
 
     # Where each pair (in its original order) landed.
     sorted_position = jnp.zeros((num_pairs,), jnp.int32).at[order].set(jnp.arange(num_pairs, dtype=jnp.int32))
-    pair_tile = jnp.clip(tile[sorted_position], 0, num_tiles - 1)
-    pair_slot = slot[sorted_position]
+    # slot-major [K', B*S*Hq]: one flat index vector per selection slot (no size-1 minor dim)
+    pair_row = (jnp.clip(tile[sorted_position], 0, num_tiles - 1) * q_tile + slot[sorted_position]).reshape(
+        -1, kp
+    )
 
     # Group tables, for kernels that accumulate dK/dV over a group's consecutive tiles.
     ends = jnp.cumsum(group_tiles)
@@ -206,9 +207,8 @@ def past_tiles(past_start: jax.Array, *, num_kv_heads: int, block_size: int, q_t
     first_tile = jnp.minimum(ends - group_tiles, num_tiles - 1)
     return PastTiles(
         Tiles(rows, kv_row, start, lo, hi),
-        pair_tile,
-        pair_slot,
-        pairs.block_start >= 0,
+        pair_row.T,
+        (past_start >= 0).reshape(-1, kp).T,
         tile_group,
         group_first,
         group_tiles,

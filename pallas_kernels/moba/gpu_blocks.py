@@ -59,7 +59,7 @@ def _dq_kernel(
         ds = p * (dp - delta)
         return dq + jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32) * scale
 
-    dq_ref[...] = jax.lax.fori_loop(0, nsub, body, jnp.zeros(dq_ref.shape, jnp.float32))
+    dq_ref[...] = jax.lax.fori_loop(0, nsub, body, jnp.zeros(dq_ref.shape, jnp.float32)).astype(dq_ref.dtype)
 
 
 def _dkv_kernel(
@@ -175,7 +175,7 @@ def block_attention_bwd(
         grid=(ntiles,),
         in_specs=[whole, whole, row(d), whole, whole, row(dv), row(1), row(1)],
         out_specs=row(d),
-        out_shape=jax.ShapeDtypeStruct((ntiles, qt, d), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((ntiles, qt, d), q_rows.dtype),
         compiler_params=triton_params(),
         interpret=bool(interpret),
         name="moba_block_dq_gpu",

@@ -98,9 +98,8 @@ def _dq_kernel(
         return dq + jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32) * scale
 
     first = first_ref[(r // hq) * nq + i]
-    dq_ref[...] = jax.lax.fori_loop(
-        first, (i * qt + qt - 1) // ck + 1, body, jnp.zeros(dq_ref.shape, jnp.float32)
-    )
+    dq = jax.lax.fori_loop(first, (i * qt + qt - 1) // ck + 1, body, jnp.zeros(dq_ref.shape, jnp.float32))
+    dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
 def _dkv_kernel(
@@ -147,7 +146,8 @@ def _dkv_kernel(
         return dkv_step(carry, q, do, p, ds, scale)
 
     init = (jnp.zeros(dk_ref.shape, jnp.float32), jnp.zeros(dv_ref.shape, jnp.float32))
-    dk_ref[...], dv_ref[...] = jax.lax.fori_loop(0, group * tiles, body, init)
+    dk, dv = jax.lax.fori_loop(0, group * tiles, body, init)
+    dk_ref[...], dv_ref[...] = dk.astype(dk_ref.dtype), dv.astype(dv_ref.dtype)
 
 
 def _cost(part: str, q, k, v, block_size: int, ck: int):
@@ -158,7 +158,9 @@ def _cost(part: str, q, k, v, block_size: int, ck: int):
     flops = {"fwd": 2 * d + 2 * dv, "dq": 4 * d + 2 * dv, "dkv": 4 * d + 4 * dv}[part] * pairs
     kv_reads = pairs // ck * (d + dv) * item  # one sub-block per (tile row, step), shared by the rows
     own_rows = rows * ((d if part == "fwd" else d + dv) * item + 12)
-    out = {"fwd": rows * (dv + 1) * 4, "dq": rows * d * 4, "dkv": k.shape[0] * seq_pad * (d + dv) * 4}[part]
+    out = {"fwd": rows * (dv + 1) * 4, "dq": rows * d * item, "dkv": k.shape[0] * seq_pad * (d + dv) * item}[
+        part
+    ]
     return pl.CostEstimate(
         flops=int(flops), transcendentals=int(pairs), bytes_accessed=int(kv_reads + own_rows + out)
     )
@@ -193,7 +195,8 @@ def own_attention_bwd(
     q, k, v, lo, first, q_end, do, lse, delta, *, scale, block_size, block_sizes, interpret=False
 ):
     """q/do [B*Hq, S_pad, D|Dv], lse/delta [B*Hq, S_pad, 1] (padding rows: lse +inf, delta 0)
-    -> (dq [B*Hq, S_pad, D], dk, dv [B*Hkv, S_pad, D|Dv]), float32."""
+    -> (dq [B*Hq, S_pad, D], dk, dv [B*Hkv, S_pad, D|Dv]) in the inputs' dtypes (each written
+    once from a float32 accumulator)."""
     rows, seq_pad, d = q.shape
     qt, ck, dv = block_sizes.q_tile, block_sizes.kv_block, v.shape[-1]
     b = lo.shape[0]
@@ -214,7 +217,7 @@ def own_attention_bwd(
             whole,
         ],
         out_specs=tile(d),
-        out_shape=jax.ShapeDtypeStruct((rows, seq_pad, d), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((rows, seq_pad, d), q.dtype),
         compiler_params=triton_params(),
         interpret=bool(interpret),
         name="moba_own_dq_gpu",
@@ -227,8 +230,8 @@ def own_attention_bwd(
         in_specs=[whole, keys(d), keys(dv)] + [whole] * 5,
         out_specs=[keys(d), keys(dv)],
         out_shape=[
-            jax.ShapeDtypeStruct((k.shape[0], seq_pad, d), jnp.float32),
-            jax.ShapeDtypeStruct((k.shape[0], seq_pad, dv), jnp.float32),
+            jax.ShapeDtypeStruct((k.shape[0], seq_pad, d), k.dtype),
+            jax.ShapeDtypeStruct((k.shape[0], seq_pad, dv), v.dtype),
         ],
         compiler_params=triton_params(),
         interpret=bool(interpret),

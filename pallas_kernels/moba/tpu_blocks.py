@@ -112,9 +112,8 @@ def _bwd_kernel(
         p = jnp.where(inside, jnp.exp(s - lse_ref[...]), 0.0)  # [W, Qt]; padding rows: lse = +inf
         dp = jax.lax.dot_general(v, do, NT, preferred_element_type=jnp.float32)  # [W, Qt]
         ds = p * (dp - delta_ref[...])
-        dq_ref[...] = (
-            jax.lax.dot_general(ds.astype(k.dtype), k, TN, preferred_element_type=jnp.float32) * scale
-        )
+        dq = jax.lax.dot_general(ds.astype(k.dtype), k, TN, preferred_element_type=jnp.float32)
+        dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
         dk_ref[...] += jnp.dot(ds.astype(q.dtype), q, preferred_element_type=jnp.float32) * scale
         dv_ref[...] += jnp.dot(p.astype(do.dtype), do, preferred_element_type=jnp.float32)
 
@@ -141,7 +140,7 @@ def cost_estimate(part: str, q_rows, k, v, block_size: int, groups: int = 0):
         bytes_accessed=int(
             ntiles * w * (d + dv) * item
             + rows
-            + ntiles * qt * (dv * item + 4 + d * 4)
+            + ntiles * qt * (dv * item + 4 + d * item)
             + groups * w * (d + dv) * 4
         ),
     )
@@ -211,7 +210,8 @@ def block_attention_bwd(
     interpret=False,
 ):
     """do_rows [T, Qt, Dv]; lse, delta [T, Qt] (+inf / 0 on padding rows); tile_group,
-    group_first [T]. Returns dq [T, Qt, D], and dk [G + 1, W, D], dv [G + 1, W, Dv] per group
+    group_first [T]. Returns dq [T, Qt, D] in the rows' dtype (each row's part is complete:
+    one rounding, like a flash backward's dq), and dk [G + 1, W, D], dv [G + 1, W, Dv] per group
     (float32) with the window start of each tile (`window_starts`), slot G for padding tiles."""
     ntiles, qt, d = q_rows.shape
     dv, w = v.shape[-1], window(block_size)
@@ -230,7 +230,7 @@ def block_attention_bwd(
             out_specs=[row(d), group_spec(d), group_spec(dv)],
         ),
         out_shape=[
-            jax.ShapeDtypeStruct((ntiles, qt, d), jnp.float32),
+            jax.ShapeDtypeStruct((ntiles, qt, d), q_rows.dtype),
             jax.ShapeDtypeStruct((num_groups + 1, w, d), jnp.float32),
             jax.ShapeDtypeStruct((num_groups + 1, w, dv), jnp.float32),
         ],

@@ -3,12 +3,15 @@ each against its own chunk of keys (causal, masked to the query's own block) and
 a query's own block started in the previous chunk (packed documents), that chunk's keys too.
 
 Without packed documents the blocks are the chunks: a block-diagonal causal kernel, each
-key read once per KV head. The grid is (batch x KV head, chunk, query head of the group):
-the query heads sharing a KV head (GQA) run back to back on the same K/V blocks, so Pallas
-copies them once, and dK/dV accumulate in the resident output block across them (written
-once per chunk). The previous chunk's K/V block index only moves where a chunk needs it, so
-it is copied only then. Scores are [keys, rows], so lse and delta are lane-dense rows; the
-forward writes o transposed, [Dv, rows] (no in-kernel transpose), and XLA turns it back.
+key read once per KV head. The grid is (batch x KV head, chunk, query head of the group),
+the chunks last to first: the query heads sharing a KV head (GQA) run back to back on the
+same K/V blocks, so Pallas copies them once, and dK/dV accumulate in the resident output block
+across them (written once per chunk). The previous chunk's K/V block index only moves where a
+chunk needs it, so it is copied only then; the backward accumulates that chunk's dK/dV in a
+VMEM scratch and starts the previous chunk's output block from it (hence the order), so every
+key's own-part gradient is written once, complete. Scores are [keys, rows], so lse and delta
+are lane-dense rows; the forward writes o transposed, [Dv, rows] (no in-kernel transpose), and
+XLA turns it back.
 """
 
 from __future__ import annotations
@@ -26,13 +29,17 @@ from pallas_kernels.moba.common import NT, TN
 def own_tables(own_start: jax.Array, *, block_size: int, seq_pad: int):
     """own [B, 1, S_pad] (a padding row's own block starts at itself); needs [B * n]: the chunk
     has a query whose own block started in the previous chunk; prev [B * n]: the K/V chunk the
-    previous-chunk input reads (j - 1 where needed, else the last one needed: no copy)."""
+    previous-chunk input reads (j - 1 where needed, else the one the step before read, chunks
+    running last to first: no copy)."""
     b, s = own_start.shape
     c, n = block_size, -(-s // block_size)
     pos = jnp.arange(seq_pad, dtype=jnp.int32)[None]
     own = jnp.where(pos < s, jnp.pad(own_start, ((0, 0), (0, seq_pad - s))), pos).astype(jnp.int32)
     needs = own[:, : n * c].reshape(b, n, c).min(-1) < jnp.arange(n)[None] * c  # [B, n]
-    prev = jax.lax.cummax(jnp.where(needs, jnp.arange(n)[None] - 1, 0), axis=1)
+    wanted = jnp.where(needs, jnp.arange(n)[None] - 1, n)  # n: not needed
+    carried = jax.lax.cummin(wanted[:, ::-1], axis=1)[:, ::-1]  # the last needed in visiting order
+    first = jnp.max(jnp.where(needs, wanted, 0), axis=1, keepdims=True)  # before any: the first needed
+    prev = jnp.where(carried == n, first, carried)
     return own[:, None], needs.astype(jnp.int32).reshape(-1), prev.astype(jnp.int32).reshape(-1)
 
 
@@ -52,7 +59,7 @@ def _positions(c: int, j, h: int, nk: int, cr: int):
 def _fwd_kernel(
     needs_ref, prev_ref, q_ref, kc_ref, vc_ref, kp_ref, vp_ref, own_ref, o_ref, lse_ref, *, scale, hkv, n
 ):
-    r, j = pl.program_id(0), pl.program_id(1)
+    r, j = pl.program_id(0), n - 1 - pl.program_id(1)
     c = q_ref.shape[0]
     parts = row_parts(c)
     cr = c // parts
@@ -100,27 +107,37 @@ def _bwd_kernel(
     dq_ref,
     dkc_ref,
     dvc_ref,
-    dkp_ref,
-    dvp_ref,
+    dq_acc,
+    dkc_acc,
+    dvc_acc,
+    dkp_acc,
+    dvp_acc,
     *,
     scale,
     hkv,
     n,
+    groups,
 ):
-    r, j, g = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    """The outputs are written once, in their dtype, from float32 VMEM accumulators: dq_acc per
+    step; dkc_acc, dvc_acc (this chunk's keys) across the group's query heads; dkp_acc, dvp_acc
+    (the previous chunk's keys, from this chunk's queries) until that chunk's turn."""
+    r, step, g = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    j = n - 1 - step
     c = q_ref.shape[0]
     parts = row_parts(c)
     cr = c // parts
-    need = needs_ref[jax.lax.div(r, hkv) * n + j] == 1
+    row = jax.lax.div(r, hkv) * n
+    need = needs_ref[row + j] == 1
+    received = (step > 0) & (needs_ref[row + jnp.minimum(j + 1, n - 1)] == 1)
 
-    @pl.when(g == 0)  # the first query head of the group: dK/dV of this chunk start at zero
-    def _zero():
-        for ref in (dkc_ref, dvc_ref):
-            ref[...] = jnp.zeros(ref.shape, jnp.float32)
+    @pl.when(g == 0)  # the group's first query head: this chunk's dK/dV start from what chunk j + 1
+    def _start():  # left for them, or zero
+        dkc_acc[...] = jnp.where(received, dkp_acc[...], 0.0)
+        dvc_acc[...] = jnp.where(received, dvp_acc[...], 0.0)
 
-    @pl.when((g == 0) & need)  # the previous chunk's block only moves (and starts) where needed
+    @pl.when((g == 0) & need)
     def _zero_previous():
-        for ref in (dkp_ref, dvp_ref):
+        for ref in (dkp_acc, dvp_acc):
             ref[...] = jnp.zeros(ref.shape, jnp.float32)
 
     for h in range(parts):
@@ -138,22 +155,29 @@ def _bwd_kernel(
         kc, vc = kc_ref[ks, :], vc_ref[ks, :]
         keys, rows = _positions(c, j, h, (h + 1) * cr, cr)
         p, ds = grads(kc, vc, (keys >= own) & (keys <= rows))
-        dq_ref[rs, :] = (
+        dq_acc[rs, :] = (
             jax.lax.dot_general(ds.astype(kc.dtype), kc, TN, preferred_element_type=jnp.float32) * scale
         )
-        dkc_ref[ks, :] += jnp.dot(ds.astype(q.dtype), q, preferred_element_type=jnp.float32) * scale
-        dvc_ref[ks, :] += jnp.dot(p.astype(do.dtype), do, preferred_element_type=jnp.float32)
+        dkc_acc[ks, :] += jnp.dot(ds.astype(q.dtype), q, preferred_element_type=jnp.float32) * scale
+        dvc_acc[ks, :] += jnp.dot(p.astype(do.dtype), do, preferred_element_type=jnp.float32)
 
         @pl.when(need)
         def _previous_chunk(q=q, do=do, own=own, rs=rs, grads=grads):
             kp, vp = kp_ref[...], vp_ref[...]
             keys_p = j * c - c + jax.lax.broadcasted_iota(jnp.int32, (c, cr), 0)
             pp, dsp = grads(kp, vp, keys_p >= own)
-            dq_ref[rs, :] += (
+            dq_acc[rs, :] += (
                 jax.lax.dot_general(dsp.astype(kp.dtype), kp, TN, preferred_element_type=jnp.float32) * scale
             )
-            dkp_ref[...] += jnp.dot(dsp.astype(q.dtype), q, preferred_element_type=jnp.float32) * scale
-            dvp_ref[...] += jnp.dot(pp.astype(do.dtype), do, preferred_element_type=jnp.float32)
+            dkp_acc[...] += jnp.dot(dsp.astype(q.dtype), q, preferred_element_type=jnp.float32) * scale
+            dvp_acc[...] += jnp.dot(pp.astype(do.dtype), do, preferred_element_type=jnp.float32)
+
+    dq_ref[...] = dq_acc[...].astype(dq_ref.dtype)
+
+    @pl.when(g == groups - 1)  # the group's last query head: this chunk's dK/dV are complete
+    def _store():
+        dkc_ref[...] = dkc_acc[...].astype(dkc_ref.dtype)
+        dvc_ref[...] = dvc_acc[...].astype(dvc_ref.dtype)
 
 
 def _interpret(interpret):
@@ -161,14 +185,15 @@ def _interpret(interpret):
 
 
 def _specs(c, hkv, groups, n):
-    """Index maps over the grid (r = b * Hkv + KV head, chunk j, query head g of the group)."""
-    q_row = lambda w: pl.BlockSpec((None, c, w), lambda r, j, g, *_: (r * groups + g, j, 0))
-    kv_cur = lambda w: pl.BlockSpec((None, c, w), lambda r, j, g, *_: (r, j, 0))
+    """Index maps over the grid (r = b * Hkv + KV head, step i: chunk n - 1 - i, query head g
+    of the group)."""
+    q_row = lambda w: pl.BlockSpec((None, c, w), lambda r, i, g, *_: (r * groups + g, n - 1 - i, 0))
+    kv_cur = lambda w: pl.BlockSpec((None, c, w), lambda r, i, g, *_: (r, n - 1 - i, 0))
     kv_prev = lambda w: pl.BlockSpec(
-        (None, c, w), lambda r, j, g, needs, prev: (r, prev[jax.lax.div(r, hkv) * n + j], 0)
+        (None, c, w), lambda r, i, g, needs, prev: (r, prev[jax.lax.div(r, hkv) * n + n - 1 - i], 0)
     )
-    own = pl.BlockSpec((None, 1, c), lambda r, j, g, *_: (jax.lax.div(r, hkv), 0, j))
-    lane_row = pl.BlockSpec((None, 1, c), lambda r, j, g, *_: (r * groups + g, 0, j))
+    own = pl.BlockSpec((None, 1, c), lambda r, i, g, *_: (jax.lax.div(r, hkv), 0, n - 1 - i))
+    lane_row = pl.BlockSpec((None, 1, c), lambda r, i, g, *_: (r * groups + g, 0, n - 1 - i))
     return q_row, kv_cur, kv_prev, own, lane_row
 
 
@@ -202,7 +227,7 @@ def own_attention_fwd(q_heads, k, v, own, needs, prev, *, scale, block_size, int
             grid=(rkv, n, groups),
             in_specs=[q_row(d), kv_cur(d), kv_cur(dv), kv_prev(d), kv_prev(dv), own_spec],
             out_specs=[
-                pl.BlockSpec((None, dv, c), lambda r, j, g, *_: (r * groups + g, 0, j)),
+                pl.BlockSpec((None, dv, c), lambda r, i, g, *_: (r * groups + g, 0, n - 1 - i)),
                 lane_row,
             ],
         ),
@@ -221,23 +246,17 @@ def own_attention_bwd(
     q_heads, k, v, own, needs, prev, do_heads, lse, delta, *, scale, block_size, interpret=False
 ):
     """do_heads [B*Hq, S_pad, Dv]; lse, delta [B*Hq, 1, S_pad] (+inf / 0 on padding rows).
-    Returns dq [B*Hq, n*C, D], dK/dV of each chunk's own keys [B*Hkv, n*C, D|Dv], and of
-    the previous chunk's keys, stored at this chunk's rows (shift by C to add; only the
-    chunks that need their previous one are written: mask the rest), float32."""
+    Returns dq [B*Hq, n*C, D] and the keys' dK/dV [B*Hkv, n*C, D|Dv] (from the queries of
+    their own chunk and, where it needs them, of the next), in the inputs' dtypes."""
     bh, _, d = q_heads.shape
     c, rkv, dv = block_size, k.shape[0], v.shape[-1]
     n, hkv = needs.shape[0] // own.shape[0], rkv // own.shape[0]
     groups = bh // rkv
     q_row, kv_cur, kv_prev, own_spec, lane_row = _specs(c, hkv, groups, n)
-    kv_out = lambda w: pl.BlockSpec((None, c, w), lambda r, j, g, *_: (r, j, 0))
-    # written at chunk j where it needs chunk j - 1, else left on the last such block (no write)
-    kv_prev_out = lambda w: pl.BlockSpec(
-        (None, c, w),
-        lambda r, j, g, needs, prev: (r, jnp.minimum(prev[jax.lax.div(r, hkv) * n + j] + 1, n - 1), 0),
-    )
-    grads = lambda rows, w: jax.ShapeDtypeStruct((rows, n * c, w), jnp.float32)
+    grads = lambda x, rows: jax.ShapeDtypeStruct((rows, n * c, x.shape[-1]), x.dtype)
+    acc = lambda w: pltpu.VMEM((c, w), jnp.float32)
     return pl.pallas_call(
-        functools.partial(_bwd_kernel, scale=scale, hkv=hkv, n=n),
+        functools.partial(_bwd_kernel, scale=scale, hkv=hkv, n=n, groups=groups),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(rkv, n, groups),
@@ -252,10 +271,12 @@ def own_attention_bwd(
                 lane_row,
                 lane_row,
             ],
-            out_specs=[q_row(d), kv_out(d), kv_out(dv), kv_prev_out(d), kv_prev_out(dv)],
+            out_specs=[q_row(d), kv_cur(d), kv_cur(dv)],
+            scratch_shapes=[acc(d), acc(d), acc(dv), acc(d), acc(dv)],
         ),
-        out_shape=[grads(bh, d), grads(rkv, d), grads(rkv, dv), grads(rkv, d), grads(rkv, dv)],
-        # dK/dV accumulate over the query heads of a group: those steps run in order
+        out_shape=[grads(q_heads, bh), grads(k, rkv), grads(v, rkv)],
+        # dK/dV accumulate over the query heads of a group and carry to the previous chunk:
+        # those steps run in order
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary")),
         interpret=_interpret(interpret),
         name="moba_own_bwd",
