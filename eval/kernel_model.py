@@ -12,7 +12,8 @@ the selected earlier blocks (tpu_blocks.py):
   backward: scores, dP, dV, dQ, dK);
 - HBM bytes under the TPU pipeline's rules: a block is copied only when its index differs
   from the previous grid step's; lse and delta are lane-dense rows. Both directions also count
-  the XLA glue around the kernels: the per-head layouts of q, K, V, dO and o (read + write),
+  the XLA glue around the kernels: the per-head layouts of q, K, V, dO (none where the kernels
+  read them in place: head dim a multiple of 128, S of the block) and o (read + write),
   the tile gathers of q and dO (read + write), and the backward's final pass, which reads each
   part's gradient once (dq: the own part's and each selection's row; dK/dV: the own part's and,
   for keys of a selected block, the row of its group's float32 window) and writes dq, dK, dV;
@@ -39,7 +40,7 @@ import numpy as np
 from effattn_jax.cli import ArgumentParser, positive_int, positive_int_list
 from effattn_jax.ops.routing import moba_routing
 from pallas_kernels.moba import gpu_own, tpu_blocks, tpu_own
-from pallas_kernels.moba.attention import padded_length
+from pallas_kernels.moba.attention import padded_length, reads_in_place
 from pallas_kernels.moba.common import BlockSizes, past_tiles
 
 GIB = 2**30
@@ -62,10 +63,12 @@ def own_counts(
     dv: int,
     item: int,
     block_size: int,
+    in_place: bool,
 ) -> dict:
     """The chunk-diagonal own-block kernels (tpu_own.py): grid (B x Hkv, chunk, query head of
     the group), forward and fused backward; the previous chunk only where a chunk needs it (its
-    dK/dV carried in VMEM); every gradient written once, in the input dtype."""
+    dK/dV carried in VMEM); every gradient written once, in the input dtype. `in_place`: q, K,
+    V, dO read as they lie (attention.reads_in_place), else through head-major copies."""
     c, n = block_size, needs.shape[0] // b
     steps = b * hq * n
     q = jax.ShapeDtypeStruct((b * hq, n * c, d), jnp.bfloat16 if item == 2 else jnp.float32)
@@ -78,17 +81,20 @@ def own_counts(
     rows_q, rows_do = steps * c * d * item, steps * c * dv * item
     lane_row = steps * c * 4
     own_grads = b * hkv * n * c * (d + dv) * item  # dK, dV of the keys, written once
-    kv_layout = 2 * b * hkv * n * c * (d + dv) * item  # K/V to [B*Hkv, S_pad, D]: read + write
+    copies = 0 if in_place else 1
+    kv_layout = copies * 2 * b * hkv * n * c * (d + dv) * item  # K/V to [B*Hkv, S_pad, D]: read + write
     fwd_bytes = kv_bytes + rows_q + steps * c * dv * 4 + lane_row
     bwd_kernel = kv_bytes + rows_q + rows_do + 2 * lane_row + steps * c * d * item + own_grads
-    glue = 2 * (rows_q + rows_do) + kv_layout  # head layouts of q, dO, K, V (the final pass: combine_counts)
+    glue = (
+        copies * 2 * (rows_q + rows_do) + kv_layout
+    )  # head layouts of q, dO, K, V (the final pass: combine_counts)
     return {
         "fwd_steps": steps,
         "bwd_steps": steps,
         "fwd_flops": flops["fwd"],
         "bwd_flops": flops["bwd"],
         "fwd_kv_bytes": kv_bytes,
-        "fwd_hbm_bytes": fwd_bytes + 2 * rows_q + 2 * steps * c * dv * 4 + kv_layout,  # + layouts
+        "fwd_hbm_bytes": fwd_bytes + copies * 2 * rows_q + 2 * steps * c * dv * 4 + kv_layout,  # + layouts
         "bwd_hbm_bytes": bwd_kernel + glue,
     }
 
@@ -102,8 +108,7 @@ def past_counts(past, *, d: int, dv: int, item: int, block_size: int, seq_pad: i
     real = int(np.asarray(past.group_tiles).sum())  # tiles that do work
     w = tpu_blocks.window(block_size)
     q = jax.ShapeDtypeStruct((ntiles, qt, d), jnp.bfloat16 if item == 2 else jnp.float32)
-    k, v = jax.ShapeDtypeStruct((1, d), q.dtype), jax.ShapeDtypeStruct((1, dv), q.dtype)
-    starts = np.asarray(tpu_blocks.window_starts(past.tiles.key_start)).astype(np.int64)
+    starts = np.asarray(tpu_blocks.window_starts(past.tiles.key_start, block_size, seq_pad)).astype(np.int64)
     kv_bytes = (
         _copies(np.asarray(past.tiles.kv_row).astype(np.int64) * seq_pad + starts) * w * (d + dv) * item
     )
@@ -117,8 +122,8 @@ def past_counts(past, *, d: int, dv: int, item: int, block_size: int, seq_pad: i
     return {
         "fwd_steps": ntiles,
         "bwd_steps": ntiles,
-        "fwd_flops": tpu_blocks.cost_estimate("fwd", q, k, v, block_size).flops * real // ntiles,
-        "bwd_flops": tpu_blocks.cost_estimate("bwd", q, k, v, block_size).flops * real // ntiles,
+        "fwd_flops": tpu_blocks.cost_estimate("fwd", q, dv, block_size).flops * real // ntiles,
+        "bwd_flops": tpu_blocks.cost_estimate("bwd", q, dv, block_size).flops * real // ntiles,
         "fwd_kv_bytes": kv_bytes,
         "fwd_hbm_bytes": fwd_bytes,
         "bwd_hbm_bytes": bwd_kernel + bwd_glue,
@@ -298,10 +303,20 @@ def model(seq: int, hq: int, hkv: int, *, d: int = 128, block_size: int = 512, t
     k = jnp.asarray(rng.standard_normal((1, seq, hkv, d), np.float32), jnp.bfloat16)
     r = jax.jit(lambda q, k: moba_routing(q, k, block_size=block_size, top_k=top_k))(q, k)
     del q, k
-    seq_pad = padded_length(seq, block_size, bs)
+    in_place = reads_in_place("tpu", seq, d, d, block_size)
+    seq_pad = seq if in_place else padded_length(seq, block_size, bs)
     _, needs, prev = tpu_own.own_tables(r.own_start, block_size=block_size, seq_pad=seq_pad)
     own = own_counts(
-        np.asarray(needs), np.asarray(prev), b=1, hq=hq, hkv=hkv, d=d, dv=d, item=2, block_size=block_size
+        np.asarray(needs),
+        np.asarray(prev),
+        b=1,
+        hq=hq,
+        hkv=hkv,
+        d=d,
+        dv=d,
+        item=2,
+        block_size=block_size,
+        in_place=in_place,
     )
     parts = [own]
     past = None
@@ -324,8 +339,9 @@ def model(seq: int, hq: int, hkv: int, *, d: int = 128, block_size: int = 512, t
         selected_keys=selected_keys,
     )
     pairs = own_pairs + past_pairs
-    _, first, q_end = gpu_own.own_tables(r.own_start, seq_pad=seq_pad, q_tile=bs.q_tile, kv_block=bs.kv_block)
-    gpu = gpu_own_counts(np.asarray(first), np.asarray(q_end), b=1, hq=hq, seq_pad=seq_pad, bs=bs)
+    gpu_pad = padded_length(seq, block_size, bs)  # the GPU kernels take head-major copies
+    _, first, q_end = gpu_own.own_tables(r.own_start, seq_pad=gpu_pad, q_tile=bs.q_tile, kv_block=bs.kv_block)
+    gpu = gpu_own_counts(np.asarray(first), np.asarray(q_end), b=1, hq=hq, seq_pad=gpu_pad, bs=bs)
     out = {
         "seq": seq,
         "q_heads": hq,

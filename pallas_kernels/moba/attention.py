@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import importlib
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -52,11 +53,62 @@ def padded_length(s: int, block_size: int, block_sizes: BlockSizes) -> int:
     return -(-(s + ALIGN) // m) * m
 
 
-def _layout(q, k, v, block_sizes, block_size):
-    """Flat query rows [B*S*Hq, D]; K/V as [B*Hkv, S_pad, D]."""
+class _Layout(NamedTuple):
+    """How the kernels see q, K, V and dO: head-major copies [B*H, S_pad, D], or (TPU, every
+    head whole lanes, S a multiple of the block) the arrays where they lie, [B, S, H*D]: a
+    reshape, no copy; a head is then a block of D lanes."""
+
+    heads: tuple[int, int] | None  # (Hq, Hkv) when natural
+    k: jax.Array  # [B*Hkv, S_pad, D] or [B, S, Hkv*D]
+    v: jax.Array
+
+    @property
+    def natural(self) -> bool:
+        return self.heads is not None
+
+    @property
+    def seq(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def kv_heads(self) -> dict:
+        """The whole-block kernels' argument for natural K/V."""
+        return {"kv_heads": self.heads[1]} if self.natural else {}
+
+    def to(self, x):
+        """[B, S, H, D] -> the kernels' layout."""
+        b, s, h, d = x.shape
+        return x.reshape(b, s, h * d) if self.natural else _heads(x, self.seq)
+
+    def back(self, x, b, s, h):
+        """The kernels' layout -> [B, S, H, D]."""
+        return x.reshape(b, s, h, -1) if self.natural else _unheads(x, b, s)
+
+
+def reads_in_place(backend: str, seq: int, head_dim: int, v_head_dim: int, block_size: int) -> bool:
+    """Whether the kernels take q, K, V, dO as they lie ([B, S, H*D]) rather than head-major
+    copies: on TPU, when a head is whole 128-lane tiles and S a multiple of the block and of
+    ALIGN, long enough for a selected block's window (tpu_blocks.window_starts)."""
+    return (
+        backend == "tpu"
+        and head_dim % 128 == 0
+        and v_head_dim % 128 == 0
+        and seq % block_size == 0
+        and seq % ALIGN == 0
+        and seq >= block_size + ALIGN
+    )
+
+
+def _layout(q, k, v, block_sizes, block_size, backend):
+    """Flat query rows [B*S*Hq, D] (the selected blocks' tiles gather them) and the layout."""
     b, s, hq, d = q.shape
-    seq_pad = padded_length(s, block_size, block_sizes)
-    return q.reshape(b * s * hq, d), _heads(k, seq_pad), _heads(v, seq_pad)
+    natural = reads_in_place(backend, s, d, v.shape[-1], block_size)
+    if natural:
+        kf, vf = k.reshape(b, s, -1), v.reshape(b, s, -1)
+    else:
+        seq_pad = padded_length(s, block_size, block_sizes)
+        kf, vf = _heads(k, seq_pad), _heads(v, seq_pad)
+    return q.reshape(b * s * hq, d), _Layout((hq, k.shape[2]) if natural else None, kf, vf)
 
 
 def _past_schedule(past_start, *, hkv, block_size, bs: BlockSizes):
@@ -70,28 +122,35 @@ def _gather_rows(x_flat, rows):
     return x_flat[jnp.maximum(rows, 0)]
 
 
-def _own_tpu_fwd(q, kf, vf, own_start, *, block_size, scale, interpret):
+def _own_tpu_fwd(q, lay: _Layout, own_start, *, block_size, scale, interpret):
     """The own part by the chunk-diagonal TPU kernel (tpu_own.py): (o [B, S, Hq, Dv], lse [B, S, Hq])."""
-    b, s = own_start.shape
+    b, s, _, _ = q.shape
     tpu_own = _kernels("tpu", "_own")
-    tables = tpu_own.own_tables(own_start, block_size=block_size, seq_pad=kf.shape[1])
+    tables = tpu_own.own_tables(own_start, block_size=block_size, seq_pad=lay.seq)
     o_t, lse = tpu_own.own_attention_fwd(
-        _heads(q, kf.shape[1]), kf, vf, *tables, scale=scale, block_size=block_size, interpret=interpret
+        lay.to(q),
+        lay.k,
+        lay.v,
+        *tables,
+        scale=scale,
+        block_size=block_size,
+        heads=lay.heads,
+        interpret=interpret,
     )
     return _unheads(jnp.swapaxes(o_t, 1, 2), b, s), _unheads(lse[:, 0], b, s)
 
 
-def _own_gpu_fwd(q, kf, vf, own_start, *, block_size, scale, interpret, block_sizes):
+def _own_gpu_fwd(q, lay: _Layout, own_start, *, block_size, scale, interpret, block_sizes):
     """The own part by the GPU kernel (gpu_own.py): (o [B, S, Hq, Dv], lse [B, S, Hq])."""
     b, s = own_start.shape
     gpu_own = _kernels("gpu", "_own")
     lo, first, _ = gpu_own.own_tables(
-        own_start, seq_pad=kf.shape[1], q_tile=block_sizes.q_tile, kv_block=block_sizes.kv_block
+        own_start, seq_pad=lay.seq, q_tile=block_sizes.q_tile, kv_block=block_sizes.kv_block
     )
     o, lse = gpu_own.own_attention_fwd(
-        _heads(q, kf.shape[1]),
-        kf,
-        vf,
+        lay.to(q),
+        lay.k,
+        lay.v,
         lo,
         first,
         scale=scale,
@@ -105,17 +164,16 @@ def _own_gpu_fwd(q, kf, vf, own_start, *, block_size, scale, interpret, block_si
 def _forward(q, k, v, own_start, past_start, *, block_size, scale, backend, interpret, block_sizes):
     b, s, hq, _ = q.shape
     hkv = k.shape[2]
-    qf, kf, vf = _layout(q, k, v, block_sizes, block_size)
+    qf, lay = _layout(q, k, v, block_sizes, block_size, backend)
     past = _past_schedule(past_start, hkv=hkv, block_size=block_size, bs=block_sizes)
     if backend == "tpu":
         o_own, lse_own = _own_tpu_fwd(
-            q, kf, vf, own_start, block_size=block_size, scale=scale, interpret=interpret
+            q, lay, own_start, block_size=block_size, scale=scale, interpret=interpret
         )
     else:
         o_own, lse_own = _own_gpu_fwd(
             q,
-            kf,
-            vf,
+            lay,
             own_start,
             block_size=block_size,
             scale=scale,
@@ -127,8 +185,8 @@ def _forward(q, k, v, own_start, past_start, *, block_size, scale, backend, inte
         t = past.tiles
         o_p, lse_p = _kernels(backend, "_blocks").block_attention_fwd(
             _gather_rows(qf, t.rows),
-            kf,
-            vf,
+            lay.k,
+            lay.v,
             t.kv_row,
             t.key_start,
             past.tile_group,
@@ -137,6 +195,7 @@ def _forward(q, k, v, own_start, past_start, *, block_size, scale, backend, inte
             block_sizes=block_sizes,
             num_groups=past.group_tiles.shape[0],
             interpret=interpret,
+            **lay.kv_heads,
         )
         o_parts += _selections(past, o_p, 0.0, (b, s, hq))
         l_parts += _selections(past, lse_p, -jnp.inf, (b, s, hq))
@@ -172,45 +231,47 @@ def _fwd(q, k, v, own_start, past_start, block_size, scale, backend, interpret, 
     return out, (q, k, v, own_start, past_start, out, lse)
 
 
-def _own_tpu_bwd(q, kf, vf, own_start, d_out, lse, delta, *, block_size, scale, interpret):
+def _own_tpu_bwd(q, lay: _Layout, own_start, d_out, lse, delta, *, block_size, scale, interpret):
     """The own part's gradients by the chunk-diagonal TPU kernel: dq [B, S, Hq, D] and dK/dV
-    [B*Hkv, S_pad, D|Dv], float32."""
+    [B, S, Hkv, D|Dv], in the inputs' dtypes."""
     b, s, hq, d = q.shape
-    seq_pad, c = kf.shape[1], block_size
+    seq_pad, c = lay.seq, block_size
     tpu_own = _kernels("tpu", "_own")
     lane_rows = lambda x, fill: jnp.pad(
         jnp.moveaxis(x, 2, 1).reshape(-1, 1, s), ((0, 0), (0, 0), (0, seq_pad - s)), constant_values=fill
     )  # [B, S, Hq] -> [B*Hq, 1, S_pad]
-    dq_h, dk, dv = tpu_own.own_attention_bwd(
-        _heads(q, seq_pad),
-        kf,
-        vf,
+    dq, dk, dv = tpu_own.own_attention_bwd(
+        lay.to(q),
+        lay.k,
+        lay.v,
         *tpu_own.own_tables(own_start, block_size=c, seq_pad=seq_pad),
-        _heads(d_out.astype(vf.dtype), seq_pad),
+        lay.to(d_out.astype(lay.v.dtype)),
         lane_rows(lse, jnp.inf),
         lane_rows(delta.reshape(b, s, hq), 0.0),
         scale=scale,
         block_size=c,
+        heads=lay.heads,
         interpret=interpret,
     )
-    return _unheads(dq_h, b, s), dk, dv
+    hkv = lay.k.shape[0] // b if lay.heads is None else lay.heads[1]
+    return lay.back(dq, b, s, hq), lay.back(dk, b, s, hkv), lay.back(dv, b, s, hkv)
 
 
-def _own_gpu_bwd(q, kf, vf, own_start, d_out, lse, delta, *, block_size, scale, interpret, block_sizes):
+def _own_gpu_bwd(q, lay: _Layout, own_start, d_out, lse, delta, *, block_size, scale, interpret, block_sizes):
     """The own part's gradients by the GPU kernels (gpu_own.py), as _own_tpu_bwd's. Padding
     rows have dO = 0 and delta = 0, so they contribute nothing."""
     b, s, hq, _ = q.shape
-    seq_pad = kf.shape[1]
+    seq_pad = lay.seq
     gpu_own = _kernels("gpu", "_own")
     tables = gpu_own.own_tables(
         own_start, seq_pad=seq_pad, q_tile=block_sizes.q_tile, kv_block=block_sizes.kv_block
     )
     dq_h, dk_o, dv_o = gpu_own.own_attention_bwd(
-        _heads(q, seq_pad),
-        kf,
-        vf,
+        lay.to(q),
+        lay.k,
+        lay.v,
         *tables,
-        _heads(d_out.astype(vf.dtype), seq_pad),
+        lay.to(d_out.astype(lay.v.dtype)),
         _heads(lse[..., None], seq_pad),
         _heads(delta.reshape(b, s, hq, 1), seq_pad),
         scale=scale,
@@ -218,7 +279,7 @@ def _own_gpu_bwd(q, kf, vf, own_start, d_out, lse, delta, *, block_size, scale, 
         block_sizes=block_sizes,
         interpret=interpret,
     )
-    return _unheads(dq_h, b, s), dk_o, dv_o
+    return _unheads(dq_h, b, s), _unheads(dk_o, b, s), _unheads(dv_o, b, s)
 
 
 def _selections(past, x_t, fill, shape):
@@ -242,16 +303,17 @@ def _group_of_keys(past, own_start, num_kv_heads):
     table = jnp.full((b * num_kv_heads, s), -1, jnp.int32)
     table = table.at[used_row, past.group_start].set(jnp.arange(num_groups, dtype=jnp.int32), mode="drop")
     rows = jnp.arange(b)[:, None, None] * num_kv_heads + jnp.arange(num_kv_heads)[None, None]  # [B, 1, Hkv]
-    return table[rows, own_start[..., None]]
+    return table.reshape(-1)[rows * s + own_start[..., None]]  # flat indices: no [N, 2] index array
 
 
-def _key_grads(own_grad, group_grad, group, window_start, b, s):
-    """A key's gradient: its own-part gradient own_grad [B*Hkv, S_pad, D] plus, where its block
-    was selected, its row of the group's window group_grad [G + 1, W, D] -> [B, S, Hkv, D]."""
-    pos = jnp.arange(s, dtype=jnp.int32)[None, :, None]
-    offset = pos - window_start[jnp.maximum(group, 0)]
-    past = jnp.where((group >= 0)[..., None], group_grad[jnp.maximum(group, 0), offset], 0.0)
-    return _unheads(own_grad, b, s).astype(jnp.float32) + past
+def _key_grads(own_grad, group_grad, group, window_start):
+    """A key's gradient: its own-part gradient own_grad [B, S, Hkv, D] plus, where its block
+    was selected, its row of the group's window group_grad [G + 1, W, D]."""
+    pos = jnp.arange(own_grad.shape[1], dtype=jnp.int32)[None, :, None]
+    g = jnp.maximum(group, 0)
+    row = g * group_grad.shape[1] + pos - window_start[g]  # flat: an [N, 2] index pads to 128 lanes on TPU
+    past = jnp.where((group >= 0)[..., None], group_grad.reshape(-1, group_grad.shape[-1])[row], 0.0)
+    return own_grad.astype(jnp.float32) + past
 
 
 def _bwd(block_size, scale, backend, interpret, block_sizes, res, d_out):
@@ -260,24 +322,22 @@ def _bwd(block_size, scale, backend, interpret, block_sizes, res, d_out):
     q, k, v, own_start, past_start, out, lse = res
     b, s, hq, d = q.shape
     hkv = k.shape[2]
-    qf, kf, vf = _layout(q, k, v, block_sizes, block_size)
+    qf, lay = _layout(q, k, v, block_sizes, block_size, backend)
     past = _past_schedule(past_start, hkv=hkv, block_size=block_size, bs=block_sizes)
     do = d_out.astype(jnp.float32)
     delta = jnp.sum(do * out.astype(jnp.float32), axis=-1).reshape(-1)  # [B*S*Hq]
     own_bwd = _own_tpu_bwd if backend == "tpu" else functools.partial(_own_gpu_bwd, block_sizes=block_sizes)
-    dq, dk_own, dv_own = own_bwd(
-        q, kf, vf, own_start, d_out, lse, delta, block_size=block_size, scale=scale, interpret=interpret
+    dq, dk, dv = own_bwd(
+        q, lay, own_start, d_out, lse, delta, block_size=block_size, scale=scale, interpret=interpret
     )
-    if past is None:
-        dk, dv = _unheads(dk_own, b, s), _unheads(dv_own, b, s)
-    else:
+    if past is not None:
         t, kern = past.tiles, _kernels(backend, "_blocks")
         real = t.rows >= 0
         do_f, lse_f = d_out.astype(v.dtype).reshape(-1, v.shape[-1]), lse.reshape(-1)
         dq_t, dk_g, dv_g = kern.block_attention_bwd(
             _gather_rows(qf, t.rows),
-            kf,
-            vf,
+            lay.k,
+            lay.v,
             t.kv_row,
             t.key_start,
             past.tile_group,
@@ -290,12 +350,13 @@ def _bwd(block_size, scale, backend, interpret, block_sizes, res, d_out):
             block_sizes=block_sizes,
             num_groups=past.group_tiles.shape[0],
             interpret=interpret,
+            **lay.kv_heads,
         )
         dq = sum(_selections(past, dq_t, 0.0, (b, s, hq)), dq.astype(jnp.float32))
         group = _group_of_keys(past, own_start, hkv)
-        window_start = kern.window_starts(past.group_start)
-        dk = _key_grads(dk_own, dk_g, group, window_start, b, s)
-        dv = _key_grads(dv_own, dv_g, group, window_start, b, s)
+        window_start = kern.window_starts(past.group_start, block_size, lay.seq)
+        dk = _key_grads(dk, dk_g, group, window_start)
+        dv = _key_grads(dv, dv_g, group, window_start)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 

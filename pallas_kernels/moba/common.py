@@ -110,7 +110,7 @@ class PastTiles(NamedTuple):
 
 
 class _Pairs(NamedTuple):
-    """The (b, t, h, i) selections, flat in that order, with their coordinates."""
+    """The (i, b, t, h) selections, flat in that (slot-major) order, with their coordinates."""
 
     block_start: jax.Array  # [P] first key of the selected block, -1 = unused slot
     batch: jax.Array  # [P]
@@ -126,9 +126,12 @@ class _SortedPairs(NamedTuple):
 
 
 def _flat_pairs(past_start: jax.Array) -> _Pairs:
+    """Slot-major, so per-slot tables come out as [K', B*S*Hq] without a transpose (an
+    [N, K'] int array pads K' to 128 lanes on TPU)."""
     b, s, hq, kp = past_start.shape
-    idx = jnp.arange(b * s * hq * kp, dtype=jnp.int32)
-    return _Pairs(past_start.reshape(-1), idx // (s * hq * kp), (idx // (hq * kp)) % s, (idx // kp) % hq)
+    n = b * s * hq
+    idx = jnp.arange(kp * n, dtype=jnp.int32) % n
+    return _Pairs(jnp.moveaxis(past_start, -1, 0).reshape(-1), idx // (s * hq), (idx // hq) % s, idx % hq)
 
 
 def _sort_pairs_by_block(pairs: _Pairs, *, seq_len: int, num_q_heads: int, num_kv_heads: int) -> _SortedPairs:
@@ -193,10 +196,8 @@ def past_tiles(past_start: jax.Array, *, num_kv_heads: int, block_size: int, q_t
 
     # Where each pair (in its original order) landed.
     sorted_position = jnp.zeros((num_pairs,), jnp.int32).at[order].set(jnp.arange(num_pairs, dtype=jnp.int32))
-    # slot-major [K', B*S*Hq]: one flat index vector per selection slot (no size-1 minor dim)
-    pair_row = (jnp.clip(tile[sorted_position], 0, num_tiles - 1) * q_tile + slot[sorted_position]).reshape(
-        -1, kp
-    )
+    pair_tile = jnp.clip(tile[sorted_position], 0, num_tiles - 1)
+    pair_row = (pair_tile * q_tile + slot[sorted_position]).reshape(kp, -1)  # [K', B*S*Hq]
 
     # Group tables, for kernels that accumulate dK/dV over a group's consecutive tiles.
     ends = jnp.cumsum(group_tiles)
@@ -207,8 +208,8 @@ def past_tiles(past_start: jax.Array, *, num_kv_heads: int, block_size: int, q_t
     first_tile = jnp.minimum(ends - group_tiles, num_tiles - 1)
     return PastTiles(
         Tiles(rows, kv_row, start, lo, hi),
-        pair_row.T,
-        (past_start >= 0).reshape(-1, kp).T,
+        pair_row,
+        (pairs.block_start >= 0).reshape(kp, -1),
         tile_group,
         group_first,
         group_tiles,

@@ -25,7 +25,7 @@ def window(block_size: int) -> int:
     return block_size
 
 
-def window_starts(block_start: jax.Array) -> jax.Array:
+def window_starts(block_start: jax.Array, block_size: int, seq_len: int) -> jax.Array:
     return block_start.astype(jnp.int32)
 
 

@@ -31,8 +31,12 @@ def window(block_size: int) -> int:
     return block_size + ALIGN
 
 
-def window_starts(block_start: jax.Array) -> jax.Array:
-    return (block_start // ALIGN * ALIGN).astype(jnp.int32)
+def window_starts(block_start: jax.Array, block_size: int, seq_len: int) -> jax.Array:
+    """Each block's window start: the block start rounded down to ALIGN, and no later than the
+    last ALIGN-aligned window inside the seq_len keys (which still holds the block: a block
+    ends by seq_len, and seq_len is a multiple of ALIGN or at least ALIGN past the last block)."""
+    last = (seq_len - window(block_size)) // ALIGN * ALIGN
+    return jnp.minimum(block_start // ALIGN * ALIGN, last).astype(jnp.int32)
 
 
 def _scores_t(q, k, offset, *, scale, block_size):
@@ -122,10 +126,27 @@ def _interpret(interpret):
     return pltpu.InterpretParams() if interpret == "tpu" else bool(interpret)
 
 
-def cost_estimate(part: str, q_rows, k, v, block_size: int, groups: int = 0):
+def _kv_spec(w: int, width: int, kv_heads):
+    """A window of w keys of one KV head: from k/v [B*Hkv, S_pad, D] (kv_heads None), or from
+    the natural [B, S, Hkv*D] (its D lanes; D a multiple of 128 on a TPU)."""
+    if kv_heads is None:
+        return pl.BlockSpec(
+            (None, pl.Element(w), pl.Element(width)), lambda t, kv, win, *_: (kv[t], win[t] * ALIGN, 0)
+        )
+    return pl.BlockSpec(  # Mosaic takes element offsets on every dim or none: the head's lanes too
+        (None, pl.Element(w), pl.Element(width)),
+        lambda t, kv, win, *_: (
+            jax.lax.div(kv[t], kv_heads),
+            win[t] * ALIGN,
+            jax.lax.rem(kv[t], kv_heads) * width,
+        ),
+    )
+
+
+def cost_estimate(part: str, q_rows, dv: int, block_size: int, groups: int = 0):
     """`pl.CostEstimate` as issued: every step multiplies its rows by the whole window."""
     ntiles, qt, d = q_rows.shape
-    dv, item, w = v.shape[-1], q_rows.dtype.itemsize, window(block_size)
+    item, w = q_rows.dtype.itemsize, window(block_size)
     pairs = ntiles * qt * w
     rows = ntiles * qt * (d * item + 4)  # q and lse
     if part == "fwd":
@@ -158,16 +179,16 @@ def block_attention_fwd(
     block_size,
     block_sizes,
     num_groups,
+    kv_heads=None,
     interpret=False,
 ):
-    """q_rows [T, Qt, D]; k/v [B*Hkv, S_pad, D|Dv] with S_pad >= S + ALIGN; kv_row,
+    """q_rows [T, Qt, D]; k/v [B*Hkv, S_pad, D|Dv] with S_pad >= S + ALIGN, or with kv_heads
+    = Hkv the natural [B, S, Hkv*D|Dv] with S a multiple of ALIGN (`window_starts`); kv_row,
     block_start, tile_group [T] (tiles of group `num_groups` are padding, skipped). Returns
     o [T, Qt, Dv] float32 (normalised) and lse [T, Qt]."""
     ntiles, qt, d = q_rows.shape
-    dv, w = v.shape[-1], window(block_size)
-    kv_spec = lambda width: pl.BlockSpec(
-        (None, pl.Element(w), pl.Element(width)), lambda t, kv, win, *_: (kv[t], win[t] * ALIGN, 0)
-    )
+    dv, w = v.shape[-1] // (kv_heads or 1), window(block_size)
+    kv_spec = lambda width: _kv_spec(w, width, kv_heads)
     o, lse = pl.pallas_call(
         functools.partial(_fwd_kernel, scale=scale, block_size=block_size, num_groups=num_groups),
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -186,8 +207,16 @@ def block_attention_fwd(
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
         interpret=_interpret(interpret),
         name="moba_block_fwd",
-        cost_estimate=cost_estimate("fwd", q_rows, k, v, block_size),
-    )(kv_row, block_start // ALIGN, block_start, tile_group, q_rows, k, v)
+        cost_estimate=cost_estimate("fwd", q_rows, dv, block_size),
+    )(
+        kv_row,
+        window_starts(block_start, block_size, k.shape[1]) // ALIGN,
+        block_start,
+        tile_group,
+        q_rows,
+        k,
+        v,
+    )
     return o, lse.reshape(ntiles, qt)
 
 
@@ -207,6 +236,7 @@ def block_attention_bwd(
     block_size,
     block_sizes,
     num_groups,
+    kv_heads=None,
     interpret=False,
 ):
     """do_rows [T, Qt, Dv]; lse, delta [T, Qt] (+inf / 0 on padding rows); tile_group,
@@ -214,12 +244,10 @@ def block_attention_bwd(
     one rounding, like a flash backward's dq), and dk [G + 1, W, D], dv [G + 1, W, Dv] per group
     (float32) with the window start of each tile (`window_starts`), slot G for padding tiles."""
     ntiles, qt, d = q_rows.shape
-    dv, w = v.shape[-1], window(block_size)
+    dv, w = v.shape[-1] // (kv_heads or 1), window(block_size)
     row = lambda width: pl.BlockSpec((None, qt, width), lambda t, *_: (t, 0, 0))
     lane_row = pl.BlockSpec((None, 1, qt), lambda t, *_: (t, 0, 0))
-    kv_spec = lambda width: pl.BlockSpec(
-        (None, pl.Element(w), pl.Element(width)), lambda t, kv, win, st, g, f: (kv[t], win[t] * ALIGN, 0)
-    )
+    kv_spec = lambda width: _kv_spec(w, width, kv_heads)
     group_spec = lambda width: pl.BlockSpec((None, w, width), lambda t, kv, win, st, g, f: (g[t], 0, 0))
     dq, dk, dvv = pl.pallas_call(
         functools.partial(_bwd_kernel, scale=scale, block_size=block_size, num_groups=num_groups),
@@ -238,10 +266,10 @@ def block_attention_bwd(
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
         interpret=_interpret(interpret),
         name="moba_block_bwd",
-        cost_estimate=cost_estimate("bwd", q_rows, k, v, block_size, num_groups),
+        cost_estimate=cost_estimate("bwd", q_rows, dv, block_size, num_groups),
     )(
         kv_row,
-        block_start // ALIGN,
+        window_starts(block_start, block_size, k.shape[1]) // ALIGN,
         block_start,
         tile_group,
         group_first,

@@ -184,13 +184,21 @@ def _interpret(interpret):
     return pltpu.InterpretParams() if interpret == "tpu" else bool(interpret)
 
 
-def _specs(c, hkv, groups, n):
+def _specs(c, hkv, groups, n, natural):
     """Index maps over the grid (r = b * Hkv + KV head, step i: chunk n - 1 - i, query head g
-    of the group)."""
-    q_row = lambda w: pl.BlockSpec((None, c, w), lambda r, i, g, *_: (r * groups + g, n - 1 - i, 0))
-    kv_cur = lambda w: pl.BlockSpec((None, c, w), lambda r, i, g, *_: (r, n - 1 - i, 0))
+    of the group). Head-major arrays [B*H, S_pad, D] are blocked by row; natural ones
+    [B, S, H*D] by batch and by the head's D lanes."""
+    b_of, kvh_of = lambda r: jax.lax.div(r, hkv), lambda r: jax.lax.rem(r, hkv)
+    if natural:
+        q_at = lambda r, g, chunk: (b_of(r), chunk, kvh_of(r) * groups + g)
+        kv_at = lambda r, chunk: (b_of(r), chunk, kvh_of(r))
+    else:
+        q_at = lambda r, g, chunk: (r * groups + g, chunk, 0)
+        kv_at = lambda r, chunk: (r, chunk, 0)
+    q_row = lambda w: pl.BlockSpec((None, c, w), lambda r, i, g, *_: q_at(r, g, n - 1 - i))
+    kv_cur = lambda w: pl.BlockSpec((None, c, w), lambda r, i, g, *_: kv_at(r, n - 1 - i))
     kv_prev = lambda w: pl.BlockSpec(
-        (None, c, w), lambda r, i, g, needs, prev: (r, prev[jax.lax.div(r, hkv) * n + n - 1 - i], 0)
+        (None, c, w), lambda r, i, g, needs, prev: kv_at(r, prev[b_of(r) * n + n - 1 - i])
     )
     own = pl.BlockSpec((None, 1, c), lambda r, i, g, *_: (jax.lax.div(r, hkv), 0, n - 1 - i))
     lane_row = pl.BlockSpec((None, 1, c), lambda r, i, g, *_: (r * groups + g, 0, n - 1 - i))
@@ -212,19 +220,34 @@ def cost_estimate(q_heads, k, v, c: int, n: int, need_fraction: float, part: str
     )
 
 
-def own_attention_fwd(q_heads, k, v, own, needs, prev, *, scale, block_size, interpret=False):
-    """q_heads [B*Hq, S_pad, D]; k/v [B*Hkv, S_pad, D|Dv]; tables from `own_tables`.
-    Returns o [B*Hq, Dv, n*C] (transposed) and lse [B*Hq, 1, n*C], float32."""
-    bh, _, d = q_heads.shape
-    c, rkv, dv = block_size, k.shape[0], v.shape[-1]
-    n, hkv = needs.shape[0] // own.shape[0], rkv // own.shape[0]
-    groups = bh // rkv
-    q_row, kv_cur, kv_prev, own_spec, lane_row = _specs(c, hkv, groups, n)
+def _dims(q, k, v, own, heads):
+    """(B, Hq, Hkv, D, Dv) of head-major inputs [B*H, S_pad, D] (heads None) or natural ones
+    [B, S, H*D] (heads = (Hq, Hkv))."""
+    b = own.shape[0]
+    if heads is None:
+        return b, q.shape[0] // b, k.shape[0] // b, q.shape[-1], v.shape[-1]
+    hq, hkv = heads
+    return b, hq, hkv, q.shape[-1] // hq, v.shape[-1] // hkv
+
+
+def _cost(q, v, b, hq, hkv, d, dv, c, n, part):
+    heads = lambda h, w, x: jax.ShapeDtypeStruct((b * h, n * c, w), x.dtype)
+    return cost_estimate(heads(hq, d, q), heads(hkv, d, q), heads(hkv, dv, v), c, n, 1.0, part)
+
+
+def own_attention_fwd(q, k, v, own, needs, prev, *, scale, block_size, heads=None, interpret=False):
+    """q [B*Hq, S_pad, D], k/v [B*Hkv, S_pad, D|Dv] (head-major), or with heads = (Hq, Hkv) the
+    natural q [B, S, Hq*D], k/v [B, S, Hkv*D|Dv] (S a multiple of C; D, Dv multiples of 128 on
+    a TPU); tables from `own_tables`. Returns o [B*Hq, Dv, n*C] (transposed) and
+    lse [B*Hq, 1, n*C], float32."""
+    b, hq, hkv, d, dv = _dims(q, k, v, own, heads)
+    c, n, groups = block_size, needs.shape[0] // b, hq // hkv
+    q_row, kv_cur, kv_prev, own_spec, lane_row = _specs(c, hkv, groups, n, heads is not None)
     return pl.pallas_call(
         functools.partial(_fwd_kernel, scale=scale, hkv=hkv, n=n),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
-            grid=(rkv, n, groups),
+            grid=(b * hkv, n, groups),
             in_specs=[q_row(d), kv_cur(d), kv_cur(dv), kv_prev(d), kv_prev(dv), own_spec],
             out_specs=[
                 pl.BlockSpec((None, dv, c), lambda r, i, g, *_: (r * groups + g, 0, n - 1 - i)),
@@ -232,34 +255,32 @@ def own_attention_fwd(q_heads, k, v, own, needs, prev, *, scale, block_size, int
             ],
         ),
         out_shape=[
-            jax.ShapeDtypeStruct((bh, dv, n * c), jnp.float32),
-            jax.ShapeDtypeStruct((bh, 1, n * c), jnp.float32),
+            jax.ShapeDtypeStruct((b * hq, dv, n * c), jnp.float32),
+            jax.ShapeDtypeStruct((b * hq, 1, n * c), jnp.float32),
         ],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary")),
         interpret=_interpret(interpret),
         name="moba_own_fwd",
-        cost_estimate=cost_estimate(q_heads, k, v, c, n, 1.0, "fwd"),
-    )(needs, prev, q_heads, k, v, k, v, own)
+        cost_estimate=_cost(q, v, b, hq, hkv, d, dv, c, n, "fwd"),
+    )(needs, prev, q, k, v, k, v, own)
 
 
 def own_attention_bwd(
-    q_heads, k, v, own, needs, prev, do_heads, lse, delta, *, scale, block_size, interpret=False
+    q, k, v, own, needs, prev, do, lse, delta, *, scale, block_size, heads=None, interpret=False
 ):
-    """do_heads [B*Hq, S_pad, Dv]; lse, delta [B*Hq, 1, S_pad] (+inf / 0 on padding rows).
-    Returns dq [B*Hq, n*C, D] and the keys' dK/dV [B*Hkv, n*C, D|Dv] (from the queries of
-    their own chunk and, where it needs them, of the next), in the inputs' dtypes."""
-    bh, _, d = q_heads.shape
-    c, rkv, dv = block_size, k.shape[0], v.shape[-1]
-    n, hkv = needs.shape[0] // own.shape[0], rkv // own.shape[0]
-    groups = bh // rkv
-    q_row, kv_cur, kv_prev, own_spec, lane_row = _specs(c, hkv, groups, n)
-    grads = lambda x, rows: jax.ShapeDtypeStruct((rows, n * c, x.shape[-1]), x.dtype)
+    """do laid out like q; lse, delta [B*Hq, 1, S_pad] (+inf / 0 on padding rows). Returns dq
+    and the keys' dK/dV (from the queries of their own chunk and, where it needs them, of the
+    next) laid out like q, k, v over n*C positions, in their dtypes."""
+    b, hq, hkv, d, dv = _dims(q, k, v, own, heads)
+    c, n, groups = block_size, needs.shape[0] // b, hq // hkv
+    q_row, kv_cur, kv_prev, own_spec, lane_row = _specs(c, hkv, groups, n, heads is not None)
+    grads = lambda x: jax.ShapeDtypeStruct((x.shape[0], n * c, x.shape[-1]), x.dtype)
     acc = lambda w: pltpu.VMEM((c, w), jnp.float32)
     return pl.pallas_call(
         functools.partial(_bwd_kernel, scale=scale, hkv=hkv, n=n, groups=groups),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
-            grid=(rkv, n, groups),
+            grid=(b * hkv, n, groups),
             in_specs=[
                 q_row(d),
                 kv_cur(d),
@@ -274,11 +295,11 @@ def own_attention_bwd(
             out_specs=[q_row(d), kv_cur(d), kv_cur(dv)],
             scratch_shapes=[acc(d), acc(d), acc(dv), acc(d), acc(dv)],
         ),
-        out_shape=[grads(q_heads, bh), grads(k, rkv), grads(v, rkv)],
+        out_shape=[grads(q), grads(k), grads(v)],
         # dK/dV accumulate over the query heads of a group and carry to the previous chunk:
         # those steps run in order
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary")),
         interpret=_interpret(interpret),
         name="moba_own_bwd",
-        cost_estimate=cost_estimate(q_heads, k, v, c, n, 1.0, "bwd"),
-    )(needs, prev, q_heads, k, v, k, v, own, do_heads, lse, delta)
+        cost_estimate=_cost(q, v, b, hq, hkv, d, dv, c, n, "bwd"),
+    )(needs, prev, q, k, v, k, v, own, do, lse, delta)
