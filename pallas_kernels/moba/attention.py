@@ -6,7 +6,9 @@ whole-block kernel (tpu_blocks.py, gpu_blocks.py), each giving (o, lse) per (que
 parts of a query are merged by log-sum-exp into the output O and the global LSE L. Backward
 (docs/moba.md, "Backward"): with delta = rowsum(dO * O), each part's gradient is an ordinary
 flash-attention backward against the global L, so the backward kernels run over the same
-schedule and the results are added back to q, k and v.
+schedule, each writing its part once; one XLA pass per gradient then gathers the parts.
+On TPU the kernels read q, K, V and dO where they lie when a head is whole 128-lane tiles
+(`reads_in_place`); otherwise, and on GPU, through head-major copies.
 
 `interpret=False` compiles for the backend's hardware, so the block sizes are
 checked against what that compiler accepts (`BlockSizes.check_backend`).
@@ -225,9 +227,8 @@ def _fwd(q, k, v, own_start, past_start, block_size, scale, backend, interpret, 
         interpret=interpret,
         block_sizes=block_sizes,
     )
-    out = out.astype(
-        q.dtype
-    )  # also the residual: delta = rowsum(dO * O) of the output, as in flash attention
+    # the rounded output is also the residual: delta = rowsum(dO * O), as in flash attention
+    out = out.astype(q.dtype)
     return out, (q, k, v, own_start, past_start, out, lse)
 
 
