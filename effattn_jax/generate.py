@@ -9,7 +9,7 @@ row keeps its own position, so a row's padding slots are never attended
 call per prompt length (through the training attention: MoBA's sub-quadratic op)
 and one decode step (compiled once) per token. What is cached is each kind's own
 (`init_cache`): K/V for MHA, the latent and RoPE key for MLA, plus token ids for
-EG-MLA, plus MoBA's block means, so a MoBA step reads only its selected blocks.
+EG-MLA (once per model), plus MoBA's block means, so a MoBA step reads only its selected blocks.
 MLA and EG-MLA (gate_at=latent) decode with absorbed weights unless --naive.
 
 In a multi-process launch (as train.py's: JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES /

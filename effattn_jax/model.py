@@ -192,16 +192,32 @@ class Transformer(nnx.Module):
         """`decode` without the output head: (hidden states [B, T, d_model] before the final norm,
         caches), for callers that need logits at a few positions only (`logits(x)` gives them)."""
         x = jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype)
+        ids = None
+        if TOKEN_IDS in caches[0]:  # written once, read by every layer that decodes from them
+            rows = jnp.arange(tokens.shape[0])[:, None]
+            ids = caches[0][TOKEN_IDS].at[rows, positions].set(tokens.astype(jnp.int32))
         new = []
         for block, cache in zip(self.layers(), caches, strict=True):
-            x, cache = block.decode(x, positions, tokens, cache, **kw)
-            new.append(cache)
+            seen = {TOKEN_IDS: ids} if block.attn.cached_token_ids else {}
+            x, cache = block.decode(x, positions, tokens, cache | seen, **kw)
+            new.append({name: a for name, a in cache.items() if name != TOKEN_IDS})
+        if ids is not None:
+            new[0][TOKEN_IDS] = ids
         return x, new
 
 
+TOKEN_IDS = "token_ids"  # the cached token ids, once per model: in the first layer's cache
+
+
 def init_cache(model: Transformer, batch: int, max_len: int, dtype=jnp.float32) -> list[dict]:
-    """One preallocated decode cache per layer, as each attention kind defines it."""
-    return [block.attn.init_cache(batch, max_len, dtype) for block in model.layers()]
+    """One preallocated decode cache per layer, as each attention kind defines it; where a kind
+    decodes from the cached token ids (EG-MLA), those once for the model, in the first layer's
+    dict (decode_hidden passes them to the layers that read them)."""
+    layers = model.layers()
+    caches = [block.attn.init_cache(batch, max_len, dtype) for block in layers]
+    if any(block.attn.cached_token_ids for block in layers):
+        caches[0][TOKEN_IDS] = jnp.zeros((batch, max_len), jnp.int32)
+    return caches
 
 
 def param_counts(model: Transformer) -> dict[str, int]:

@@ -79,6 +79,17 @@ def test_cached_generation_equals_uncached(name):
     assert got == [uncached_greedy(model, p, 8) for p in prompts]
 
 
+@pytest.mark.parametrize("kind, copies", [("eg_mla", 1), ("mla", 0), ("mha", 0)])
+def test_token_ids_cached_once_per_model(kind, copies):
+    """EG-MLA's layers all read the same cached token ids: one [B, L] array for the model
+    (decoding through it: test_decode_equals_full_forward)."""
+    cfg = load_config(None, TINY_MLA + [f"attention.kind={kind}"])
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    caches = jax.eval_shape(lambda: init_cache(model, 2, 16))
+    assert cfg.model.num_layers > 1
+    assert [name for c in caches for name in c if name == "token_ids"] == ["token_ids"] * copies
+
+
 def test_sampling():
     logits = jnp.log(jnp.asarray([[0.6, 0.3, 0.1], [0.1, 0.2, 0.7]]))
     key = jax.random.key(0)

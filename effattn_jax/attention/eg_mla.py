@@ -1,4 +1,5 @@
-"""Embedding-Gated MLA (docs/eg_mla.md). The cache is MLA's (c, k^R) plus the token ids.
+"""Embedding-Gated MLA (docs/eg_mla.md). The cache is MLA's (c, k^R); decoding also reads the
+token ids, which the model caches once for all layers (`cached_token_ids`).
 
 EG-MLA's paper text was not available; this follows the public description
 ("latent ... up-projected; a dedicated token embedding (indexed by token ID)
@@ -33,6 +34,8 @@ from effattn_jax.layers import Dense, LayerNorm
 
 
 class EGMLA(MLA):
+    cached_token_ids = True  # decode reads cache["token_ids"], which the model keeps and passes
+
     def init_kv_up(self, cfg, rngs):
         m, a, e = cfg.model, cfg.mla, cfg.eg_mla
         dtype, h, std = jnp.dtype(m.dtype), m.num_heads, m.init_std
@@ -54,17 +57,6 @@ class EGMLA(MLA):
             )
             self.c_ln = LayerNorm(e.gate_dim, eps=m.norm_eps)
             self.init_up_projections(cfg, rngs, e.gate_dim, "gate")  # W_UK, W_UV from the gated latent
-
-    def init_cache(self, batch: int, max_len: int, dtype) -> dict:
-        """MLA's cache plus the token ids (integers the model already has), never gated vectors."""
-        return super().init_cache(batch, max_len, dtype) | {
-            "token_ids": jnp.zeros((batch, max_len), jnp.int32)
-        }
-
-    def write_cache(self, cache, rows, positions, c, kr, token_ids):
-        return super().write_cache(cache, rows, positions, c, kr, token_ids) | {
-            "token_ids": cache["token_ids"].at[rows, positions].set(token_ids.astype(jnp.int32))
-        }
 
     def absorbed_latent(self, cache):
         """gate_at=latent: c~ recomputed from (c, token id) for every cached token; heads: none."""

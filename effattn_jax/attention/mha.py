@@ -13,6 +13,8 @@ from effattn_jax.sharding import constrain, sharding_rules
 
 
 class MHA(nnx.Module):
+    cached_token_ids = False  # see EGMLA
+
     def __init__(self, cfg, *, core, rngs: nnx.Rngs):
         m = cfg.model
         h, kv, d = m.num_heads, cfg.num_kv_heads, cfg.head_dim

@@ -22,6 +22,8 @@ from effattn_jax.sharding import constrain, sharding_rules
 
 
 class MLA(nnx.Module):
+    cached_token_ids = False  # see EGMLA
+
     def __init__(self, cfg, *, core, rngs: nnx.Rngs):
         m, a = cfg.model, cfg.mla
         h, dtype, std = m.num_heads, jnp.dtype(m.dtype), m.init_std
