@@ -17,8 +17,8 @@ from effattn_jax.ops.routing import moba_routing
 from effattn_jax.sharding import make_mesh
 from effattn_jax.train.state import init_state, make_setup
 from effattn_jax.train.step import make_train_step
-from pallas_kernels.moba.attention import _forward, _layout, moba_pallas
-from pallas_kernels.moba.common import BlockSizes, past_tiles
+from pallas_kernels.moba.attention import _forward, _layout, moba_pallas, padded_length
+from pallas_kernels.moba.common import ALIGN, BlockSizes, past_tiles
 
 SMALL = BlockSizes(q_tile=8, kv_block=8, past_q_tile=8)  # groups of several tiles: dK/dV accumulate
 CASES = {
@@ -96,6 +96,15 @@ def test_kernels_take_bfloat16(kernel):
     for a, e in zip(grads, jax.grad(loss(ref), argnums=(0, 1, 2))(*f32), strict=True):
         assert a.dtype == jnp.bfloat16
         np.testing.assert_allclose(a.astype(jnp.float32), e, atol=3e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("s", [6, 100, 512, 1000])
+def test_padded_length_holds_every_window(s):
+    """The whole-block kernels fetch block + ALIGN keys per step, also on the padding steps of
+    a sequence shorter than a block (no earlier blocks): the padded length must hold one."""
+    bs = BlockSizes()
+    pad = padded_length(s, 512, bs)
+    assert pad % 512 == 0 and pad >= max(s, 512) + ALIGN
 
 
 def test_tpu_kernels_read_whole_lane_heads_in_place():

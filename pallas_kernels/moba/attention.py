@@ -50,9 +50,10 @@ def _unheads(x, b, s):
 
 def padded_length(s: int, block_size: int, block_sizes: BlockSizes) -> int:
     """S_pad: a multiple of the block (the TPU own-block chunks) and of the GPU own-block tiles
-    and sub-blocks, and at least S + ALIGN (the whole-block kernels' windows may run past S)."""
+    and sub-blocks, and at least S + ALIGN and block + ALIGN (the whole-block kernels' windows,
+    block + ALIGN keys, may run past S; with no earlier block their padding steps read one)."""
     m = math.lcm(block_sizes.q_tile, block_sizes.kv_block, block_size)
-    return -(-(s + ALIGN) // m) * m
+    return -(-(max(s, block_size) + ALIGN) // m) * m
 
 
 class _Layout(NamedTuple):
