@@ -5,13 +5,14 @@ a query's own block started in the previous chunk (packed documents), that chunk
 Without packed documents the blocks are the chunks: a block-diagonal causal kernel, each
 key read once per KV head. The grid is (batch x KV head, chunk, query head of the group),
 the chunks last to first: the query heads sharing a KV head (GQA) run back to back on the
-same K/V blocks, so Pallas copies them once, and dK/dV accumulate in the resident output block
-across them (written once per chunk). The previous chunk's K/V block index only moves where a
-chunk needs it, so it is copied only then; the backward accumulates that chunk's dK/dV in a
-VMEM scratch and starts the previous chunk's output block from it (hence the order), so every
-key's own-part gradient is written once, complete. Scores are [keys, rows], so lse and delta
-are lane-dense rows; the forward writes o transposed, [Dv, rows] (no in-kernel transpose), and
-XLA turns it back.
+same K/V blocks, so Pallas copies them once, and dK/dV accumulate across them in a float32
+VMEM scratch (stored once per chunk, in the input dtype). The previous chunk's K/V block index
+only moves where a chunk needs it, so it is copied only then; the backward accumulates that
+chunk's dK/dV in another scratch and starts the previous chunk's accumulator from it (hence
+the order), so every key's own-part gradient is written once, complete. q, K, V, dO come
+head-major [B*H, S_pad, D] or as they lie, [B, S, H*D] (`heads`). Scores are [keys, rows], so
+lse and delta are lane-dense rows; the forward writes o transposed, [Dv, rows] (no in-kernel
+transpose), and XLA turns it back.
 """
 
 from __future__ import annotations
