@@ -127,7 +127,7 @@ class MLA(nnx.Module):
             [k_nope, jnp.broadcast_to(kr[:, :, None, :], (b, s, h, self.rope_dim))], axis=-1
         )
 
-    def write_cache(self, cache, rows, positions, c, kr, token_ids):
+    def write_cache(self, cache, rows, positions, c, kr):
         return cache | {
             "c": cache["c"].at[rows, positions].set(c.astype(cache["c"].dtype)),
             "kr": cache["kr"].at[rows, positions].set(kr.astype(cache["kr"].dtype)),
@@ -147,7 +147,7 @@ class MLA(nnx.Module):
         path). `prefill`: see `Core`."""
         c, kr = self.latent(x, positions)
         rows = jnp.arange(x.shape[0])[:, None]
-        cache = self.write_cache(cache, rows, positions, c, kr, token_ids)
+        cache = self.write_cache(cache, rows, positions, c, kr)
         q_nope, q_rope = self.query(x, positions)
         lat = self.absorbed_latent(cache) if absorb and self.core.causal_only else None
         if lat is not None:
