@@ -201,7 +201,7 @@ def _specs(c, hkv, groups, n, natural):
     kv_prev = lambda w: pl.BlockSpec(
         (None, c, w), lambda r, i, g, needs, prev: kv_at(r, prev[b_of(r) * n + n - 1 - i])
     )
-    own = pl.BlockSpec((None, 1, c), lambda r, i, g, *_: (jax.lax.div(r, hkv), 0, n - 1 - i))
+    own = pl.BlockSpec((None, 1, c), lambda r, i, g, *_: (b_of(r), 0, n - 1 - i))
     lane_row = pl.BlockSpec((None, 1, c), lambda r, i, g, *_: (r * groups + g, 0, n - 1 - i))
     return q_row, kv_cur, kv_prev, own, lane_row
 
