@@ -244,7 +244,7 @@ def _synthetic_moba_caches(model, batch: int, length: int, block_size: int) -> l
     caches = synthetic_caches(model, batch, length)
     for c in caches:
         c["block_means"] = prefill_block_means(
-            c["block_means"], c["k"], length, block_size=block_size, dtype=c["k"].dtype
+            c["block_means"], jnp.swapaxes(c["k"], 1, 2), length, block_size=block_size, dtype=c["k"].dtype
         )
     return caches
 

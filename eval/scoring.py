@@ -150,9 +150,12 @@ def _hidden(graphdef, params, ctx, ctx_len, cont, prefix):
     tc = cont.shape[1]
     caches = init_cache(m, p, lc, jnp.float32)  # the context attends over its own slots only
     h_ctx, caches = m.decode_hidden(ctx, jnp.broadcast_to(jnp.arange(lc), ctx.shape), caches, prefill=True)
-    # one cache copy per continuation, with Tc free slots after the context's
+    # one cache copy per continuation, with Tc free slots after the context's (at the origin:
+    # whichever axis an entry keeps its slots on)
     caches = jax.tree.map(
-        lambda a, free: free.at[:, : a.shape[1]].set(a[prefix]), caches, init_cache(m, len(prefix), lc + tc)
+        lambda a, free: jax.lax.dynamic_update_slice(free, a[prefix], (0,) * a.ndim),
+        caches,
+        init_cache(m, len(prefix), lc + tc),
     )
     positions = ctx_len[prefix][:, None] + jnp.arange(tc)[None, :]
     h_cont, _ = m.decode_hidden(cont, positions, caches)

@@ -118,23 +118,72 @@ def test_a_step_reads_only_its_blocks(kind):
     assert [s for _, s in _decode_shapes(dense, 1, 4096, False) if 4096 in s]  # the check can fail
 
 
+def _kernel_case(length, block):
+    """A single-token step's inputs: GQA (4 query heads on 2 KV heads), head-major caches, row 0
+    with every pick used and row 1 with two of its three picks unused."""
+    d = 16
+    k, v = (jax.random.normal(jax.random.key(i), (2, 2, length, d)) for i in range(2))
+    q = jax.random.normal(jax.random.key(2), (2, 1, 4, d))
+    means = prefill_block_means(
+        empty_block_means(2, length, 2, d, block),
+        jnp.swapaxes(k, 1, 2),
+        length,
+        block_size=block,
+        dtype=k.dtype,
+    )
+    positions = jnp.array([[length - 10], [block + 5]])
+    return lambda impl: moba_decode_attention(
+        kv_view(q, k, v), means, positions, block_size=block, top_k=4, scale=0.25, impl=impl
+    )
+
+
+@pytest.mark.parametrize("interpret", ["pallas_tpu", "tpu_interpreter"])
+@pytest.mark.parametrize("length, block", [(160, 32), (96, 64)], ids=["aligned", "short_last_block"])
+def test_tpu_decode_kernel_matches_xla(length, block, interpret):
+    """The TPU kernel (interpreted: plain, and the TPU interpreter) equals the XLA step. The
+    second case's cache ends inside the last block, so the own window moves back by half a block."""
+    step = _kernel_case(length, block)
+    if interpret == "tpu_interpreter":
+        from pallas_kernels.moba import tpu_decode
+
+        real = tpu_decode.moba_decode_tpu
+        tpu = lambda *a, **kw: real(*a, **kw | {"interpret": "tpu"})
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(tpu_decode, "moba_decode_tpu", tpu)
+            got = step("pallas_tpu")
+    else:
+        assert "moba_decode_tpu" in str(jax.make_jaxpr(lambda: step("pallas_tpu"))())  # the kernel ran
+        got = step("pallas_tpu")
+    np.testing.assert_allclose(got, step("xla"), atol=1e-5, rtol=1e-5)
+
+
+def test_tpu_decode_kernel_compiles_for_a_real_tpu():
+    """Mosaic lowering and a libtpu compile (no TPU needed): bf16, 12 query heads on 4 KV heads
+    (head dim 64 and 128), block 512 over a 4,096-slot cache."""
+    topologies = pytest.importorskip("jax.experimental.topologies")
+    pytest.importorskip("libtpu", reason="libtpu (the `tpu` extra) is not installed")
+    from pallas_kernels.moba.tpu_decode import moba_decode_tpu
+
+    topo = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2")
+    mesh = jax.sharding.Mesh(np.array(topo.devices[:1]), ("x",))
+    place = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    arg = lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype, sharding=place)
+    step = jax.jit(lambda q, k, v, *tables: moba_decode_tpu(q, k, v, *tables, 512, 0.125))
+    for d in (64, 128):
+        cache = arg((2, 4, 4096, d))
+        lowered = step.lower(arg((2, 12, d)), cache, cache, *[arg((2, 12, 3), jnp.int32)] * 3)
+        assert lowered.as_text().count("tpu_custom_call") == 1
+        lowered.compile()
+
+
 def test_gpu_decode_kernel_matches_xla_and_lowers_for_cuda():
     """A single-token step through the GPU kernel (interpreted here) equals the XLA step (GQA,
     a partial own block, picks and an unused pick), and lowers for CUDA with jax.export."""
-    length, block, d = 70, 8, 16
-    k, v = (jax.random.normal(jax.random.key(i), (2, length, 2, d)) for i in range(2))
-    q = jax.random.normal(jax.random.key(2), (2, 1, 4, d))
-    means = prefill_block_means(
-        empty_block_means(2, length, 2, d, block), k, length, block_size=block, dtype=k.dtype
-    )
-    positions = jnp.array([[45], [20]])  # row 1: two earlier blocks for three picks
-    step = lambda impl, q, k, v: moba_decode_attention(
-        kv_view(q, k, v), means, positions, block_size=block, top_k=4, scale=0.25, impl=impl
-    )
-    np.testing.assert_allclose(step("pallas_gpu", q, k, v), step("xla", q, k, v), atol=1e-5, rtol=1e-5)
+    step = _kernel_case(70, 8)
+    np.testing.assert_allclose(step("pallas_gpu"), step("xla"), atol=1e-5, rtol=1e-5)
     triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
     tables = [jax.ShapeDtypeStruct((2, 8, 3), jnp.int32)] * 3
-    cache = jax.ShapeDtypeStruct((2, 4096, 2, 64), jnp.bfloat16)
+    cache = jax.ShapeDtypeStruct((2, 2, 4096, 64), jnp.bfloat16)
     kernel = lambda q, k, v, *tables: moba_decode_gpu(q, k, v, *tables, 512, 0.125)
     exported = jax.export.export(jax.jit(kernel), platforms=["cuda"], disabled_checks=[triton])(
         jax.ShapeDtypeStruct((2, 8, 64), jnp.bfloat16), cache, cache, *tables

@@ -37,11 +37,12 @@ class MHA(nnx.Module):
         self.rules = sharding_rules(cfg)
 
     def init_cache(self, batch: int, max_len: int, dtype) -> dict:
-        """The preallocated decode cache: K and V per KV head, [B, L, KV, D] each (plus the core's own
-        entries, e.g. MoBA's block means)."""
-        shape = (batch, max_len, self.k.kernel.shape[1], self.k.kernel.shape[2])
+        """The preallocated decode cache: K and V head-major, [B, KV, L, D] each (see `kv_view`),
+        plus the core's own entries, e.g. MoBA's block means."""
+        kv, d = self.k.kernel.shape[1:]
+        shape = (batch, kv, max_len, d)
         return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)} | self.core.init_state(
-            batch, max_len, *shape[2:]
+            batch, max_len, kv, d
         )
 
     def qkv(self, x, positions):
@@ -62,8 +63,9 @@ class MHA(nnx.Module):
         q, k, v = self.qkv(x, positions)
         rows = jnp.arange(x.shape[0])[:, None]
         cache = cache | {
-            "k": cache["k"].at[rows, positions].set(k.astype(cache["k"].dtype)),
-            "v": cache["v"].at[rows, positions].set(v.astype(cache["v"].dtype)),
+            # [B, T] indices around the head axis: the update is k's own [B, T, KV, D]
+            "k": cache["k"].at[rows, :, positions].set(k.astype(cache["k"].dtype)),
+            "v": cache["v"].at[rows, :, positions].set(v.astype(cache["v"].dtype)),
         }
         view = kv_view(q, cache["k"], cache["v"])
         out, state = self.core.decode(view, cache, positions, scale=q.shape[-1] ** -0.5, prefill=prefill)

@@ -163,7 +163,9 @@ class MLA(nnx.Module):
             out = jnp.einsum("bthd,dhv->bthv", out, self.uv.kernel[...].astype(out.dtype))
         else:
             k_nope, v = self.kv_heads(cache["c"], cache.get("token_ids"))
-            view = kv_view(jnp.concatenate([q_nope, q_rope], axis=-1), self.full_keys(k_nope, cache["kr"]), v)
+            head_major = lambda x: jnp.swapaxes(x, 1, 2)  # [B, L, H, D] -> kv_view's [B, H, L, D]
+            keys = self.full_keys(k_nope, cache["kr"])
+            view = kv_view(jnp.concatenate([q_nope, q_rope], axis=-1), head_major(keys), head_major(v))
             if latent is not None:  # the cache keeps the latent gate's means
                 view = view._replace(gate_q=latent.gate_q, gate_keys=latent.gate_keys)
             out, state = self.core.decode(view, cache, positions, scale=self.scale, prefill=prefill)

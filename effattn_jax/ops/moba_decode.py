@@ -16,6 +16,7 @@ What is read goes through a `CacheView`, so an attention kind can gather its own
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -34,8 +35,8 @@ class CacheView(NamedTuple):
     slot (dense cores); prompt(T): the same for slots [0, T) (a prefill); fetch(starts
     [B, T, Hq, nb], size): (k, v) [B, T, Hq, nb, size, D|Dv], each query head's blocks from
     its own KV head; gate_keys(slots [B, N]): [B, N, Hg, Dg] the keys the gate averages;
-    caches: the raw (k, v) [B, L, Hkv, D|Dv] where the cache is plain K/V (what a decode
-    kernel reads), else None."""
+    caches: the raw head-major (k, v) [B, Hkv, L, D|Dv] where the cache is plain K/V (what a
+    decode kernel reads), else None."""
 
     q: jax.Array
     gate_q: jax.Array
@@ -48,23 +49,27 @@ class CacheView(NamedTuple):
 
 
 def kv_view(q, k_cache, v_cache) -> CacheView:
-    """The view of a plain K/V cache [B, L, Hkv, D|Dv]: MHA's, or per-head K/V rebuilt."""
+    """The view of a plain K/V cache, head-major [B, Hkv, L, D|Dv]: MHA's, or per-head K/V
+    rebuilt. Head-major keeps a block of one KV head contiguous: a TPU kernel fetches it as
+    one (block, D) tile (a [B, L, Hkv, D] cache is tiled over (Hkv, D), so one head's rows
+    cannot be sliced out of it), and the XLA gathers copy whole rows."""
+    token_major = lambda x: jnp.swapaxes(x, 1, 2)  # [B, H, L, D] -> [B, L, H, D]
     return CacheView(
         q=q,
         gate_q=q,
-        length=k_cache.shape[1],
-        full=lambda: (k_cache, v_cache),
-        prompt=lambda t: (k_cache[:, :t], v_cache[:, :t]),
+        length=k_cache.shape[2],
+        full=lambda: (token_major(k_cache), token_major(v_cache)),
+        prompt=lambda t: (token_major(k_cache[:, :, :t]), token_major(v_cache[:, :, :t])),
         fetch=lambda starts, size: (head_blocks(k_cache, starts, size), head_blocks(v_cache, starts, size)),
-        gate_keys=lambda slots: take_slots(k_cache, slots),
+        gate_keys=lambda slots: token_major(take_slots(k_cache, slots, axis=2)),
         caches=(k_cache, v_cache),
     )
 
 
-def take_slots(cache, slots):
-    """cache [B, L, ...] at slots [B, N] -> [B, N, ...]."""
-    idx = slots.reshape(*slots.shape, *([1] * (cache.ndim - 2)))
-    return jnp.take_along_axis(cache, idx, axis=1)
+def take_slots(cache, slots, axis: int = 1):
+    """cache [B, ..., L (at `axis`), ...] at slots [B, N] -> the same with N in place of L."""
+    idx = slots.reshape(slots.shape[0], *([1] * (axis - 1)), slots.shape[1], *([1] * (cache.ndim - axis - 1)))
+    return jnp.take_along_axis(cache, idx, axis=axis)
 
 
 def empty_block_means(batch: int, max_len: int, kv_heads: int, head_dim: int, block_size: int) -> jax.Array:
@@ -111,17 +116,30 @@ def moba_decode_attention(
     (docs/moba.md): each query head takes the top (top_k - 1) complete blocks strictly before
     its own by the unscaled float32 gate (ties to the earlier block) plus its own block
     causally. Only those blocks are fetched from the cache. `impl` (as `moba.impl`): where it
-    resolves to the GPU kernel, a single-token step over a plain K/V cache runs
-    `pallas_kernels/moba/gpu_decode.py`; everything else (and every other backend) runs XLA."""
+    resolves to a kernel, a single-token step over a plain K/V cache runs
+    `pallas_kernels/moba/{tpu,gpu}_decode.py` where the kernel takes the shape (TPU: cache
+    length and block multiples of 32; GPU: a power-of-two block); everything else runs XLA."""
     starts, lo, hi, size = select_blocks(view, means, positions, block_size=block_size, top_k=top_k)
-    _, kernel, interpret = resolve_impl(impl)
-    if kernel == "gpu" and view.caches is not None and view.q.shape[1] == 1 and size & (size - 1) == 0:
-        from pallas_kernels.moba.gpu_decode import moba_decode_gpu
-
+    kernel = decode_kernel(view, size, impl)
+    if kernel is not None:
         tables = (x[:, 0] for x in (starts, lo, hi))
-        out = moba_decode_gpu(view.q[:, 0], *view.caches, *tables, size, float(scale), interpret)
-        return out[:, None]
+        return kernel(view.q[:, 0], *view.caches, *tables, size, float(scale))[:, None]
     return attend_blocks(view, starts, lo, hi, size, scale)
+
+
+def decode_kernel(view: CacheView, size: int, impl: str):
+    """The Pallas decode step `impl` resolves to for this view and block, or None (XLA)."""
+    _, kernel, interpret = resolve_impl(impl)
+    if kernel is None or view.caches is None or view.q.shape[1] != 1:
+        return None
+    if kernel == "tpu":
+        from pallas_kernels.moba import tpu_decode
+
+        ok = tpu_decode.fits(view.length, size)
+        return functools.partial(tpu_decode.moba_decode_tpu, interpret=interpret) if ok else None
+    from pallas_kernels.moba.gpu_decode import moba_decode_gpu
+
+    return functools.partial(moba_decode_gpu, interpret=interpret) if size & (size - 1) == 0 else None
 
 
 def select_blocks(view: CacheView, means, positions, *, block_size: int, top_k: int):
@@ -170,13 +188,13 @@ def attend_blocks(view: CacheView, starts, lo, hi, size: int, scale):
 
 
 def head_blocks(cache, starts, size: int):
-    """cache [B, L, Hkv, D], block starts [B, T, Hq, blocks] -> [B, T, Hq, blocks, size, D]: each
+    """cache [B, Hkv, L, D], block starts [B, T, Hq, blocks] -> [B, T, Hq, blocks, size, D]: each
     query head reads its blocks from its own KV head only."""
     b, t, hq, nb = starts.shape
-    heads = jnp.broadcast_to((jnp.arange(hq) // (hq // cache.shape[2]))[:, None], (hq, nb)).reshape(-1)
+    heads = jnp.broadcast_to((jnp.arange(hq) // (hq // cache.shape[1]))[:, None], (hq, nb)).reshape(-1)
 
-    def one(cache_b, start, head):  # [L, Hkv, D], scalar, scalar -> [size, D]
-        return jax.lax.dynamic_slice(cache_b, (start, head, 0), (size, 1, cache_b.shape[-1]))[:, 0]
+    def one(cache_b, start, head):  # [Hkv, L, D], scalar, scalar -> [size, D]
+        return jax.lax.dynamic_slice(cache_b, (head, start, 0), (1, size, cache_b.shape[-1]))[0]
 
     per_query = lambda cache_b, starts_q: jax.vmap(one, (None, 0, 0))(cache_b, starts_q.reshape(-1), heads)
     per_row = lambda cache_b, starts_b: jax.vmap(per_query, (None, 0))(cache_b, starts_b)
