@@ -59,7 +59,7 @@ class Core:
 def causal_decode(view, cache, positions, *, scale, prefill=False):
     k, v = view.full()
     mask = jnp.arange(view.length)[None, None, None, :] <= positions[:, None, :, None]
-    return masked_attention(view.q, k, v, mask, scale), {}
+    return masked_attention(view.q, k, v, mask, scale, heads_first=True), {}
 
 
 def _dense_core(cfg) -> Core:

@@ -61,11 +61,17 @@ class MHA(nnx.Module):
         attended over it -> ([B, T, d_model], cache). `prefill`: see `Core`. (`absorb`
         concerns latent kinds only.)"""
         q, k, v = self.qkv(x, positions)
-        rows = jnp.arange(x.shape[0])[:, None]
+        # every axis but D indexed, so the write stays an in-place scatter (XLA CPU turns a
+        # scatter it can slice into a dynamic-update-slice and copies the cache for its readers)
+        at = (
+            jnp.arange(x.shape[0])[:, None, None],
+            jnp.arange(k.shape[2])[None, :, None],
+            positions[:, None],
+        )
+        head_major = lambda x, cache: jnp.swapaxes(x, 1, 2).astype(cache.dtype)  # [B, KV, T, D]
         cache = cache | {
-            # [B, T] indices around the head axis: the update is k's own [B, T, KV, D]
-            "k": cache["k"].at[rows, :, positions].set(k.astype(cache["k"].dtype)),
-            "v": cache["v"].at[rows, :, positions].set(v.astype(cache["v"].dtype)),
+            "k": cache["k"].at[at].set(head_major(k, cache["k"])),
+            "v": cache["v"].at[at].set(head_major(v, cache["v"])),
         }
         view = kv_view(q, cache["k"], cache["v"])
         out, state = self.core.decode(view, cache, positions, scale=q.shape[-1] ** -0.5, prefill=prefill)

@@ -195,7 +195,7 @@ class MLA(nnx.Module):
             q=q,
             gate_q=q,
             length=cache["c"].shape[1],
-            full=lambda: prompt(cache["c"].shape[1]),
+            full=lambda: tuple(jnp.swapaxes(x, 1, 2) for x in prompt(cache["c"].shape[1])),  # one head
             prompt=prompt,
             fetch=fetch,
             gate_keys=lambda slots: rows(slots)[0],

@@ -29,19 +29,21 @@ def causal_segment_mask(segment_ids: jax.Array | None, q_len: int, kv_len: int) 
     return causal & same
 
 
-def masked_attention(q, k, v, mask, scale):
-    """Plain softmax attention, float32 softmax. q [B, T, Hq, D], k [B, S, Hkv, D], v [B, S, Hkv, Dv],
-    mask broadcastable to [B, Hq, T, S] (True = attend) -> [B, T, Hq, Dv] in q's dtype."""
+def masked_attention(q, k, v, mask, scale, *, heads_first: bool = False):
+    """Plain softmax attention, float32 softmax. q [B, T, Hq, D], k [B, S, Hkv, D], v [B, S, Hkv, Dv]
+    (`heads_first`: [B, Hkv, S, D|Dv], a decode cache's layout, read as it is), mask
+    broadcastable to [B, Hq, T, S] (True = attend) -> [B, T, Hq, Dv] in q's dtype."""
     b, t, hq, d = q.shape
-    hkv = k.shape[2]
+    hkv, s = (k.shape[1], k.shape[2]) if heads_first else (k.shape[2], k.shape[1])
+    kv = "bksd" if heads_first else "bskd"
     qg = q.reshape(b, t, hkv, hq // hkv, d)
-    logits = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
-    mask = jnp.broadcast_to(mask, (b, hq, t, k.shape[1])).reshape(b, hkv, hq // hkv, t, k.shape[1])
+    logits = jnp.einsum(f"btkgd,{kv}->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    mask = jnp.broadcast_to(mask, (b, hq, t, s)).reshape(b, hkv, hq // hkv, t, s)
     logits = jnp.where(mask, logits, -jnp.inf)
     # softmax normalised after the value product: divides [T, Dv] rather than [T, S] (the
     # downstream eval's decode shapes, BENCHMARKS.md); the max is held constant, as in jax.nn.softmax
     weights = jnp.exp(logits - jax.lax.stop_gradient(logits.max(-1, keepdims=True)))
-    out = jnp.einsum("bkgts,bskd->bkgtd", weights, v.astype(jnp.float32)) / weights.sum(-1, keepdims=True)
+    out = jnp.einsum(f"bkgts,{kv}->bkgtd", weights, v.astype(jnp.float32)) / weights.sum(-1, keepdims=True)
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, hq, v.shape[-1]).astype(q.dtype)
 
 

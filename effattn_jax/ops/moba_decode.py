@@ -31,8 +31,9 @@ class CacheView(NamedTuple):
     """A decode call's cache as a core reads it (after the new tokens were written).
 
     q: [B, T, Hq, D] the query that attends; gate_q: [B, T, Hq, Dg] the query that routes
-    (MHA: q itself); length: L cache slots; full(): (k [B, L, H, D], v [B, L, H, Dv]) every
-    slot (dense cores); prompt(T): the same for slots [0, T) (a prefill); fetch(starts
+    (MHA: q itself); length: L cache slots; full(): (k [B, H, L, D], v [B, H, L, Dv]) every
+    slot, head-major (dense cores); prompt(T): (k [B, T, H, D], v [B, T, H, Dv]) slots [0, T),
+    token-major (a prefill runs the training op over them); fetch(starts
     [B, T, Hq, nb], size): (k, v) [B, T, Hq, nb, size, D|Dv], each query head's blocks from
     its own KV head; gate_keys(slots [B, N]): [B, N, Hg, Dg] the keys the gate averages;
     caches: the raw head-major (k, v) [B, Hkv, L, D|Dv] where the cache is plain K/V (what a
@@ -58,7 +59,7 @@ def kv_view(q, k_cache, v_cache) -> CacheView:
         q=q,
         gate_q=q,
         length=k_cache.shape[2],
-        full=lambda: (token_major(k_cache), token_major(v_cache)),
+        full=lambda: (k_cache, v_cache),
         prompt=lambda t: (token_major(k_cache[:, :, :t]), token_major(v_cache[:, :, :t])),
         fetch=lambda starts, size: (head_blocks(k_cache, starts, size), head_blocks(v_cache, starts, size)),
         gate_keys=lambda slots: token_major(take_slots(k_cache, slots, axis=2)),
