@@ -128,10 +128,14 @@ class MLA(nnx.Module):
         )
 
     def write_cache(self, cache, rows, positions, c, kr):
-        return cache | {
-            "c": cache["c"].at[rows, positions].set(c.astype(cache["c"].dtype)),
-            "kr": cache["kr"].at[rows, positions].set(kr.astype(cache["kr"].dtype)),
-        }
+        # every axis indexed (the width too), so the write stays an in-place scatter: XLA CPU
+        # turns a row scatter at batch 1 into a dynamic-update-slice and copies the cache for
+        # each of its readers
+        def write(a, x):
+            width = jnp.arange(a.shape[-1])[None, None, :]
+            return a.at[rows[..., None], positions[..., None], width].set(x.astype(a.dtype))
+
+        return cache | {"c": write(cache["c"], c), "kr": write(cache["kr"], kr)}
 
     def absorbed_latent(self, cache):
         """The latent that attention can run over with absorbed weights [B, L, d]; None if impossible."""
