@@ -14,8 +14,8 @@ token ids) are reported on their own line. Also reports the parameter split,
 with EG-MLA's gate tables apart.
 
 decode-latency: ms per generated token, batch 1, greedy, at each context length:
-the decode step (compiled once per model) runs at position `context` over a
-cache filled synthetically with random entries (a real prefill of 16K tokens
+the decode step (compiled once per model, cache donated as generation donates it) runs at
+position `context` over a cache filled synthetically with random entries (a real prefill of 16K tokens
 is far too slow on a CPU); median of repeated runs after a warm-up. Without
 --config it compares the paper models: MHA, MLA, EG-MLA emb256 with the gate at
 the heads and at the latent, plus MLA decoding naively (no weight absorption).
@@ -105,10 +105,13 @@ def _variants(configs, extra):
 
 def compiled_decode_step(cfg, context: int, *, absorb: bool):
     """(compiled decode step, its arguments): one new token at position `context` over a cache
-    of `context` earlier tokens filled with random entries (batch 1)."""
+    of `context` earlier tokens filled with random entries (batch 1). The step returns (logits,
+    cache) and donates the cache, as generation does (else each step would copy it)."""
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model)
-    step = jax.jit(lambda p, t, pos, c: nnx.merge(graphdef, p).decode(t, pos, c, absorb=absorb)[0])
+    step = jax.jit(
+        lambda p, t, pos, c: nnx.merge(graphdef, p).decode(t, pos, c, absorb=absorb), donate_argnums=3
+    )
     caches = synthetic_caches(model, 1, context + 1, jnp.dtype(cfg.model.dtype), seed=context)
     args = (params, jnp.ones((1, 1), jnp.int32), jnp.full((1, 1), context, jnp.int32), caches)
     return step.lower(*args).compile(), args
@@ -141,13 +144,14 @@ def decode_latency(cfg, contexts: list[int], *, absorb: bool, repeats: int = 5) 
     """Median ms per decode step at each context length (synthetic cache, batch 1)."""
     out = {}
     for ctx in contexts:
-        step, args = compiled_decode_step(cfg, ctx, absorb=absorb)
-        jax.block_until_ready(step(*args))  # warm up
+        step, (params, tokens, pos, caches) = compiled_decode_step(cfg, ctx, absorb=absorb)
         times = []
-        for _ in range(repeats):
+        for i in range(repeats + 1):  # the first warms up
             t = time.perf_counter()
-            jax.block_until_ready(step(*args))
-            times.append(time.perf_counter() - t)
+            logits, caches = step(params, tokens, pos, caches)  # each step writes the same slot
+            jax.block_until_ready(logits)
+            if i:
+                times.append(time.perf_counter() - t)
         out[ctx] = statistics.median(times) * 1e3
     return out
 
