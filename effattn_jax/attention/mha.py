@@ -68,11 +68,8 @@ class MHA(nnx.Module):
             jnp.arange(k.shape[2])[None, :, None],
             positions[:, None],
         )
-        head_major = lambda x, cache: jnp.swapaxes(x, 1, 2).astype(cache.dtype)  # [B, KV, T, D]
-        cache = cache | {
-            "k": cache["k"].at[at].set(head_major(k, cache["k"])),
-            "v": cache["v"].at[at].set(head_major(v, cache["v"])),
-        }
+        write = lambda a, new: a.at[at].set(jnp.swapaxes(new, 1, 2).astype(a.dtype))  # new as [B, KV, T, D]
+        cache = cache | {"k": write(cache["k"], k), "v": write(cache["v"], v)}
         view = kv_view(q, cache["k"], cache["v"])
         out, state = self.core.decode(view, cache, positions, scale=q.shape[-1] ** -0.5, prefill=prefill)
         return self.o(out), cache | state

@@ -61,8 +61,8 @@ def _kernel(starts_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, o_ref, m_sc, l_sc, 
 
 def moba_decode_tpu(q, k_cache, v_cache, starts, lo, hi, size: int, scale: float, interpret=False):
     """q [B, Hq, D] (one new token per row), head-major caches [B, Hkv, L, D|Dv], tables
-    [B, Hq, blocks] -> [B, Hq, Dv] in q's dtype. Needs `fits(L, size)`. `interpret`: True, or
-    "tpu" for the TPU interpreter."""
+    [B, Hq, blocks] -> [B, Hq, Dv] in q's dtype (q is rounded to the cache's dtype for the MXU).
+    Needs `fits(L, size)`. `interpret`: True, or "tpu" for the TPU interpreter."""
     b, hq, d = q.shape
     hkv, length, dv = v_cache.shape[1:]
     blocks = starts.shape[-1]
@@ -94,7 +94,7 @@ def moba_decode_tpu(q, k_cache, v_cache, starts, lo, hi, size: int, scale: float
                 pltpu.VMEM((1, dv), jnp.float32),
             ],
         ),
-        out_shape=jax.ShapeDtypeStruct((b, hq, 1, dv), q.dtype),
+        out_shape=jax.ShapeDtypeStruct((b, hq, 1, dv), jnp.float32),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=pltpu.InterpretParams() if interpret == "tpu" else bool(interpret),
         name="moba_decode_tpu",
@@ -103,5 +103,5 @@ def moba_decode_tpu(q, k_cache, v_cache, starts, lo, hi, size: int, scale: float
             transcendentals=b * hq * blocks * size,
             bytes_accessed=b * hq * blocks * size * (d + dv) * k_cache.dtype.itemsize,
         ),
-    )(starts, lo, hi, q[:, :, None], k_cache, v_cache)
-    return out[:, :, 0]
+    )(starts, lo, hi, q[:, :, None].astype(k_cache.dtype), k_cache, v_cache)
+    return out[:, :, 0].astype(q.dtype)
