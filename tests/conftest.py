@@ -141,3 +141,18 @@ def jaxpr_outputs(jaxpr):
                 sub = getattr(sub, "jaxpr", sub)
                 if hasattr(sub, "eqns"):
                     yield from jaxpr_outputs(sub)
+
+
+def v5e_arg():
+    """A maker of abstract arguments placed on one chip of a v5e:2x2 slice, `arg(shape,
+    dtype=bf16)`, for Mosaic lowering plus a libtpu ahead-of-time compile (no TPU needed);
+    skips the test where libtpu (the `tpu` extra) is not installed."""
+    import jax
+    import jax.numpy as jnp
+
+    topologies = pytest.importorskip("jax.experimental.topologies")
+    pytest.importorskip("libtpu", reason="libtpu (the `tpu` extra) is not installed")
+    topo = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2")
+    mesh = jax.sharding.Mesh(np.array(topo.devices[:1]), ("x",))
+    place = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype, sharding=place)

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import v5e_arg
 
 from effattn_jax.ops.dense import dense_attention, resolve_dense_impl, splash_attention
 
@@ -50,14 +51,8 @@ def test_splash_matches_xla_forward_and_gradients():
 def test_splash_compiles_for_a_real_tpu():
     """Mosaic lowering and a libtpu compile (no TPU needed) of forward + backward through the
     dispatch, bf16, head dim 128, 4 query heads on 2 KV heads, packed documents."""
-    topologies = pytest.importorskip("jax.experimental.topologies")
-    pytest.importorskip("libtpu", reason="libtpu (the `tpu` extra) is not installed")
-    topo = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2")
-    mesh = jax.sharding.Mesh(np.array(topo.devices[:1]), ("x",))
-    place = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    q = jax.ShapeDtypeStruct((1, 1024, 4, 128), jnp.bfloat16, sharding=place)
-    kv = jax.ShapeDtypeStruct((1, 1024, 2, 128), jnp.bfloat16, sharding=place)
-    seg = jax.ShapeDtypeStruct((1, 1024), jnp.int32, sharding=place)
+    arg = v5e_arg()
+    q, kv, seg = arg((1, 1024, 4, 128)), arg((1, 1024, 2, 128)), arg((1, 1024), jnp.int32)
 
     def loss(q, k, v, seg):
         return dense_attention(q, k, v, segment_ids=seg, impl="splash").astype(jnp.float32).sum()

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TINY_MLA
+from conftest import TINY_MLA, v5e_arg
 from flax import nnx
 
 from effattn_jax.config import load_config
@@ -60,12 +60,7 @@ def test_kernel_tiles_equal_xla(kernel, interpret):
 def test_kernel_compiles_for_a_real_tpu():
     """Mosaic lowering and a libtpu compile (no TPU needed): bf16, 12 heads, MLA-Base's latent
     width 256 with a 64-wide RoPE key, a cache length that is not a multiple of the tile."""
-    topologies = pytest.importorskip("jax.experimental.topologies")
-    pytest.importorskip("libtpu", reason="libtpu (the `tpu` extra) is not installed")
-    topo = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2")
-    mesh = jax.sharding.Mesh(np.array(topo.devices[:1]), ("x",))
-    place = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    arg = lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype, sharding=place)
+    arg = v5e_arg()
     step = jax.jit(lambda ql, qr, lat, kr, lens: mla_decode_tpu(ql, qr, lat, kr, lens, 0.1))
     lowered = step.lower(
         arg((2, 12, 256)), arg((2, 12, 64)), arg((2, 4100, 256)), arg((2, 4100, 64)), arg((2,), jnp.int32)

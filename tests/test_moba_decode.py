@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TINY_MLA, jaxpr_outputs
+from conftest import TINY_MLA, jaxpr_outputs, v5e_arg
 from flax import nnx
 
 from effattn_jax.config import load_config
@@ -160,14 +160,9 @@ def test_tpu_decode_kernel_matches_xla(length, block, interpret):
 def test_tpu_decode_kernel_compiles_for_a_real_tpu():
     """Mosaic lowering and a libtpu compile (no TPU needed): bf16, 12 query heads on 4 KV heads
     (head dim 64 and 128), block 512 over a 4,096-slot cache."""
-    topologies = pytest.importorskip("jax.experimental.topologies")
-    pytest.importorskip("libtpu", reason="libtpu (the `tpu` extra) is not installed")
     from pallas_kernels.moba.tpu_decode import moba_decode_tpu
 
-    topo = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2")
-    mesh = jax.sharding.Mesh(np.array(topo.devices[:1]), ("x",))
-    place = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    arg = lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype, sharding=place)
+    arg = v5e_arg()
     step = jax.jit(lambda q, k, v, *tables: moba_decode_tpu(q, k, v, *tables, 512, 0.125))
     for d in (64, 128):
         cache = arg((2, 4, 4096, d))

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import random_batch, tiny_overrides
+from conftest import random_batch, tiny_overrides, v5e_arg
 from test_moba import rand_qkv, segments
 
 from effattn_jax.config import load_config
@@ -195,15 +195,7 @@ def test_tpu_kernels_compile_for_a_real_tpu(seq):
     """Mosaic lowering and libtpu compile (no TPU needed): forward + backward, bf16, the
     benchmark's head dim and block, with q/K/V read in place (S a multiple of the block) and
     through head-major copies; the full benchmark shapes are in eval/aot_compile.py."""
-    topologies = pytest.importorskip("jax.experimental.topologies")
-    pytest.importorskip("libtpu", reason="libtpu (the `tpu` extra) is not installed")
-    topo = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2")
-    mesh = jax.sharding.Mesh(np.array(topo.devices[:1]), ("x",))
-    x = jax.ShapeDtypeStruct(
-        (1, seq, 2, 128),
-        jnp.bfloat16,
-        sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()),
-    )
+    x = v5e_arg()((1, seq, 2, 128))
     lowered = _moba_grad_fn("tpu", BlockSizes(), seq, 128).lower(x, x, x)
     # own block and selected blocks: a forward and one fused backward each
     assert lowered.as_text().count("tpu_custom_call") == 4
