@@ -15,8 +15,8 @@ with EG-MLA's gate tables apart.
 
 decode-latency: ms per generated token, batch 1, greedy, at each context length:
 the decode step (compiled once per model, cache donated as generation donates it) runs at
-position `context` over a cache filled synthetically with random entries (a real prefill of 16K tokens
-is far too slow on a CPU); median of repeated runs after a warm-up. Without
+position `context` over a cache filled synthetically with random entries (a real prefill of
+16K tokens is far too slow on a CPU); median of repeated runs after a warm-up. Without
 --config it compares the paper models: MHA, MLA, EG-MLA emb256 with the gate at
 the heads and at the latent, plus MLA decoding naively (no weight absorption).
 
