@@ -18,7 +18,7 @@ from effattn_jax.sharding import make_mesh
 from effattn_jax.train.state import init_state, make_setup
 from effattn_jax.train.step import make_train_step
 from pallas_kernels.moba.attention import _forward, _layout, moba_pallas, padded_length
-from pallas_kernels.moba.common import ALIGN, BlockSizes, past_tiles
+from pallas_kernels.moba.common import ALIGN, BlockSizes, past_tiles, prefix_scan
 
 SMALL = BlockSizes(q_tile=8, kv_block=8, past_q_tile=8)  # groups of several tiles: dK/dV accumulate
 CASES = {
@@ -42,7 +42,7 @@ def check_against_reference(kernel, interpret, b, s, hq, hkv, c, top_k, lengths,
         q, k, v, block_size=c, top_k=top_k, segment_ids=seg, impl="reference"
     )
     # forward output and log-sum-exp
-    out, lse = jax.jit(
+    out, lse, _ = jax.jit(
         lambda q, k, v: _forward(
             q,
             k,
@@ -96,6 +96,14 @@ def test_kernels_take_bfloat16(kernel):
     for a, e in zip(grads, jax.grad(loss(ref), argnums=(0, 1, 2))(*f32), strict=True):
         assert a.dtype == jnp.bfloat16
         np.testing.assert_allclose(a.astype(jnp.float32), e, atol=3e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("n", [1, 100, 128, 129, 5000])
+def test_prefix_scan_equals_cumsum_and_cummax(n):
+    x = np.random.default_rng(n).integers(-50, 50, n).astype(np.int32)
+    np.testing.assert_array_equal(prefix_scan(jnp.asarray(x), jnp.add, 0), np.cumsum(x))
+    low = np.iinfo(np.int32).min
+    np.testing.assert_array_equal(prefix_scan(jnp.asarray(x), jnp.maximum, low), np.maximum.accumulate(x))
 
 
 @pytest.mark.parametrize("s", [6, 100, 512, 1000])
@@ -197,8 +205,15 @@ def test_tpu_kernels_compile_for_a_real_tpu(seq):
     through head-major copies; the full benchmark shapes are in eval/aot_compile.py."""
     x = v5e_arg()((1, seq, 2, 128))
     lowered = _moba_grad_fn("tpu", BlockSizes(), seq, 128).lower(x, x, x)
+    text = lowered.as_text()
     # own block and selected blocks: a forward and one fused backward each
-    assert lowered.as_text().count("tpu_custom_call") == 4
+    assert text.count("tpu_custom_call") == 4
+    # what libtpu compiles slowly: the backward reuses the forward's sort of the pairs, and no
+    # scan over the pairs (2,048 here) is a reduce_window (common.prefix_scan); those left scan
+    # the groups and chunks
+    assert text.count("stablehlo.sort") == 1
+    windows = re.findall(r"window_dimensions = array<i64: ([\d, ]+)>", text)
+    assert max(int(w) for dims in windows for w in dims.split(",")) < 128
     cost = lowered.compile().cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     # the kernels' CostEstimates reach XLA: at least a causal forward's matmuls (every query sees

@@ -204,7 +204,7 @@ def _forward(q, k, v, own_start, past_start, *, block_size, scale, backend, inte
         l_parts += _selections(past, lse_p, -jnp.inf, (b, s, hq))
     lse = jax.nn.logsumexp(jnp.stack(l_parts), axis=0)  # [B, S, Hq]; every query sees itself: finite
     out = sum(jnp.exp(l - lse)[..., None] * o for l, o in zip(l_parts, o_parts, strict=True))
-    return out, lse
+    return out, lse, past
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
@@ -216,7 +216,7 @@ def moba_pallas(q, k, v, own_start, past_start, block_size, scale, backend, inte
 def _fwd(q, k, v, own_start, past_start, block_size, scale, backend, interpret, block_sizes):
     if not interpret:
         block_sizes.check_backend(backend, block_size)
-    out, lse = _forward(
+    out, lse, past = _forward(
         q,
         k,
         v,
@@ -228,9 +228,10 @@ def _fwd(q, k, v, own_start, past_start, block_size, scale, backend, interpret, 
         interpret=interpret,
         block_sizes=block_sizes,
     )
-    # the rounded output is also the residual: delta = rowsum(dO * O), as in flash attention
+    # the rounded output is also the residual: delta = rowsum(dO * O), as in flash attention; the
+    # schedule too, so the backward does not sort the pairs again (a sort is slow to compile on TPU)
     out = out.astype(q.dtype)
-    return out, (q, k, v, own_start, past_start, out, lse)
+    return out, (q, k, v, own_start, past, out, lse)
 
 
 def _own_tpu_bwd(q, lay: _Layout, own_start, d_out, lse, delta, *, block_size, scale, interpret):
@@ -321,11 +322,10 @@ def _key_grads(own_grad, group_grad, group, window_start):
 def _bwd(block_size, scale, backend, interpret, block_sizes, res, d_out):
     """Each part's kernels give its gradients; every final gradient is then one fused pass that
     gathers its parts (no zero-filled float32 arrays, scatter-adds or separate casts)."""
-    q, k, v, own_start, past_start, out, lse = res
+    q, k, v, own_start, past, out, lse = res
     b, s, hq, d = q.shape
     hkv = k.shape[2]
     qf, lay = _layout(q, k, v, block_sizes, block_size, backend)
-    past = _past_schedule(past_start, hkv=hkv, block_size=block_size, bs=block_sizes)
     do = d_out.astype(jnp.float32)
     delta = jnp.sum(do * out.astype(jnp.float32), axis=-1).reshape(-1)  # [B*S*Hq]
     own_bwd = _own_tpu_bwd if backend == "tpu" else functools.partial(_own_gpu_bwd, block_sizes=block_sizes)

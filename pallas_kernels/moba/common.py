@@ -86,6 +86,29 @@ class BlockSizes:
 # ---------------------------------------------------------------- the tile schedule
 
 
+def prefix_scan(x: jax.Array, op, identity, width: int = 128) -> jax.Array:
+    """Inclusive prefix of a 1-D array under `op` (jnp.add, jnp.maximum) with its `identity`.
+
+    Rows of `width` are scanned by log-step shifts, then the row totals the same way. Why not
+    jnp.cumsum / lax.cummax: libtpu compiles those (a reduce_window) over a long array in
+    minutes (v5p, 917K int32: 73 s and 116 s; this, about 3 s), which was most of a MoBA
+    dry run's compile (BENCHMARKS.md)."""
+
+    def shifts(y):  # Hillis-Steele along the last axis
+        step, n = 1, y.shape[-1]
+        while step < n:
+            pad = [(0, 0)] * (y.ndim - 1) + [(step, 0)]
+            y = op(y, jnp.pad(y, pad, constant_values=identity)[..., :n])
+            step *= 2
+        return y
+
+    n = x.shape[0]
+    rows = -(-n // width)
+    y = shifts(jnp.pad(x, (0, rows * width - n), constant_values=identity).reshape(rows, width))
+    before = jnp.pad(shifts(y[:, -1]), (1, 0), constant_values=identity)[:-1]  # total of earlier rows
+    return op(y, before[:, None]).reshape(-1)[:n]
+
+
 class Tiles(NamedTuple):
     """rows [T, Qt]: flat query index (b * S + t) * Hq + h of each tile row, -1 = padding.
     kv_row [T]: b * Hkv + kv head; key_start [T]: first key position the tile may see;
@@ -146,9 +169,9 @@ def _sort_pairs_by_block(pairs: _Pairs, *, seq_len: int, num_q_heads: int, num_k
     sorted_key = key[order]
     real = sorted_key != unused
     starts_group = real & jnp.concatenate([jnp.ones((1,), bool), sorted_key[1:] != sorted_key[:-1]])
-    group = jnp.cumsum(starts_group) - 1
+    group = prefix_scan(starts_group.astype(jnp.int32), jnp.add, 0) - 1
     pos = jnp.arange(key.shape[0], dtype=jnp.int32)
-    rank = pos - jax.lax.cummax(jnp.where(starts_group, pos, 0))
+    rank = pos - prefix_scan(jnp.where(starts_group, pos, 0), jnp.maximum, 0)
     return _SortedPairs(order, group, rank, real)
 
 
