@@ -19,6 +19,12 @@ from effattn_jax.config import Config
 from effattn_jax.layers import RMSNorm, SwiGLU, param
 from effattn_jax.ops.segments import segment_positions
 from effattn_jax.sharding import constrain, sharding_rules
+from pallas_kernels.moba.common import SCHEDULE_NAME
+
+# Remat recomputes a layer's activations in the backward but keeps MoBA's routing tables and
+# schedule (small int arrays, no gradient): rebuilding them adds a sort, scatters and gathers
+# to the program, which libtpu compiles slowly (BENCHMARKS.md, dry runs).
+REMAT_POLICY = jax.checkpoint_policies.save_only_these_names(SCHEDULE_NAME)
 
 
 class Block(nnx.Module):
@@ -98,7 +104,7 @@ def _scan(graphdef, layers, x, args, remat: bool):
     def body(x, layer):
         return nnx.merge(graphdef, layer)(x, *args), None
 
-    return jax.lax.scan(jax.checkpoint(body) if remat else body, x, layers)[0]
+    return jax.lax.scan(jax.checkpoint(body, policy=REMAT_POLICY) if remat else body, x, layers)[0]
 
 
 class Transformer(nnx.Module):
@@ -153,7 +159,7 @@ class Transformer(nnx.Module):
             return block(x, positions, segment_ids, tokens)
 
         if self.remat:
-            run = nnx.remat(run)
+            run = nnx.remat(run, policy=REMAT_POLICY)
         for block in self.blocks:
             x = run(block, x)
         return x

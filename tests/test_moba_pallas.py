@@ -17,7 +17,7 @@ from effattn_jax.ops.routing import moba_routing
 from effattn_jax.sharding import make_mesh
 from effattn_jax.train.state import init_state, make_setup
 from effattn_jax.train.step import make_train_step
-from pallas_kernels.moba.attention import _forward, _layout, moba_pallas, padded_length
+from pallas_kernels.moba.attention import _forward, _layout, _past_schedule, moba_pallas, padded_length
 from pallas_kernels.moba.common import ALIGN, BlockSizes, past_tiles, prefix_scan
 
 SMALL = BlockSizes(q_tile=8, kv_block=8, past_q_tile=8)  # groups of several tiles: dK/dV accumulate
@@ -42,13 +42,14 @@ def check_against_reference(kernel, interpret, b, s, hq, hkv, c, top_k, lengths,
         q, k, v, block_size=c, top_k=top_k, segment_ids=seg, impl="reference"
     )
     # forward output and log-sum-exp
-    out, lse, _ = jax.jit(
+    past = _past_schedule(r.past_start, hkv=hkv, block_size=c, bs=block_sizes)
+    out, lse = jax.jit(
         lambda q, k, v: _forward(
             q,
             k,
             v,
             r.own_start,
-            r.past_start,
+            past,
             block_size=c,
             scale=d**-0.5,
             backend=kernel,

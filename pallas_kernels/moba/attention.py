@@ -23,8 +23,9 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
-from pallas_kernels.moba.common import ALIGN, BACKENDS, BlockSizes, past_tiles
+from pallas_kernels.moba.common import ALIGN, BACKENDS, SCHEDULE_NAME, BlockSizes, past_tiles
 
 
 def _kernels(backend: str, part: str):
@@ -164,11 +165,10 @@ def _own_gpu_fwd(q, lay: _Layout, own_start, *, block_size, scale, interpret, bl
     return _unheads(o, b, s), _unheads(lse[..., 0], b, s)
 
 
-def _forward(q, k, v, own_start, past_start, *, block_size, scale, backend, interpret, block_sizes):
+def _forward(q, k, v, own_start, past, *, block_size, scale, backend, interpret, block_sizes):
+    """past: the selected blocks' schedule (common.PastTiles), None when top_k = 1."""
     b, s, hq, _ = q.shape
-    hkv = k.shape[2]
     qf, lay = _layout(q, k, v, block_sizes, block_size, backend)
-    past = _past_schedule(past_start, hkv=hkv, block_size=block_size, bs=block_sizes)
     if backend == "tpu":
         o_own, lse_own = _own_tpu_fwd(
             q, lay, own_start, block_size=block_size, scale=scale, interpret=interpret
@@ -204,32 +204,43 @@ def _forward(q, k, v, own_start, past_start, *, block_size, scale, backend, inte
         l_parts += _selections(past, lse_p, -jnp.inf, (b, s, hq))
     lse = jax.nn.logsumexp(jnp.stack(l_parts), axis=0)  # [B, S, Hq]; every query sees itself: finite
     out = sum(jnp.exp(l - lse)[..., None] * o for l, o in zip(l_parts, o_parts, strict=True))
-    return out, lse, past
+    return out, lse
+
+
+def moba_pallas(q, k, v, own_start, past_start, block_size, scale, backend, interpret, block_sizes):
+    """MoBA attention from a routing (own_start [B, S], past_start [B, S, Hq, K']) -> [B, S, Hq, Dv].
+
+    The selected blocks' schedule is built here, outside the custom_vjp, and named
+    SCHEDULE_NAME (jax.checkpoint_name) with own_start: the backward takes it as it is, and a
+    remat policy that saves the name (the model's) does not build it again when it recomputes
+    the forward. The schedule is integers (no gradient), and its sort, scatters and gathers
+    are slow to compile on TPU (BENCHMARKS.md)."""
+    past = _past_schedule(past_start, hkv=k.shape[2], block_size=block_size, bs=block_sizes)
+    own_start, past = checkpoint_name((own_start, past), SCHEDULE_NAME)
+    return _scheduled(q, k, v, own_start, past, block_size, scale, backend, interpret, block_sizes)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
-def moba_pallas(q, k, v, own_start, past_start, block_size, scale, backend, interpret, block_sizes):
-    """MoBA attention from a routing (own_start [B, S], past_start [B, S, Hq, K']) -> [B, S, Hq, Dv]."""
-    return _fwd(q, k, v, own_start, past_start, block_size, scale, backend, interpret, block_sizes)[0]
+def _scheduled(q, k, v, own_start, past, block_size, scale, backend, interpret, block_sizes):
+    return _fwd(q, k, v, own_start, past, block_size, scale, backend, interpret, block_sizes)[0]
 
 
-def _fwd(q, k, v, own_start, past_start, block_size, scale, backend, interpret, block_sizes):
+def _fwd(q, k, v, own_start, past, block_size, scale, backend, interpret, block_sizes):
     if not interpret:
         block_sizes.check_backend(backend, block_size)
-    out, lse, past = _forward(
+    out, lse = _forward(
         q,
         k,
         v,
         own_start,
-        past_start,
+        past,
         block_size=block_size,
         scale=scale,
         backend=backend,
         interpret=interpret,
         block_sizes=block_sizes,
     )
-    # the rounded output is also the residual: delta = rowsum(dO * O), as in flash attention; the
-    # schedule too, so the backward does not sort the pairs again (a sort is slow to compile on TPU)
+    # the rounded output is also the residual: delta = rowsum(dO * O), as in flash attention
     out = out.astype(q.dtype)
     return out, (q, k, v, own_start, past, out, lse)
 
@@ -362,4 +373,4 @@ def _bwd(block_size, scale, backend, interpret, block_sizes, res, d_out):
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 
-moba_pallas.defvjp(_fwd, _bwd)
+_scheduled.defvjp(_fwd, _bwd)

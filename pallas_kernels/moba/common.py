@@ -27,6 +27,7 @@ TN = (((0,), (0,)), ((), ()))  # ... and for a.T @ b
 
 BACKENDS = ("tpu", "gpu")
 ALIGN = 32  # whole-block kernels' window starts: multiples of the sublane tile of any dtype down to 8 bits
+SCHEDULE_NAME = "moba_schedule"  # jax.checkpoint_name of the routing tables and schedule (ints)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +144,7 @@ class _Pairs(NamedTuple):
 
 class _SortedPairs(NamedTuple):
     order: jax.Array  # [P] pair index at each sorted position
+    key: jax.Array  # [P] (b * Hkv + KV head) * S + block start at each sorted position
     group: jax.Array  # [P] index of the (b, h, block) group at each sorted position
     rank: jax.Array  # [P] position inside its group
     real: jax.Array  # [P] the sorted position holds a real selection
@@ -150,7 +152,7 @@ class _SortedPairs(NamedTuple):
 
 def _flat_pairs(past_start: jax.Array) -> _Pairs:
     """Slot-major, so per-slot tables come out as [K', B*S*Hq] without a transpose (an
-    [N, K'] int array pads K' to 128 lanes on TPU)."""
+    [N, K'] int array pads K' to 128 lanes on TPU). Pair p is query row p % (B*S*Hq)."""
     b, s, hq, kp = past_start.shape
     n = b * s * hq
     idx = jnp.arange(kp * n, dtype=jnp.int32) % n
@@ -165,79 +167,78 @@ def _sort_pairs_by_block(pairs: _Pairs, *, seq_len: int, num_q_heads: int, num_k
     kv_head = pairs.head // (num_q_heads // num_kv_heads)
     key = (pairs.batch * num_kv_heads + kv_head) * seq_len + pairs.block_start
     key = jnp.where(pairs.block_start >= 0, key, unused)
-    order = jnp.argsort(key, stable=True).astype(jnp.int32)
-    sorted_key = key[order]
-    real = sorted_key != unused
-    starts_group = real & jnp.concatenate([jnp.ones((1,), bool), sorted_key[1:] != sorted_key[:-1]])
-    group = prefix_scan(starts_group.astype(jnp.int32), jnp.add, 0) - 1
     pos = jnp.arange(key.shape[0], dtype=jnp.int32)
+    key, order = jax.lax.sort((key, pos), num_keys=1, is_stable=True)
+    real = key != unused
+    starts_group = real & jnp.concatenate([jnp.ones((1,), bool), key[1:] != key[:-1]])
+    group = prefix_scan(starts_group.astype(jnp.int32), jnp.add, 0) - 1
     rank = pos - prefix_scan(jnp.where(starts_group, pos, 0), jnp.maximum, 0)
-    return _SortedPairs(order, group, rank, real)
-
-
-def _assign_tiles(sorted_pairs: _SortedPairs, *, max_groups: int, num_tiles: int, q_tile: int):
-    """(tile, slot) of each sorted pair, and tiles per group: every group gets
-    ceil(size / q_tile) consecutive tiles; unused pairs go to tile `num_tiles` (one past the
-    end, dropped later)."""
-    group, rank, real = sorted_pairs.group, sorted_pairs.rank, sorted_pairs.real
-    group_size = jax.ops.segment_sum(
-        real.astype(jnp.int32), jnp.where(real, group, max_groups), max_groups + 1
-    )
-    group_tiles = -(-group_size[:-1] // q_tile)
-    group_first_tile = jnp.cumsum(group_tiles) - group_tiles
-    tile = group_first_tile[jnp.clip(group, 0, max_groups - 1)] + rank // q_tile
-    return jnp.where(real, tile, num_tiles), rank % q_tile, group_tiles
+    return _SortedPairs(order, key, group, rank, real)
 
 
 def past_tiles(past_start: jax.Array, *, num_kv_heads: int, block_size: int, q_tile: int) -> PastTiles:
-    """Schedule for the selected earlier blocks. past_start [B, S, Hq, K'] (-1 = unused)."""
+    """Schedule for the selected earlier blocks. past_start [B, S, Hq, K'] (-1 = unused).
+
+    Every group gets ceil(size / q_tile) consecutive tiles, its pairs in sorted order. The
+    tables are built by scatters from the sorted pairs and by scans over the groups and tiles:
+    one P-long sort, scatter and gather fewer than a pair-to-tile table needs (libtpu compiles
+    each in seconds)."""
     b, s, hq, kp = past_start.shape
     pairs = _flat_pairs(past_start)
     num_pairs = pairs.block_start.shape[0]
     max_groups = max(b * num_kv_heads * (s // block_size), 1)  # (batch, KV head, full block) groups
     num_tiles = -(-num_pairs // q_tile) + max_groups  # static bound: each group wastes < 1 tile
-    sorted_pairs = _sort_pairs_by_block(pairs, seq_len=s, num_q_heads=hq, num_kv_heads=num_kv_heads)
-    tile, slot, group_tiles = _assign_tiles(
-        sorted_pairs, max_groups=max_groups, num_tiles=num_tiles, q_tile=q_tile
-    )
+    sp = _sort_pairs_by_block(pairs, seq_len=s, num_q_heads=hq, num_kv_heads=num_kv_heads)
 
-    # Tables: which pair sits in each (tile, slot); a tile's block and KV row come from any of its
-    # pairs; padding tiles (after the real ones) repeat the last real tile's, so a kernel's
-    # block index does not change on them (no copy).
-    order = sorted_pairs.order
-    pair_of = jnp.full((num_tiles + 1, q_tile), -1, jnp.int32).at[tile, slot].set(order)[:-1]  # [T, Qt]
-    real_slot = pair_of >= 0
-    last_real = jnp.maximum(jnp.sum(group_tiles) - 1, 0)
-    some_pair = jnp.maximum(jnp.max(pair_of, axis=1), 0)
-    some_pair = some_pair[jnp.minimum(jnp.arange(num_tiles), last_real)]
-    start = jnp.maximum(pairs.block_start[some_pair], 0)
-    flat_row = (pairs.batch * s + pairs.query) * hq + pairs.head
-    rows = jnp.where(real_slot, flat_row[jnp.maximum(pair_of, 0)], -1)
+    # Groups: sizes, tiles, first tile, and (KV row, block start) from the group's first pair.
+    group_size = jax.ops.segment_sum(
+        sp.real.astype(jnp.int32), jnp.where(sp.real, sp.group, max_groups), max_groups + 1
+    )[:-1]
+    group_tiles = -(-group_size // q_tile)
+    used = group_tiles > 0
+    first_tile = prefix_scan(group_tiles, jnp.add, 0) - group_tiles
+    first_key = sp.key[jnp.minimum(prefix_scan(group_size, jnp.add, 0) - group_size, num_pairs - 1)]
+    group_kv_row = jnp.where(used, first_key // s, 0)
+    group_start = jnp.where(used, first_key % s, 0)
+
+    # Each sorted pair's tile row; unused pairs go one past the last row (dropped, or clipped).
+    dest = first_tile[jnp.clip(sp.group, 0, max_groups - 1)] * q_tile + sp.rank
+    dest = jnp.where(sp.real, dest, num_tiles * q_tile)
+    rows = jnp.full((num_tiles * q_tile,), -1, jnp.int32).at[dest].set(sp.order % (b * s * hq), mode="drop")
+    rows = rows.reshape(num_tiles, q_tile)
+    pair_row = jnp.zeros((num_pairs,), jnp.int32).at[sp.order].set(jnp.minimum(dest, num_tiles * q_tile - 1))
+
+    # Tiles: their group (G on padding tiles), by marking each used group's first tile and
+    # carrying it forward; padding tiles repeat the last real tile's block and KV row, so a
+    # kernel's block index does not change on them (no copy).
+    tile = jnp.arange(num_tiles, dtype=jnp.int32)
+    marks = (
+        jnp.zeros((num_tiles,), jnp.int32)
+        .at[jnp.where(used, first_tile, num_tiles)]
+        .set(jnp.arange(max_groups, dtype=jnp.int32), mode="drop")
+    )
+    total_tiles = jnp.sum(group_tiles)
+    tile_group = prefix_scan(marks, jnp.maximum, 0)
+    last_group = tile_group[jnp.maximum(total_tiles - 1, 0)]
+    group_of_tile = jnp.where(tile < total_tiles, tile_group, last_group)
+    tile_group = jnp.where(tile < total_tiles, tile_group, max_groups)
+    start = group_start[group_of_tile]
+    kv_row = group_kv_row[group_of_tile]
+    real_slot = rows >= 0
     lo = jnp.where(real_slot, start[:, None], 1)
     hi = jnp.where(real_slot, start[:, None] + block_size - 1, 0)
-    kv_row = pairs.batch[some_pair] * num_kv_heads + pairs.head[some_pair] // (hq // num_kv_heads)
-
-    # Where each pair (in its original order) landed.
-    sorted_position = jnp.zeros((num_pairs,), jnp.int32).at[order].set(jnp.arange(num_pairs, dtype=jnp.int32))
-    pair_tile = jnp.clip(tile[sorted_position], 0, num_tiles - 1)
-    pair_row = (pair_tile * q_tile + slot[sorted_position]).reshape(kp, -1)  # [K', B*S*Hq]
-
-    # Group tables, for kernels that accumulate dK/dV over a group's consecutive tiles.
-    ends = jnp.cumsum(group_tiles)
-    tile_group = jnp.searchsorted(ends, jnp.arange(num_tiles), side="right").astype(jnp.int32)  # G: padding
     group_first = jnp.concatenate(
         [jnp.ones((1,), jnp.int32), (tile_group[1:] != tile_group[:-1]).astype(jnp.int32)]
     )
-    first_tile = jnp.minimum(ends - group_tiles, num_tiles - 1)
     return PastTiles(
         Tiles(rows, kv_row, start, lo, hi),
-        pair_row,
+        pair_row.reshape(kp, -1),
         (pairs.block_start >= 0).reshape(kp, -1),
         tile_group,
         group_first,
         group_tiles,
-        kv_row[first_tile],
-        start[first_tile],
+        group_kv_row,
+        group_start,
     )
 
 
