@@ -53,7 +53,7 @@ class ModelConfig:
     norm_eps: float = 1e-6
     init_std: float = 0.02
     dtype: str = "float32"  # compute dtype; parameters stay float32
-    remat: bool = False  # rematerialise each block's activations in backward
+    remat: bool = False  # rematerialise each block's activations in backward (MoBA keeps its schedule)
     # stack the layers' parameters and run them with one scan (fast compiles for deep models; a
     # different parameter tree, so a run keeps the value it started with)
     scan_layers: bool = False

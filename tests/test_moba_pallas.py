@@ -2,6 +2,7 @@
 real TPU lowering (ahead-of-time compile with libtpu), GPU lowering (jax.export for
 CUDA), and the kernels inside a sharded train step."""
 
+import functools
 import re
 
 import jax
@@ -12,6 +13,7 @@ from conftest import random_batch, tiny_overrides, v5e_arg
 from test_moba import rand_qkv, segments
 
 from effattn_jax.config import load_config
+from effattn_jax.model import REMAT_POLICY
 from effattn_jax.ops.moba import moba_attention, moba_reference, moba_reference_mask, resolve_impl
 from effattn_jax.ops.routing import moba_routing
 from effattn_jax.sharding import make_mesh
@@ -190,13 +192,13 @@ def test_block_sizes_are_checked_and_impls_resolve():
     assert resolve_impl("pallas_gpu", "cpu") == ("pallas", "gpu", True)
 
 
-def _moba_grad_fn(kernel, block_sizes, s, d):
+def _moba_grad_fn(kernel, block_sizes, s, d, wrap=lambda loss: loss):
     def loss(q, k, v):
         r = moba_routing(q, k, block_size=512, top_k=3)
         out = moba_pallas(q, k, v, r.own_start, r.past_start, 512, d**-0.5, kernel, False, block_sizes)
         return out.astype(jnp.float32).sum()
 
-    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    return jax.jit(jax.grad(wrap(loss), argnums=(0, 1, 2)))
 
 
 @pytest.mark.parametrize("seq", [1024, 1000], ids=["lane_heads", "head_major"])
@@ -220,6 +222,19 @@ def test_tpu_kernels_compile_for_a_real_tpu(seq):
     # the kernels' CostEstimates reach XLA: at least a causal forward's matmuls (every query sees
     # its whole past at S = 2 blocks); without them XLA counts ~12 MFLOP here
     assert cost["flops"] >= 2 * 2 * seq * seq / 2 * 128 * 2
+
+
+def test_remat_keeps_the_schedule():
+    """Under the model's remat policy a layer's backward recomputes the forward but not the
+    named schedule: one sort of the pairs in the program (two with a save-nothing remat)."""
+    x = v5e_arg()((1, 1024, 2, 128))
+
+    def sorts(policy):
+        remat = functools.partial(jax.checkpoint, policy=policy)
+        lowered = _moba_grad_fn("tpu", BlockSizes(), 1024, 128, wrap=remat).lower(x, x, x)
+        return lowered.as_text().count("stablehlo.sort")
+
+    assert sorts(REMAT_POLICY) == 1 and sorts(None) == 2
 
 
 def test_gpu_kernels_lower_for_cuda():
