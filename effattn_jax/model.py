@@ -17,9 +17,9 @@ from flax import nnx
 from effattn_jax.attention import CORES, KINDS
 from effattn_jax.config import Config
 from effattn_jax.layers import RMSNorm, SwiGLU, param
+from effattn_jax.ops.moba import SCHEDULE_NAME
 from effattn_jax.ops.segments import segment_positions
 from effattn_jax.sharding import constrain, sharding_rules
-from pallas_kernels.moba.common import SCHEDULE_NAME
 
 # Remat recomputes a layer's activations in the backward but keeps MoBA's routing tables and
 # schedule (small int arrays, no gradient): rebuilding them adds a sort, scatters and gathers

@@ -20,6 +20,7 @@ from effattn_jax.ops.platform import target_backend
 from effattn_jax.ops.routing import Routing, moba_routing
 from effattn_jax.ops.segments import block_starts
 from effattn_jax.sharding import Rules, shard_over_batch_heads
+from pallas_kernels.moba.common import SCHEDULE_NAME as SCHEDULE_NAME  # re-exported: the model's remat policy
 from pallas_kernels.moba.common import BlockSizes
 
 

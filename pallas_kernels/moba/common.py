@@ -91,9 +91,8 @@ def prefix_scan(x: jax.Array, op, identity, width: int = 128) -> jax.Array:
     """Inclusive prefix of a 1-D array under `op` (jnp.add, jnp.maximum) with its `identity`.
 
     Rows of `width` are scanned by log-step shifts, then the row totals the same way. Why not
-    jnp.cumsum / lax.cummax: libtpu compiles those (a reduce_window) over a long array in
-    minutes (v5p, 917K int32: 73 s and 116 s; this, about 3 s), which was most of a MoBA
-    dry run's compile (BENCHMARKS.md)."""
+    jnp.cumsum / lax.cummax: libtpu compiles those (a reduce_window) over a long array for
+    minutes at a paper config's pair count, most of a MoBA dry run (BENCHMARKS.md)."""
 
     def shifts(y):  # Hillis-Steele along the last axis
         step, n = 1, y.shape[-1]
@@ -180,9 +179,9 @@ def past_tiles(past_start: jax.Array, *, num_kv_heads: int, block_size: int, q_t
     """Schedule for the selected earlier blocks. past_start [B, S, Hq, K'] (-1 = unused).
 
     Every group gets ceil(size / q_tile) consecutive tiles, its pairs in sorted order. The
-    tables are built by scatters from the sorted pairs and by scans over the groups and tiles:
-    one P-long sort, scatter and gather fewer than a pair-to-tile table needs (libtpu compiles
-    each in seconds)."""
+    tables come from the one sort by scatters and by scans over the groups and tiles (no
+    pair-to-tile table, inverse permutation or searchsorted): libtpu takes seconds to
+    compile each pair-long gather or scatter."""
     b, s, hq, kp = past_start.shape
     pairs = _flat_pairs(past_start)
     num_pairs = pairs.block_start.shape[0]
