@@ -16,7 +16,7 @@ the selected earlier blocks (tpu_blocks.py):
   read them in place: head dim a multiple of 128, S of the block) and o (read + write),
   the tile gathers of q and dO (read + write), and the backward's final pass, which reads each
   part's gradient once (dq: the own part's and each selection's row; dK/dV: the own part's and,
-  for keys of a selected block, the row of its group's float32 window) and writes dq, dK, dV;
+  for keys of a selected block, the row of its group's window) and writes dq, dK, dV;
 - the GPU own-block kernels (gpu_own.py): issued (query, key) pairs from their tables, over the
   own block's visible pairs;
 - routing: HBM bytes of the gate compiled ahead of time for a TPU (libtpu, the `tpu` extra),
@@ -102,7 +102,8 @@ def own_counts(
 def past_counts(past, *, d: int, dv: int, item: int, block_size: int, seq_pad: int) -> dict:
     """The whole-block kernels (tpu_blocks.py): one step per tile, forward and fused backward,
     padding tiles skipped (`pl.when`, same block index: no copy); dq per tile row in the input
-    dtype, dK/dV (float32) written once per (batch, KV head, block) group."""
+    dtype, dK/dV (accumulated in float32 VMEM) written once per (batch, KV head, block) group,
+    in the input dtype."""
     ntiles, qt = past.tiles.rows.shape
     groups = int((np.asarray(past.group_tiles) > 0).sum())
     real = int(np.asarray(past.group_tiles).sum())  # tiles that do work
@@ -115,7 +116,7 @@ def past_counts(past, *, d: int, dv: int, item: int, block_size: int, seq_pad: i
     lane_rows = ntiles * qt * 4  # one lane-dense float32 [1, Qt] row per tile
     rows_in = ntiles * qt * (d + dv) * item  # q and dO tiles
     dq = ntiles * qt * d * item
-    group_grads = groups * w * (d + dv) * 4
+    group_grads = groups * w * (d + dv) * item
     fwd_bytes = kv_bytes + 3 * ntiles * qt * d * item + ntiles * qt * dv * 4 + lane_rows  # q gathered, read
     bwd_kernel = kv_bytes + rows_in + 2 * lane_rows + dq + group_grads
     bwd_glue = 2 * rows_in + 4 * lane_rows  # q, dO, lse, delta gathered into tiles (read + write)
@@ -135,9 +136,9 @@ def combine_counts(
 ) -> int:
     """The backward's final pass (attention._bwd): dq reads the own part's rows and each real
     selection's tile row (input dtype); dK/dV read the own part's rows and, for the keys of
-    selected blocks, their group window's float32 rows; all three written once."""
+    selected blocks, their group window's rows; all three written once (input dtype)."""
     dq = 2 * b * s * hq * d * item + pairs * d * item
-    dkv = 2 * b * s * hkv * (d + dv) * item + selected_keys * (d + dv) * 4
+    dkv = 2 * b * s * hkv * (d + dv) * item + selected_keys * (d + dv) * item
     return dq + dkv
 
 

@@ -93,7 +93,7 @@ def _dkv_kernel(
     first = first_ref[g]
     init = (jnp.zeros(dk_ref.shape, jnp.float32), jnp.zeros(dv_ref.shape, jnp.float32))
     dk, dv = jax.lax.fori_loop(first, first + count_ref[g], body, init)
-    dk_ref[...], dv_ref[...] = dk, dv
+    dk_ref[...], dv_ref[...] = dk.astype(dk_ref.dtype), dv.astype(dv_ref.dtype)
 
 
 def _cost(part: str, q_rows, k, v, block_size: int):
@@ -196,8 +196,8 @@ def block_attention_bwd(
         in_specs=[whole] * 10,
         out_specs=[block(d), block(dv)],
         out_shape=[
-            jax.ShapeDtypeStruct((num_groups + 1, block_size, d), jnp.float32),
-            jax.ShapeDtypeStruct((num_groups + 1, block_size, dv), jnp.float32),
+            jax.ShapeDtypeStruct((num_groups + 1, block_size, d), q_rows.dtype),
+            jax.ShapeDtypeStruct((num_groups + 1, block_size, dv), q_rows.dtype),
         ],
         compiler_params=triton_params(),
         interpret=bool(interpret),

@@ -7,11 +7,11 @@ keys as one window of `block_size + ALIGN` keys starting at the block start roun
 ALIGN (an element-offset BlockSpec, `pl.Element`), so consecutive tiles of a group keep the
 same window index and Pallas skips the copy. Every row sees the whole block, so the forward
 is a plain softmax (no online rescaling) and the backward finishes dq within the step; dK/dV
-accumulate in the resident output block across the group's consecutive tiles and are written
-once per group (megablox's pattern: zero on the group's first tile). Padding tiles (after the
-real ones, group G) keep the last real tile's indices, so nothing is copied, and skip their
-work (`pl.when`). Scores are computed transposed, [keys, rows], so lse and delta are
-lane-dense rows, not [rows, 1] columns.
+accumulate in float32 VMEM across the group's consecutive tiles and are written once per group,
+in the input dtype, at its last tile (megablox's pattern: zero on the group's first tile).
+Padding tiles (after the real ones, group G) keep the last real tile's indices, so nothing is
+copied, and skip their work (`pl.when`). Scores are computed transposed, [keys, rows], so lse
+and delta are lane-dense rows, not [rows, 1] columns.
 """
 
 from __future__ import annotations
@@ -96,6 +96,8 @@ def _bwd_kernel(
     dq_ref,
     dk_ref,
     dv_ref,
+    dk_acc,
+    dv_acc,
     *,
     scale,
     block_size,
@@ -106,8 +108,8 @@ def _bwd_kernel(
 
     @pl.when(first_ref[t] == 1)
     def _zero():
-        dk_ref[...] = jnp.zeros(dk_ref.shape, jnp.float32)
-        dv_ref[...] = jnp.zeros(dv_ref.shape, jnp.float32)
+        dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
+        dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
 
     @pl.when(group_ref[t] < num_groups)  # padding tiles: no work (dq and their dK/dV slot are dropped)
     def _tile():
@@ -118,8 +120,15 @@ def _bwd_kernel(
         ds = p * (dp - delta_ref[...])
         dq = jax.lax.dot_general(ds.astype(k.dtype), k, TN, preferred_element_type=jnp.float32)
         dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
-        dk_ref[...] += jnp.dot(ds.astype(q.dtype), q, preferred_element_type=jnp.float32) * scale
-        dv_ref[...] += jnp.dot(p.astype(do.dtype), do, preferred_element_type=jnp.float32)
+        dk_acc[...] += jnp.dot(ds.astype(q.dtype), q, preferred_element_type=jnp.float32) * scale
+        dv_acc[...] += jnp.dot(p.astype(do.dtype), do, preferred_element_type=jnp.float32)
+
+    last = pl.num_programs(0) - 1
+
+    @pl.when((t == last) | (group_ref[jnp.minimum(t + 1, last)] != group_ref[t]))  # the group's last tile
+    def _store():
+        dk_ref[...] = dk_acc[...].astype(dk_ref.dtype)
+        dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
 
 def _interpret(interpret):
@@ -162,7 +171,7 @@ def cost_estimate(part: str, q_rows, dv: int, block_size: int, groups: int = 0):
             ntiles * w * (d + dv) * item
             + rows
             + ntiles * qt * (dv * item + 4 + d * item)
-            + groups * w * (d + dv) * 4
+            + groups * w * (d + dv) * item
         ),
     )
 
@@ -242,7 +251,8 @@ def block_attention_bwd(
     """do_rows [T, Qt, Dv]; lse, delta [T, Qt] (+inf / 0 on padding rows); tile_group,
     group_first [T]. Returns dq [T, Qt, D] in the rows' dtype (each row's part is complete:
     one rounding, like a flash backward's dq), and dk [G + 1, W, D], dv [G + 1, W, Dv] per group
-    (float32) with the window start of each tile (`window_starts`), slot G for padding tiles."""
+    (the rows' dtype, rounded once) with the window start of each tile (`window_starts`), slot
+    G for padding tiles."""
     ntiles, qt, d = q_rows.shape
     dv, w = v.shape[-1] // (kv_heads or 1), window(block_size)
     row = lambda width: pl.BlockSpec((None, qt, width), lambda t, *_: (t, 0, 0))
@@ -256,11 +266,12 @@ def block_attention_bwd(
             grid=(ntiles,),
             in_specs=[row(d), kv_spec(d), kv_spec(dv), row(dv), lane_row, lane_row],
             out_specs=[row(d), group_spec(d), group_spec(dv)],
+            scratch_shapes=[pltpu.VMEM((w, d), jnp.float32), pltpu.VMEM((w, dv), jnp.float32)],
         ),
         out_shape=[
             jax.ShapeDtypeStruct((ntiles, qt, d), q_rows.dtype),
-            jax.ShapeDtypeStruct((num_groups + 1, w, d), jnp.float32),
-            jax.ShapeDtypeStruct((num_groups + 1, w, dv), jnp.float32),
+            jax.ShapeDtypeStruct((num_groups + 1, w, d), q_rows.dtype),
+            jax.ShapeDtypeStruct((num_groups + 1, w, dv), q_rows.dtype),
         ],
         # dK/dV accumulate across consecutive steps: the grid runs in order
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
