@@ -21,7 +21,7 @@ import optax
 from effattn_jax.config import load_config
 from effattn_jax.flops import train_flops_per_token
 from effattn_jax.model import param_counts
-from effattn_jax.ops.cross_entropy import chunked_cross_entropy
+from effattn_jax.ops.cross_entropy import _chunk_len, chunked_cross_entropy
 from effattn_jax.sharding import make_mesh
 from effattn_jax.train.state import init_state, make_setup
 from effattn_jax.train.step import make_train_step
@@ -70,6 +70,35 @@ def head_loss_timer(cfg, embed, batch):
     return once
 
 
+def head_matmuls_timer(cfg, embed, batch):
+    """Times the three matmuls of the chunked loss alone (logits, dx, dW accumulated as the loss
+    does, chunk by chunk) with no softmax: the head's floor on this machine, so the line it
+    prints bounds what a faster softmax could still win."""
+    b, s = batch["inputs"].shape
+    c = _chunk_len(s, cfg.model.loss_chunk_tokens or s * b, b)
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((b, s, cfg.model.d_model)), jnp.float32)
+
+    def matmuls(x, w):  # w [d, V]
+        def body(dw, xc):
+            logits = jnp.einsum("bcd,dv->bcv", xc, w)
+            dx = jnp.einsum("bcv,dv->bcd", logits, w)
+            return dw + jnp.einsum("bcd,bcv->dv", xc, logits), dx
+
+        chunks = jnp.moveaxis(x.reshape(b, s // c, c, -1), 1, 0)
+        return jax.lax.scan(body, jnp.zeros(w.shape, jnp.float32), chunks)
+
+    f = jax.jit(matmuls)
+    w = embed.T
+    jax.block_until_ready(f(x, w))
+
+    def once():
+        t = time.perf_counter()
+        jax.block_until_ready(f(x, w))
+        return time.perf_counter() - t
+
+    return once
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--config", default="configs/cpu/default.yaml")
@@ -93,7 +122,8 @@ def main(argv=None):
     flops_tok = train_flops_per_token(cfg, counts["non_embedding"])
 
     head_once = head_loss_timer(cfg, jnp.copy(state["params"]["embed"]), batch)
-    step_times, peaks, head_times = [], [], []
+    matmuls_once = head_matmuls_timer(cfg, jnp.copy(state["params"]["embed"]), batch)
+    step_times, peaks, head_times, matmul_times = [], [], [], []
     for _ in range(args.repeats):
         t = time.perf_counter()
         for _ in range(args.steps_per_repeat):
@@ -102,7 +132,9 @@ def main(argv=None):
         step_times.append((time.perf_counter() - t) / args.steps_per_repeat)
         peaks.append(peak_once())
         head_times.append(head_once())
+        matmul_times.append(matmuls_once())
     st, peak, ht = statistics.median(step_times), statistics.median(peaks), statistics.median(head_times)
+    mt = statistics.median(matmul_times)
     tok_s = b * s / st
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind} x{jax.device_count()}")
     print(
@@ -119,6 +151,12 @@ def main(argv=None):
     print(
         f"output head + cross-entropy alone (fwd+bwd, loss_chunk_tokens={cfg.model.loss_chunk_tokens}): "
         f"{ht * 1e3:.0f} ms = {ht / st:.0%} of the step"
+    )
+    head_flops = 6 * b * s * cfg.model.d_model * cfg.model.vocab_size
+    print(
+        f"output head's 3 matmuls alone (no softmax): {mt * 1e3:.0f} ms = {head_flops / mt / 1e9:.1f} "
+        f"GFLOP/s ({head_flops / mt / peak:.0%} of the peak); the step with a free softmax: "
+        f"{tok_s * flops_tok * st / (st - ht + mt) / peak:.1%} of the peak"
     )
 
 
