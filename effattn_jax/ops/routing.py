@@ -134,8 +134,9 @@ def _full_block_means(k, doc_pos, block_size: int):
 
 def block_means(blocks, dtype) -> jax.Array:
     """[B, n, C, Hkv, D] keys -> [B, n, Hkv, D] float32 means, rounded to `dtype` as a kernel
-    holding them in the compute dtype would. Summed in float32 by a matmul with ones: the keys
-    are read once, never copied to float32 first."""
+    holding them in the compute dtype would. Summed in float32 by a matmul with ones. libtpu
+    turns it into a float32 copy of the keys and a reduce, as it does `jnp.sum(...,
+    dtype=float32)` (BENCHMARKS.md, "Group windows written in the input dtype")."""
     c = blocks.shape[2]
     ones = jnp.ones((c,), blocks.dtype)
     sums = jnp.einsum("bnchd,c->bnhd", blocks, ones, preferred_element_type=jnp.float32)
