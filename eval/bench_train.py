@@ -25,7 +25,7 @@ from effattn_jax.ops.cross_entropy import _chunk_len, chunked_cross_entropy
 from effattn_jax.sharding import make_mesh
 from effattn_jax.train.state import init_state, make_setup
 from effattn_jax.train.step import make_train_step
-from eval.common import synthetic_batch
+from eval.common import synthetic_batch, time_once
 
 
 def matmul_peak(n: int = 2048):
@@ -59,15 +59,7 @@ def head_loss_timer(cfg, embed, batch):
         logits = jnp.dot(x, w.T, preferred_element_type=jnp.float32)
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).sum()
 
-    f = jax.jit(jax.grad(loss, argnums=(0, 1)))
-    jax.block_until_ready(f(x, embed))
-
-    def once():
-        t = time.perf_counter()
-        jax.block_until_ready(f(x, embed))
-        return time.perf_counter() - t
-
-    return once
+    return _warm_timer(jax.jit(jax.grad(loss, argnums=(0, 1))), x, embed)
 
 
 def head_matmuls_timer(cfg, embed, batch):
@@ -87,16 +79,13 @@ def head_matmuls_timer(cfg, embed, batch):
         chunks = jnp.moveaxis(x.reshape(b, s // c, c, -1), 1, 0)
         return jax.lax.scan(body, jnp.zeros(w.shape, jnp.float32), chunks)
 
-    f = jax.jit(matmuls)
-    w = embed.T
-    jax.block_until_ready(f(x, w))
+    return _warm_timer(jax.jit(matmuls), x, embed.T)
 
-    def once():
-        t = time.perf_counter()
-        jax.block_until_ready(f(x, w))
-        return time.perf_counter() - t
 
-    return once
+def _warm_timer(f, *args):
+    """Runs f once (compile), then returns a timer of one call."""
+    jax.block_until_ready(f(*args))
+    return lambda: time_once(f, args)
 
 
 def main(argv=None):
