@@ -21,7 +21,7 @@ import optax
 from effattn_jax.config import load_config
 from effattn_jax.flops import train_flops_per_token
 from effattn_jax.model import param_counts
-from effattn_jax.ops.cross_entropy import _chunk_len, chunked_cross_entropy
+from effattn_jax.ops.cross_entropy import chunk_len, chunked_cross_entropy
 from effattn_jax.sharding import make_mesh
 from effattn_jax.train.state import init_state, make_setup
 from effattn_jax.train.step import make_train_step
@@ -67,7 +67,7 @@ def head_matmuls_timer(cfg, embed, batch):
     does, chunk by chunk) with no softmax: the head's floor on this machine, so the line it
     prints bounds what a faster softmax could still win."""
     b, s = batch["inputs"].shape
-    c = _chunk_len(s, cfg.model.loss_chunk_tokens or s * b, b)
+    c = chunk_len(s, cfg.model.loss_chunk_tokens or s * b, b)
     x = jnp.asarray(np.random.default_rng(2).standard_normal((b, s, cfg.model.d_model)), jnp.float32)
 
     def matmuls(x, w):  # w [d, V]

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 
-def _chunk_len(seq: int, tokens: int, batch: int) -> int:
+def chunk_len(seq: int, tokens: int, batch: int) -> int:
     """The largest divisor of seq that keeps batch x chunk <= tokens (at least 1)."""
     want = max(1, tokens // batch)
     return max(c for c in range(1, min(seq, want) + 1) if seq % c == 0)
@@ -94,5 +94,5 @@ def chunked_cross_entropy(x, w, targets, weights, *, chunk_tokens: int) -> jax.A
     projection), targets [B, S] int, weights [B, S] (the loss mask). Holds at most
     `chunk_tokens` rows of logits ([B, c, V], c the largest divisor of S with B·c <=
     chunk_tokens). Gradients flow to x and w."""
-    c = _chunk_len(x.shape[1], chunk_tokens, x.shape[0])
+    c = chunk_len(x.shape[1], chunk_tokens, x.shape[0])
     return _loss(x, w, targets, weights, c)
