@@ -12,8 +12,8 @@ the selected earlier blocks (tpu_blocks.py):
   backward: scores, dP, dV, dQ, dK);
 - HBM bytes under the TPU pipeline's rules: a block is copied only when its index differs
   from the previous grid step's; lse and delta are lane-dense rows. Both directions also count
-  the XLA glue around the kernels: the per-head layouts of q, K, V, dO (none where the kernels
-  read them in place: head dim a multiple of 128, S of the block) and o (read + write),
+  the XLA glue around the kernels: the per-head layouts of q, K, V, dO and o (read + write;
+  none where the kernels read them in place: head dim a multiple of 128, S of the block),
   the tile gathers of q and dO (read + write), and the backward's final pass, which reads each
   part's gradient once (dq: the own part's and each selection's row; dK/dV: the own part's and,
   for keys of a selected block, the row of its group's window) and writes dq, dK, dV;
@@ -94,16 +94,16 @@ def own_counts(
         "fwd_flops": flops["fwd"],
         "bwd_flops": flops["bwd"],
         "fwd_kv_bytes": kv_bytes,
-        "fwd_hbm_bytes": fwd_bytes + copies * 2 * rows_q + 2 * steps * c * dv * 4 + kv_layout,  # + layouts
+        "fwd_hbm_bytes": fwd_bytes + copies * 2 * (rows_q + steps * c * dv * 4) + kv_layout,  # + layouts
         "bwd_hbm_bytes": bwd_kernel + glue,
     }
 
 
 def past_counts(past, *, d: int, dv: int, item: int, block_size: int, seq_pad: int) -> dict:
     """The whole-block kernels (tpu_blocks.py): one step per tile, forward and fused backward,
-    padding tiles skipped (`pl.when`, same block index: no copy); dq per tile row in the input
-    dtype, dK/dV (accumulated in float32 VMEM) written once per (batch, KV head, block) group,
-    in the input dtype."""
+    padding tiles skipped (`pl.when`; the last real tile's K/V window and rows: no copy); dq
+    per tile row in the input dtype, dK/dV (accumulated in float32 VMEM) written once per
+    (batch, KV head, block) group, in the input dtype."""
     ntiles, qt = past.tiles.rows.shape
     groups = int((np.asarray(past.group_tiles) > 0).sum())
     real = int(np.asarray(past.group_tiles).sum())  # tiles that do work
@@ -117,8 +117,13 @@ def past_counts(past, *, d: int, dv: int, item: int, block_size: int, seq_pad: i
     rows_in = ntiles * qt * (d + dv) * item  # q and dO tiles
     dq = ntiles * qt * d * item
     group_grads = groups * w * (d + dv) * item
-    fwd_bytes = kv_bytes + 3 * ntiles * qt * d * item + ntiles * qt * dv * 4 + lane_rows  # q gathered, read
-    bwd_kernel = kv_bytes + rows_in + 2 * lane_rows + dq + group_grads
+    # the kernels read the rows of real tiles only (padding tiles keep the last real tile's);
+    # every tile's outputs are written, and XLA's gathers fill every tile
+    read_rows = real * qt * (d + dv) * item + 2 * real * qt * 4  # q, dO, lse, delta
+    fwd_bytes = (
+        kv_bytes + 2 * ntiles * qt * d * item + real * qt * d * item + ntiles * qt * dv * 4 + lane_rows
+    )
+    bwd_kernel = kv_bytes + read_rows + dq + group_grads
     bwd_glue = 2 * rows_in + 4 * lane_rows  # q, dO, lse, delta gathered into tiles (read + write)
     return {
         "fwd_steps": ntiles,

@@ -131,7 +131,7 @@ def _own_tpu_fwd(q, lay: _Layout, own_start, *, block_size, scale, interpret):
     b, s, _, _ = q.shape
     tpu_own = _kernels("tpu", "_own")
     tables = tpu_own.own_tables(own_start, block_size=block_size, seq_pad=lay.seq)
-    o_t, lse = tpu_own.own_attention_fwd(
+    o, lse = tpu_own.own_attention_fwd(
         lay.to(q),
         lay.k,
         lay.v,
@@ -141,7 +141,7 @@ def _own_tpu_fwd(q, lay: _Layout, own_start, *, block_size, scale, interpret):
         heads=lay.heads,
         interpret=interpret,
     )
-    return _unheads(jnp.swapaxes(o_t, 1, 2), b, s), _unheads(lse[:, 0], b, s)
+    return lay.back(o, b, s, q.shape[2]), _unheads(lse[:, 0], b, s)
 
 
 def _own_gpu_fwd(q, lay: _Layout, own_start, *, block_size, scale, interpret, block_sizes):

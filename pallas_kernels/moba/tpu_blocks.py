@@ -9,9 +9,11 @@ same window index and Pallas skips the copy. Every row sees the whole block, so 
 is a plain softmax (no online rescaling) and the backward finishes dq within the step; dK/dV
 accumulate in float32 VMEM across the group's consecutive tiles and are written once per group,
 in the input dtype, at its last tile (megablox's pattern: zero on the group's first tile).
-Padding tiles (after the real ones, group G) keep the last real tile's indices, so nothing is
-copied, and skip their work (`pl.when`). Scores are computed transposed, [keys, rows], so lse
-and delta are lane-dense rows, not [rows, 1] columns.
+Padding tiles (after the real ones, group G) keep the last real tile's K/V window and input
+rows, so nothing is copied in, and skip their work (`pl.when`); their output blocks are their
+own (never read: on a megacore grid split, a shared one would be written back from both).
+Scores are computed transposed, [keys, rows], so lse and delta are lane-dense rows, not
+[rows, 1] columns.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ def _fwd_kernel(
     win_ref,
     start_ref,
     group_ref,
+    row_tile_ref,
     q_ref,
     k_ref,
     v_ref,
@@ -87,6 +90,7 @@ def _bwd_kernel(
     start_ref,
     group_ref,
     first_ref,
+    row_tile_ref,
     q_ref,
     k_ref,
     v_ref,
@@ -152,6 +156,13 @@ def _kv_spec(w: int, width: int, kv_heads):
     )
 
 
+def _row_tiles(tile_group, num_groups: int):
+    """The tile whose rows each step reads: its own, and on padding tiles (group `num_groups`,
+    after the real ones) the last real tile's, so the pipeline copies no rows for them."""
+    tile = jnp.arange(tile_group.shape[0], dtype=jnp.int32)
+    return jnp.minimum(tile, jnp.maximum(jnp.sum(tile_group < num_groups) - 1, 0)).astype(jnp.int32)
+
+
 def cost_estimate(part: str, q_rows, dv: int, block_size: int, groups: int = 0):
     """`pl.CostEstimate` as issued: every step multiplies its rows by the whole window."""
     ntiles, qt, d = q_rows.shape
@@ -201,9 +212,13 @@ def block_attention_fwd(
     o, lse = pl.pallas_call(
         functools.partial(_fwd_kernel, scale=scale, block_size=block_size, num_groups=num_groups),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4,
+            num_scalar_prefetch=5,
             grid=(ntiles,),
-            in_specs=[pl.BlockSpec((None, qt, d), lambda t, *_: (t, 0, 0)), kv_spec(d), kv_spec(dv)],
+            in_specs=[
+                pl.BlockSpec((None, qt, d), lambda t, *refs: (refs[-1][t], 0, 0)),
+                kv_spec(d),
+                kv_spec(dv),
+            ],
             out_specs=[
                 pl.BlockSpec((None, qt, dv), lambda t, *_: (t, 0, 0)),
                 pl.BlockSpec((None, 1, qt), lambda t, *_: (t, 0, 0)),
@@ -222,6 +237,7 @@ def block_attention_fwd(
         window_starts(block_start, block_size, k.shape[1]) // ALIGN,
         block_start,
         tile_group,
+        _row_tiles(tile_group, num_groups),
         q_rows,
         k,
         v,
@@ -255,17 +271,21 @@ def block_attention_bwd(
     G for padding tiles."""
     ntiles, qt, d = q_rows.shape
     dv, w = v.shape[-1] // (kv_heads or 1), window(block_size)
-    row = lambda width: pl.BlockSpec((None, qt, width), lambda t, *_: (t, 0, 0))
-    lane_row = pl.BlockSpec((None, 1, qt), lambda t, *_: (t, 0, 0))
+    row_in = lambda width: pl.BlockSpec((None, qt, width), lambda t, *refs: (refs[-1][t], 0, 0))
+    lane_row = pl.BlockSpec((None, 1, qt), lambda t, *refs: (refs[-1][t], 0, 0))
     kv_spec = lambda width: _kv_spec(w, width, kv_heads)
-    group_spec = lambda width: pl.BlockSpec((None, w, width), lambda t, kv, win, st, g, f: (g[t], 0, 0))
+    group_spec = lambda width: pl.BlockSpec((None, w, width), lambda t, kv, win, st, g, *_: (g[t], 0, 0))
     dq, dk, dvv = pl.pallas_call(
         functools.partial(_bwd_kernel, scale=scale, block_size=block_size, num_groups=num_groups),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=5,
+            num_scalar_prefetch=6,
             grid=(ntiles,),
-            in_specs=[row(d), kv_spec(d), kv_spec(dv), row(dv), lane_row, lane_row],
-            out_specs=[row(d), group_spec(d), group_spec(dv)],
+            in_specs=[row_in(d), kv_spec(d), kv_spec(dv), row_in(dv), lane_row, lane_row],
+            out_specs=[
+                pl.BlockSpec((None, qt, d), lambda t, *_: (t, 0, 0)),
+                group_spec(d),
+                group_spec(dv),
+            ],
             scratch_shapes=[pltpu.VMEM((w, d), jnp.float32), pltpu.VMEM((w, dv), jnp.float32)],
         ),
         out_shape=[
@@ -284,6 +304,7 @@ def block_attention_bwd(
         block_start,
         tile_group,
         group_first,
+        _row_tiles(tile_group, num_groups),
         q_rows,
         k,
         v,

@@ -11,8 +11,10 @@ only moves where a chunk needs it, so it is copied only then; the backward accum
 chunk's dK/dV in another scratch and starts the previous chunk's accumulator from it (hence
 the order), so every key's own-part gradient is written once, complete. q, K, V, dO come
 head-major [B*H, S_pad, D] or as they lie, [B, S, H*D] (`heads`). Scores are [keys, rows], so
-lse and delta are lane-dense rows; the forward writes o transposed, [Dv, rows] (no in-kernel
-transpose), and XLA turns it back.
+lse and delta are lane-dense rows, and the forward's o comes out [Dv, rows]: the kernel
+transposes it (one [Dv, C/2] float32 tile per row part) and writes rows laid out like q. XLA
+then needs no transpose of o, whose [Dv, S] layout made the merge of the parts copy every other
+part to it, in float32 (BENCHMARKS.md, "The own block's output in the rows' layout").
 """
 
 from __future__ import annotations
@@ -76,7 +78,7 @@ def _fwd_kernel(
         vc = vc_ref[pl.ds(0, nk), :]
         l = jnp.sum(p, axis=0, keepdims=True)
         o = jax.lax.dot_general(vc, p.astype(vc.dtype), TN, preferred_element_type=jnp.float32)  # [Dv, Cr]
-        o_ref[:, rs], lse_ref[:, rs] = o / l, m + jnp.log(l)
+        o_ref[rs, :], lse_ref[:, rs] = (o / l).T, m + jnp.log(l)
 
         @pl.when(need)
         def _previous_chunk(q=q, own=own, rs=rs, m=m, l=l, o=o):
@@ -90,7 +92,7 @@ def _fwd_kernel(
             o_new = alpha * o + jax.lax.dot_general(
                 vp, pp.astype(vp.dtype), TN, preferred_element_type=jnp.float32
             )
-            o_ref[:, rs], lse_ref[:, rs] = o_new / l_new, m_new + jnp.log(l_new)
+            o_ref[rs, :], lse_ref[:, rs] = (o_new / l_new).T, m_new + jnp.log(l_new)
 
 
 def _bwd_kernel(
@@ -239,8 +241,8 @@ def _cost(q, v, b, hq, hkv, d, dv, c, n, part):
 def own_attention_fwd(q, k, v, own, needs, prev, *, scale, block_size, heads=None, interpret=False):
     """q [B*Hq, S_pad, D], k/v [B*Hkv, S_pad, D|Dv] (head-major), or with heads = (Hq, Hkv) the
     natural q [B, S, Hq*D], k/v [B, S, Hkv*D|Dv] (S a multiple of C; D, Dv multiples of 128 on
-    a TPU); tables from `own_tables`. Returns o [B*Hq, Dv, n*C] (transposed) and
-    lse [B*Hq, 1, n*C], float32."""
+    a TPU); tables from `own_tables`. Returns o laid out like q, [B*Hq, S_pad, Dv] or
+    [B, S, Hq*Dv], and lse [B*Hq, 1, n*C], float32."""
     b, hq, hkv, d, dv = _dims(q, k, v, own, heads)
     c, n, groups = block_size, needs.shape[0] // b, hq // hkv
     q_row, kv_cur, kv_prev, own_spec, lane_row = _specs(c, hkv, groups, n, heads is not None)
@@ -250,13 +252,10 @@ def own_attention_fwd(q, k, v, own, needs, prev, *, scale, block_size, heads=Non
             num_scalar_prefetch=2,
             grid=(b * hkv, n, groups),
             in_specs=[q_row(d), kv_cur(d), kv_cur(dv), kv_prev(d), kv_prev(dv), own_spec],
-            out_specs=[
-                pl.BlockSpec((None, dv, c), lambda r, i, g, *_: (r * groups + g, 0, n - 1 - i)),
-                lane_row,
-            ],
+            out_specs=[q_row(dv), lane_row],
         ),
         out_shape=[
-            jax.ShapeDtypeStruct((b * hq, dv, n * c), jnp.float32),
+            jax.ShapeDtypeStruct((*q.shape[:-1], q.shape[-1] // d * dv), jnp.float32),
             jax.ShapeDtypeStruct((b * hq, 1, n * c), jnp.float32),
         ],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary")),
