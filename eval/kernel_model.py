@@ -102,8 +102,9 @@ def own_counts(
 def past_counts(past, *, d: int, dv: int, item: int, block_size: int, seq_pad: int) -> dict:
     """The whole-block kernels (tpu_blocks.py): one step per tile, forward and fused backward,
     padding tiles skipped (`pl.when`; the last real tile's K/V window and rows: no copy); dq
-    per tile row in the input dtype, dK/dV (accumulated in float32 VMEM) written once per
-    (batch, KV head, block) group, in the input dtype."""
+    per tile row in the input dtype; dK/dV accumulated in float32 VMEM per (batch, KV head,
+    block) group and added, once per group, into the own part's dK/dV window in place (the
+    window read and written, in the input dtype)."""
     ntiles, qt = past.tiles.rows.shape
     groups = int((np.asarray(past.group_tiles) > 0).sum())
     real = int(np.asarray(past.group_tiles).sum())  # tiles that do work
@@ -116,7 +117,7 @@ def past_counts(past, *, d: int, dv: int, item: int, block_size: int, seq_pad: i
     lane_rows = ntiles * qt * 4  # one lane-dense float32 [1, Qt] row per tile
     rows_in = ntiles * qt * (d + dv) * item  # q and dO tiles
     dq = ntiles * qt * d * item
-    group_grads = groups * w * (d + dv) * item
+    group_grads = 2 * groups * w * (d + dv) * item
     # the kernels read the rows of real tiles only (padding tiles keep the last real tile's);
     # every tile's outputs are written, and XLA's gathers fill every tile
     read_rows = real * qt * (d + dv) * item + 2 * real * qt * 4  # q, dO, lse, delta
@@ -136,15 +137,11 @@ def past_counts(past, *, d: int, dv: int, item: int, block_size: int, seq_pad: i
     }
 
 
-def combine_counts(
-    *, b: int, s: int, hq: int, hkv: int, d: int, dv: int, item: int, pairs: int, selected_keys: int
-) -> int:
+def combine_counts(*, b: int, s: int, hq: int, d: int, item: int, pairs: int) -> int:
     """The backward's final pass (attention._bwd): dq reads the own part's rows and each real
-    selection's tile row (input dtype); dK/dV read the own part's rows and, for the keys of
-    selected blocks, their group window's rows; all three written once (input dtype)."""
-    dq = 2 * b * s * hq * d * item + pairs * d * item
-    dkv = 2 * b * s * hkv * (d + dv) * item + selected_keys * (d + dv) * item
-    return dq + dkv
+    selection's tile row (input dtype) and is written once. dK/dV need no pass: the selected
+    blocks' kernel adds into the own part's (past_counts)."""
+    return 2 * b * s * hq * d * item + pairs * d * item
 
 
 def gpu_own_counts(first: np.ndarray, q_end: np.ndarray, *, b: int, hq: int, seq_pad: int, bs) -> dict:
@@ -332,18 +329,7 @@ def model(seq: int, hq: int, hkv: int, *, d: int = 128, block_size: int = 512, t
         parts.append(past_counts(past, d=d, dv=d, item=2, block_size=block_size, seq_pad=seq_pad))
     total = {key: sum(p[key] for p in parts) for key in parts[0]}
     own_pairs, past_pairs = ideal_pairs(np.asarray(r.own_start), np.asarray(r.past_start), block_size)
-    selected_keys = 0 if past is None else int((np.asarray(past.group_tiles) > 0).sum()) * block_size
-    total["bwd_hbm_bytes"] += combine_counts(
-        b=1,
-        s=seq,
-        hq=hq,
-        hkv=hkv,
-        d=d,
-        dv=d,
-        item=2,
-        pairs=past_pairs // block_size,
-        selected_keys=selected_keys,
-    )
+    total["bwd_hbm_bytes"] += combine_counts(b=1, s=seq, hq=hq, d=d, item=2, pairs=past_pairs // block_size)
     pairs = own_pairs + past_pairs
     gpu_pad = padded_length(seq, block_size, bs)  # the GPU kernels take head-major copies
     _, first, q_end = gpu_own.own_tables(r.own_start, seq_pad=gpu_pad, q_tile=bs.q_tile, kv_block=bs.kv_block)

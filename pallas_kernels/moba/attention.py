@@ -6,7 +6,8 @@ whole-block kernel (tpu_blocks.py, gpu_blocks.py), each giving (o, lse) per (que
 parts of a query are merged by log-sum-exp into the output O and the global LSE L. Backward
 (docs/moba.md, "Backward"): with delta = rowsum(dO * O), each part's gradient is an ordinary
 flash-attention backward against the global L, so the backward kernels run over the same
-schedule, each writing its part once; one XLA pass per gradient then gathers the parts.
+schedule, each writing its part once; one XLA pass then gathers dq's parts, and dK/dV's on
+GPU (on TPU the selected blocks' kernel adds its dK/dV into the own part's in place).
 On TPU the kernels read q, K, V and dO where they lie when a head is whole 128-lane tiles
 (`reads_in_place`); otherwise, and on GPU, through head-major copies.
 
@@ -246,8 +247,9 @@ def _fwd(q, k, v, own_start, past, block_size, scale, backend, interpret, block_
 
 
 def _own_tpu_bwd(q, lay: _Layout, own_start, d_out, lse, delta, *, block_size, scale, interpret):
-    """The own part's gradients by the chunk-diagonal TPU kernel: dq [B, S, Hq, D] and dK/dV
-    [B, S, Hkv, D|Dv], in the inputs' dtypes."""
+    """The own part's gradients by the chunk-diagonal TPU kernel, in the inputs' dtypes: dq
+    [B, S, Hq, D], and dK/dV in the kernels' layout over S_pad keys (the selected blocks' kernel
+    adds to them in place, a window of block + ALIGN keys at a time)."""
     b, s, hq, d = q.shape
     seq_pad, c = lay.seq, block_size
     tpu_own = _kernels("tpu", "_own")
@@ -267,8 +269,8 @@ def _own_tpu_bwd(q, lay: _Layout, own_start, d_out, lse, delta, *, block_size, s
         heads=lay.heads,
         interpret=interpret,
     )
-    hkv = lay.k.shape[0] // b if lay.heads is None else lay.heads[1]
-    return lay.back(dq, b, s, hq), lay.back(dk, b, s, hkv), lay.back(dv, b, s, hkv)
+    keys = lambda x: jnp.pad(x, ((0, 0), (0, seq_pad - x.shape[1]), (0, 0)))  # n*C -> S_pad: windows fit
+    return lay.back(dq, b, s, hq), keys(dk), keys(dv)
 
 
 def _own_gpu_bwd(q, lay: _Layout, own_start, d_out, lse, delta, *, block_size, scale, interpret, block_sizes):
@@ -331,8 +333,10 @@ def _key_grads(own_grad, group_grad, group, window_start):
 
 
 def _bwd(block_size, scale, backend, interpret, block_sizes, res, d_out):
-    """Each part's kernels give its gradients; every final gradient is then one fused pass that
-    gathers its parts (no zero-filled float32 arrays, scatter-adds or separate casts)."""
+    """Each part's kernels give its gradients; dq is then one fused pass that gathers its parts.
+    dK/dV: on TPU the selected blocks' kernel adds each group's sum into the own part's dK/dV
+    in place; on GPU one fused pass gathers them too (no zero-filled float32 arrays or
+    scatter-adds on either)."""
     q, k, v, own_start, past, out, lse = res
     b, s, hq, d = q.shape
     hkv = k.shape[2]
@@ -347,7 +351,7 @@ def _bwd(block_size, scale, backend, interpret, block_sizes, res, d_out):
         t, kern = past.tiles, _kernels(backend, "_blocks")
         real = t.rows >= 0
         do_f, lse_f = d_out.astype(v.dtype).reshape(-1, v.shape[-1]), lse.reshape(-1)
-        dq_t, dk_g, dv_g = kern.block_attention_bwd(
+        rows = (
             _gather_rows(qf, t.rows),
             lay.k,
             lay.v,
@@ -358,6 +362,8 @@ def _bwd(block_size, scale, backend, interpret, block_sizes, res, d_out):
             jnp.where(real[..., None], _gather_rows(do_f, t.rows), 0),
             jnp.where(real, _gather_rows(lse_f, t.rows), jnp.inf),
             jnp.where(real, _gather_rows(delta, t.rows), 0.0),
+        )
+        kw = dict(
             scale=scale,
             block_size=block_size,
             block_sizes=block_sizes,
@@ -365,11 +371,17 @@ def _bwd(block_size, scale, backend, interpret, block_sizes, res, d_out):
             interpret=interpret,
             **lay.kv_heads,
         )
+        if backend == "tpu":
+            dq_t, dk, dv = kern.block_attention_bwd(*rows, dk, dv, **kw)
+        else:
+            dq_t, dk_g, dv_g = kern.block_attention_bwd(*rows, **kw)
+            group = _group_of_keys(past, own_start, hkv)
+            window_start = kern.window_starts(past.group_start, block_size, lay.seq)
+            dk = _key_grads(dk, dk_g, group, window_start)
+            dv = _key_grads(dv, dv_g, group, window_start)
         dq = sum(_selections(past, dq_t, 0.0, (b, s, hq)), dq.astype(jnp.float32))
-        group = _group_of_keys(past, own_start, hkv)
-        window_start = kern.window_starts(past.group_start, block_size, lay.seq)
-        dk = _key_grads(dk, dk_g, group, window_start)
-        dv = _key_grads(dv, dv_g, group, window_start)
+    if backend == "tpu":
+        dk, dv = lay.back(dk, b, s, hkv), lay.back(dv, b, s, hkv)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 

@@ -165,7 +165,10 @@ def block_attention_bwd(
     num_groups,
     interpret=False,
 ):
-    """Same contract as pallas_kernels.moba.tpu_blocks.block_attention_bwd (windows = blocks)."""
+    """do_rows [T, Qt, Dv]; lse, delta [T, Qt] (+inf / 0 on padding rows). Returns dq [T, Qt, D]
+    in the rows' dtype, and dk [G + 1, C, D], dv [G + 1, C, Dv] per (batch, KV head, block)
+    group, rounded once (slot G: padding tiles). Unlike the TPU kernel, which adds into the
+    own part's dK/dV in place, the caller adds these windows (windows = blocks)."""
     ntiles, qt, d = q_rows.shape
     ck = block_sizes.kv_block
     whole, dv = pl.no_block_spec, v.shape[-1]

@@ -7,8 +7,10 @@ keys as one window of `block_size + ALIGN` keys starting at the block start roun
 ALIGN (an element-offset BlockSpec, `pl.Element`), so consecutive tiles of a group keep the
 same window index and Pallas skips the copy. Every row sees the whole block, so the forward
 is a plain softmax (no online rescaling) and the backward finishes dq within the step; dK/dV
-accumulate in float32 VMEM across the group's consecutive tiles and are written once per group,
-in the input dtype, at its last tile (megablox's pattern: zero on the group's first tile).
+accumulate in float32 VMEM across the group's consecutive tiles (megablox's pattern: zero on
+the group's first tile) and, at its last tile, are added into the own part's dK/dV over the
+window, in place (input/output aliased, the window read, added and written back by DMAs the
+step awaits: neighbouring blocks' windows overlap), so no per-group array or final pass exists.
 Padding tiles (after the real ones, group G) keep the last real tile's K/V window and input
 rows, so nothing is copied in, and skip their work (`pl.when`); their output blocks are their
 own (never read: on a megacore grid split, a shared one would be written back from both).
@@ -97,16 +99,23 @@ def _bwd_kernel(
     do_ref,
     lse_ref,
     delta_ref,
+    dk_own_ref,
+    dv_own_ref,
     dq_ref,
     dk_ref,
     dv_ref,
     dk_acc,
     dv_acc,
+    dk_win,
+    dv_win,
+    sems,
     *,
     scale,
     block_size,
     num_groups,
+    kv_heads,
 ):
+    del dk_own_ref, dv_own_ref  # aliased to dk_ref, dv_ref
     t = pl.program_id(0)
     offset = _offset(win_ref, start_ref, t)
 
@@ -115,7 +124,7 @@ def _bwd_kernel(
         dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
         dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
 
-    @pl.when(group_ref[t] < num_groups)  # padding tiles: no work (dq and their dK/dV slot are dropped)
+    @pl.when(group_ref[t] < num_groups)  # padding tiles: no work (their dq is dropped)
     def _tile():
         q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
         s, inside = _scores_t(q, k, offset, scale=scale, block_size=block_size)
@@ -128,11 +137,38 @@ def _bwd_kernel(
         dv_acc[...] += jnp.dot(p.astype(do.dtype), do, preferred_element_type=jnp.float32)
 
     last = pl.num_programs(0) - 1
+    group_ends = (t == last) | (group_ref[jnp.minimum(t + 1, last)] != group_ref[t])
 
-    @pl.when((t == last) | (group_ref[jnp.minimum(t + 1, last)] != group_ref[t]))  # the group's last tile
-    def _store():
-        dk_ref[...] = dk_acc[...].astype(dk_ref.dtype)
-        dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
+    @pl.when(group_ends & (group_ref[t] < num_groups))
+    def _add_to_own():
+        # read, add, write back, each copy awaited within the step: windows of neighbouring
+        # blocks overlap (the ALIGN slack), so no copy may be in flight across steps
+        copies = [
+            (_window(ref, kv_ref[t], win_ref[t], kv_heads, buf.shape), buf, sems.at[i])
+            for i, (ref, buf) in enumerate(((dk_ref, dk_win), (dv_ref, dv_win)))
+        ]
+        _awaited([pltpu.make_async_copy(hbm, buf, sem) for hbm, buf, sem in copies])
+        dk_win[...] = (dk_win[...].astype(jnp.float32) + dk_acc[...]).astype(dk_win.dtype)
+        dv_win[...] = (dv_win[...].astype(jnp.float32) + dv_acc[...]).astype(dv_win.dtype)
+        _awaited([pltpu.make_async_copy(buf, hbm, sem) for hbm, buf, sem in copies])
+
+
+def _awaited(copies):
+    for c in copies:
+        c.start()
+    for c in copies:
+        c.wait()
+
+
+def _window(ref, kv_row, win, kv_heads, shape):
+    """The group's window [W, D] of a key gradient in HBM: [B*Hkv, S_pad, D], or the natural
+    [B, S, Hkv*D] (kv_heads = Hkv; the head's D lanes)."""
+    w, width = shape
+    keys = pl.ds(pl.multiple_of(win * ALIGN, ALIGN), w)
+    if kv_heads is None:
+        return ref.at[kv_row, keys, :]
+    lanes = pl.ds(pl.multiple_of(jax.lax.rem(kv_row, kv_heads) * width, width), width)
+    return ref.at[jax.lax.div(kv_row, kv_heads), keys, lanes]
 
 
 def _interpret(interpret):
@@ -182,7 +218,7 @@ def cost_estimate(part: str, q_rows, dv: int, block_size: int, groups: int = 0):
             ntiles * w * (d + dv) * item
             + rows
             + ntiles * qt * (dv * item + 4 + d * item)
-            + groups * w * (d + dv) * item
+            + 2 * groups * w * (d + dv) * item  # each group's window of dK/dV: read, added, written
         ),
     )
 
@@ -256,6 +292,8 @@ def block_attention_bwd(
     do_rows,
     lse,
     delta,
+    dk_own,
+    dv_own,
     *,
     scale,
     block_size,
@@ -265,35 +303,42 @@ def block_attention_bwd(
     interpret=False,
 ):
     """do_rows [T, Qt, Dv]; lse, delta [T, Qt] (+inf / 0 on padding rows); tile_group,
-    group_first [T]. Returns dq [T, Qt, D] in the rows' dtype (each row's part is complete:
-    one rounding, like a flash backward's dq), and dk [G + 1, W, D], dv [G + 1, W, Dv] per group
-    (the rows' dtype, rounded once) with the window start of each tile (`window_starts`), slot
-    G for padding tiles."""
+    group_first [T]; dk_own, dv_own: the own part's dK/dV, laid out like k and v. Returns dq
+    [T, Qt, D] in the rows' dtype (each row's part is complete: one rounding, like a flash
+    backward's dq), and dK, dV: dk_own, dv_own with each group's float32 sum added over its
+    window (`window_starts`) and rounded once, in place (the buffers are aliased)."""
+    if dk_own.shape != k.shape or dv_own.shape != v.shape:
+        raise ValueError(f"dk_own, dv_own must be laid out like k, v: {dk_own.shape}, {dv_own.shape}")
     ntiles, qt, d = q_rows.shape
     dv, w = v.shape[-1] // (kv_heads or 1), window(block_size)
     row_in = lambda width: pl.BlockSpec((None, qt, width), lambda t, *refs: (refs[-1][t], 0, 0))
     lane_row = pl.BlockSpec((None, 1, qt), lambda t, *refs: (refs[-1][t], 0, 0))
     kv_spec = lambda width: _kv_spec(w, width, kv_heads)
-    group_spec = lambda width: pl.BlockSpec((None, w, width), lambda t, kv, win, st, g, *_: (g[t], 0, 0))
-    dq, dk, dvv = pl.pallas_call(
-        functools.partial(_bwd_kernel, scale=scale, block_size=block_size, num_groups=num_groups),
+    in_hbm = pl.BlockSpec(memory_space=pl.ANY)
+    return pl.pallas_call(
+        functools.partial(
+            _bwd_kernel, scale=scale, block_size=block_size, num_groups=num_groups, kv_heads=kv_heads
+        ),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
             grid=(ntiles,),
-            in_specs=[row_in(d), kv_spec(d), kv_spec(dv), row_in(dv), lane_row, lane_row],
-            out_specs=[
-                pl.BlockSpec((None, qt, d), lambda t, *_: (t, 0, 0)),
-                group_spec(d),
-                group_spec(dv),
+            in_specs=[row_in(d), kv_spec(d), kv_spec(dv), row_in(dv), lane_row, lane_row, in_hbm, in_hbm],
+            out_specs=[pl.BlockSpec((None, qt, d), lambda t, *_: (t, 0, 0)), in_hbm, in_hbm],
+            scratch_shapes=[
+                pltpu.VMEM((w, d), jnp.float32),
+                pltpu.VMEM((w, dv), jnp.float32),
+                pltpu.VMEM((w, d), dk_own.dtype),
+                pltpu.VMEM((w, dv), dv_own.dtype),
+                pltpu.SemaphoreType.DMA((2,)),
             ],
-            scratch_shapes=[pltpu.VMEM((w, d), jnp.float32), pltpu.VMEM((w, dv), jnp.float32)],
         ),
         out_shape=[
             jax.ShapeDtypeStruct((ntiles, qt, d), q_rows.dtype),
-            jax.ShapeDtypeStruct((num_groups + 1, w, d), q_rows.dtype),
-            jax.ShapeDtypeStruct((num_groups + 1, w, dv), q_rows.dtype),
+            jax.ShapeDtypeStruct(dk_own.shape, dk_own.dtype),
+            jax.ShapeDtypeStruct(dv_own.shape, dv_own.dtype),
         ],
-        # dK/dV accumulate across consecutive steps: the grid runs in order
+        input_output_aliases={12: 1, 13: 2},  # dk_own, dv_own (after the 6 scalar tables)
+        # dK/dV accumulate across consecutive steps and windows are updated in place: in order
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
         interpret=_interpret(interpret),
         name="moba_block_bwd",
@@ -311,5 +356,6 @@ def block_attention_bwd(
         do_rows,
         lse.reshape(ntiles, 1, qt),
         delta.reshape(ntiles, 1, qt),
+        dk_own,
+        dv_own,
     )
-    return dq, dk, dvv
