@@ -134,10 +134,13 @@ def _full_block_means(k, doc_pos, block_size: int):
 
 def block_means(blocks, dtype) -> jax.Array:
     """[B, n, C, Hkv, D] keys -> [B, n, Hkv, D] float32 means, rounded to `dtype` as a kernel
-    holding them in the compute dtype would. Summed in float32 by a matmul with ones. libtpu
-    turns it into a float32 copy of the keys and a reduce, as it does `jnp.sum(...,
-    dtype=float32)` (BENCHMARKS.md, "Group windows written in the input dtype")."""
-    c = blocks.shape[2]
-    ones = jnp.ones((c,), blocks.dtype)
-    sums = jnp.einsum("bnchd,c->bnhd", blocks, ones, preferred_element_type=jnp.float32)
-    return (sums / c).astype(dtype).astype(jnp.float32)
+    holding them in the compute dtype would. Summed in float32 by a matmul of 8 rows of ones
+    (one row would do): a one-row product, like `jnp.sum(..., dtype=float32)`, becomes a
+    reduce, and libtpu then makes a float32 copy of the keys (1 GiB at 128K, 16 KV heads);
+    8 rows stay a matmul that reads the keys as they are (BENCHMARKS.md)."""
+    b, n, c, h, d = blocks.shape
+    ones = jnp.ones((8, c), blocks.dtype)
+    sums = jnp.einsum(
+        "rc,bncx->bnrx", ones, blocks.reshape(b, n, c, h * d), preferred_element_type=jnp.float32
+    )
+    return (sums[:, :, 0].reshape(b, n, h, d) / c).astype(dtype).astype(jnp.float32)
