@@ -14,9 +14,9 @@ the selected earlier blocks (tpu_blocks.py):
   from the previous grid step's; lse and delta are lane-dense rows. Both directions also count
   the XLA glue around the kernels: the per-head layouts of q, K, V, dO and o (read + write;
   none where the kernels read them in place: head dim a multiple of 128, S of the block),
-  the tile gathers of q and dO (read + write), and the backward's final pass, which reads each
-  part's gradient once (dq: the own part's and each selection's row; dK/dV: the own part's and,
-  for keys of a selected block, the row of its group's window) and writes dq, dK, dV;
+  the tile gathers of q and dO (read + write), and the backward's final pass for dq, which
+  reads the own part's row and each selection's row and writes dq (the selected blocks' kernel
+  adds its dK/dV into the own part's in place: each group's window read and written);
 - the GPU own-block kernels (gpu_own.py): issued (query, key) pairs from their tables, over the
   own block's visible pairs;
 - routing: HBM bytes of the gate compiled ahead of time for a TPU (libtpu, the `tpu` extra),
