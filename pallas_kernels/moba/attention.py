@@ -352,8 +352,9 @@ def _bwd(block_size, scale, backend, interpret, block_sizes, res, d_out):
         real = t.rows >= 0
         do_f, lse_f = d_out.astype(v.dtype).reshape(-1, v.shape[-1]), lse.reshape(-1)
         rows = (
-            # gathered again, not shared with the forward's gather: 1.25 GiB that would otherwise
-            # stay live across the forward's merge (v5e at 128K: temp 7.13 -> 6.34 GiB)
+            # gathered again, not shared with the forward's gather, whose output would otherwise
+            # stay live across the forward's merge: one more gather for less peak memory
+            # (BENCHMARKS.md, "dK/dV added in place")
             _gather_rows(jax.lax.optimization_barrier(qf), t.rows),
             lay.k,
             lay.v,
