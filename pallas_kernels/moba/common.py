@@ -270,6 +270,17 @@ def dkv_step(carry, q, do, p, ds, scale):
     return dk, dv
 
 
+def tpu_interpret(interpret):
+    """pallas_call's `interpret` for the TPU kernels: "tpu" runs the TPU interpreter
+    (`pltpu.InterpretParams()`: DMAs, semaphores, TPU memory on CPU), an InterpretParams is
+    used as given (e.g. `detect_races=True`), anything else is a plain bool."""
+    from jax.experimental.pallas import tpu as pltpu  # imported only for the TPU kernels
+
+    if isinstance(interpret, pltpu.InterpretParams):
+        return interpret
+    return pltpu.InterpretParams() if interpret == "tpu" else bool(interpret)
+
+
 def triton_params(num_warps: int = 4):
     """Compiler parameters of the GPU kernels (Pallas -> Triton)."""
     from jax.experimental.pallas import triton as pltriton

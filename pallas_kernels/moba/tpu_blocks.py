@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.moba.common import ALIGN, NT, TN
+from pallas_kernels.moba.common import ALIGN, NT, TN, tpu_interpret
 
 
 def window(block_size: int) -> int:
@@ -171,10 +171,6 @@ def _window(ref, kv_row, win, kv_heads, shape):
     return ref.at[jax.lax.div(kv_row, kv_heads), keys, lanes]
 
 
-def _interpret(interpret):
-    return pltpu.InterpretParams() if interpret == "tpu" else bool(interpret)
-
-
 def _kv_spec(w: int, width: int, kv_heads):
     """A window of w keys of one KV head: from k/v [B*Hkv, S_pad, D] (kv_heads None), or from
     the natural [B, S, Hkv*D] (its D lanes; D a multiple of 128 on a TPU)."""
@@ -265,7 +261,7 @@ def block_attention_fwd(
             jax.ShapeDtypeStruct((ntiles, 1, qt), jnp.float32),
         ],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
-        interpret=_interpret(interpret),
+        interpret=tpu_interpret(interpret),
         name="moba_block_fwd",
         cost_estimate=cost_estimate("fwd", q_rows, dv, block_size),
     )(
@@ -340,7 +336,7 @@ def block_attention_bwd(
         input_output_aliases={12: 1, 13: 2},  # dk_own, dv_own (after the 6 scalar tables)
         # dK/dV accumulate across consecutive steps and windows are updated in place: in order
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
-        interpret=_interpret(interpret),
+        interpret=tpu_interpret(interpret),
         name="moba_block_bwd",
         cost_estimate=cost_estimate("bwd", q_rows, dv, block_size, num_groups),
     )(

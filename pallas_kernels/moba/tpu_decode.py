@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.moba.common import ALIGN
+from pallas_kernels.moba.common import ALIGN, tpu_interpret
 
 NT = (((1,), (1,)), ((), ()))  # dot_general dimension numbers for a @ b.T
 
@@ -96,7 +96,7 @@ def moba_decode_tpu(q, k_cache, v_cache, starts, lo, hi, size: int, scale: float
         ),
         out_shape=jax.ShapeDtypeStruct((b, hq, 1, dv), jnp.float32),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
-        interpret=pltpu.InterpretParams() if interpret == "tpu" else bool(interpret),
+        interpret=tpu_interpret(interpret),
         name="moba_decode_tpu",
         cost_estimate=pl.CostEstimate(
             flops=2 * b * hq * blocks * size * (d + dv),

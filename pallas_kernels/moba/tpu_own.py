@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.moba.common import NT, TN
+from pallas_kernels.moba.common import NT, TN, tpu_interpret
 
 
 def own_tables(own_start: jax.Array, *, block_size: int, seq_pad: int):
@@ -183,10 +183,6 @@ def _bwd_kernel(
         dvc_ref[...] = dvc_acc[...].astype(dvc_ref.dtype)
 
 
-def _interpret(interpret):
-    return pltpu.InterpretParams() if interpret == "tpu" else bool(interpret)
-
-
 def _specs(c, hkv, groups, n, natural):
     """Index maps over the grid (r = b * Hkv + KV head, step i: chunk n - 1 - i, query head g
     of the group). Head-major arrays [B*H, S_pad, D] are blocked by row; natural ones
@@ -259,7 +255,7 @@ def own_attention_fwd(q, k, v, own, needs, prev, *, scale, block_size, heads=Non
             jax.ShapeDtypeStruct((b * hq, 1, n * c), jnp.float32),
         ],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary")),
-        interpret=_interpret(interpret),
+        interpret=tpu_interpret(interpret),
         name="moba_own_fwd",
         cost_estimate=_cost(q, v, b, hq, hkv, d, dv, c, n, "fwd"),
     )(needs, prev, q, k, v, k, v, own)
@@ -299,7 +295,7 @@ def own_attention_bwd(
         # dK/dV accumulate over the query heads of a group and carry to the previous chunk:
         # those steps run in order
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary")),
-        interpret=_interpret(interpret),
+        interpret=tpu_interpret(interpret),
         name="moba_own_bwd",
         cost_estimate=_cost(q, v, b, hq, hkv, d, dv, c, n, "bwd"),
     )(needs, prev, q, k, v, k, v, own, do, lse, delta)
