@@ -20,6 +20,7 @@ from effattn_jax.ops.routing import moba_routing
 from effattn_jax.sharding import make_mesh
 from effattn_jax.train.state import init_state, make_setup
 from effattn_jax.train.step import make_train_step
+from pallas_kernels.moba import attention as moba_attention_module
 from pallas_kernels.moba.attention import _forward, _layout, _past_schedule, moba_pallas, padded_length
 from pallas_kernels.moba.common import ALIGN, BlockSizes, past_tiles, prefix_scan
 
@@ -76,6 +77,17 @@ def check_against_reference(kernel, interpret, b, s, hq, hkv, c, top_k, lengths,
 @pytest.mark.parametrize("kernel", ["tpu", "gpu"])
 def test_kernels_interpreted_match_reference(kernel, name):
     check_against_reference(kernel, True, *CASES[name])
+
+
+@pytest.mark.parametrize("kernel", ["tpu", "gpu"])
+def test_merge_by_chunks_and_backward_by_slices(kernel, monkeypatch):
+    """What long sequences take: the parts merged (and dq gathered) a few positions at a time,
+    the last chunk overlapping the one before (50 positions in chunks of 7), and on TPU the
+    selected blocks' backward in calls of 7 tiles, two groups cut between calls."""
+    monkeypatch.setattr(moba_attention_module, "MERGE_ROWS", 7 * 2 * 2)  # batch 2 x 2 heads per position
+    monkeypatch.setattr(moba_attention_module, "MERGE_WHOLE_ROWS", 0)
+    monkeypatch.setattr(moba_attention_module, "BWD_SLICE_ROWS", 7 * SMALL.past_q_tile)
+    check_against_reference(kernel, True, *CASES["packed_documents"])
 
 
 @pytest.mark.parametrize("kernel", ["tpu", "gpu"])

@@ -89,6 +89,10 @@ class _Layout(NamedTuple):
         """The kernels' layout -> [B, S, H, D]."""
         return x.reshape(b, s, h, -1) if self.natural else _unheads(x, b, s)
 
+    def chunk(self, x, start, size, b, h):
+        """Positions [start, start + size) of an array in the kernels' layout -> [B, size, H, D]."""
+        return self.back(jax.lax.dynamic_slice_in_dim(x, start, size, axis=1), b, size, h)
+
 
 def reads_in_place(backend: str, seq: int, head_dim: int, v_head_dim: int, block_size: int) -> bool:
     """Whether the kernels take q, K, V, dO as they lie ([B, S, H*D]) rather than head-major
@@ -128,7 +132,8 @@ def _gather_rows(x_flat, rows):
 
 
 def _own_tpu_fwd(q, lay: _Layout, own_start, *, block_size, scale, interpret):
-    """The own part by the chunk-diagonal TPU kernel (tpu_own.py): (o [B, S, Hq, Dv], lse [B, S, Hq])."""
+    """The own part by the chunk-diagonal TPU kernel (tpu_own.py): (o float32 in the kernels'
+    layout, lse [B, S, Hq])."""
     b, s, _, _ = q.shape
     tpu_own = _kernels("tpu", "_own")
     tables = tpu_own.own_tables(own_start, block_size=block_size, seq_pad=lay.seq)
@@ -142,11 +147,11 @@ def _own_tpu_fwd(q, lay: _Layout, own_start, *, block_size, scale, interpret):
         heads=lay.heads,
         interpret=interpret,
     )
-    return lay.back(o, b, s, q.shape[2]), _unheads(lse[:, 0], b, s)
+    return o, _unheads(lse[:, 0], b, s)
 
 
 def _own_gpu_fwd(q, lay: _Layout, own_start, *, block_size, scale, interpret, block_sizes):
-    """The own part by the GPU kernel (gpu_own.py): (o [B, S, Hq, Dv], lse [B, S, Hq])."""
+    """The own part by the GPU kernel (gpu_own.py): (o float32 [B*Hq, S_pad, Dv], lse [B, S, Hq])."""
     b, s = own_start.shape
     gpu_own = _kernels("gpu", "_own")
     lo, first, _ = gpu_own.own_tables(
@@ -163,7 +168,7 @@ def _own_gpu_fwd(q, lay: _Layout, own_start, *, block_size, scale, interpret, bl
         block_sizes=block_sizes,
         interpret=interpret,
     )
-    return _unheads(o, b, s), _unheads(lse[..., 0], b, s)
+    return o, _unheads(lse[..., 0], b, s)
 
 
 def _forward(q, k, v, own_start, past, *, block_size, scale, backend, interpret, block_sizes):
@@ -184,28 +189,37 @@ def _forward(q, k, v, own_start, past, *, block_size, scale, backend, interpret,
             interpret=interpret,
             block_sizes=block_sizes,
         )
-    o_parts, l_parts = [o_own], [lse_own]  # [B, S, Hq, Dv], [B, S, Hq] per part
-    if past is not None:
-        t = past.tiles
-        o_p, lse_p = _kernels(backend, "_blocks").block_attention_fwd(
-            _gather_rows(qf, t.rows),
-            lay.k,
-            lay.v,
-            t.kv_row,
-            t.key_start,
-            past.tile_group,
-            scale=scale,
-            block_size=block_size,
-            block_sizes=block_sizes,
-            num_groups=past.group_tiles.shape[0],
-            interpret=interpret,
-            **lay.kv_heads,
-        )
-        o_parts += _selections(past, o_p, 0.0, (b, s, hq))
-        l_parts += _selections(past, lse_p, -jnp.inf, (b, s, hq))
-    lse = jax.nn.logsumexp(jnp.stack(l_parts), axis=0)  # [B, S, Hq]; every query sees itself: finite
-    out = sum(jnp.exp(l - lse)[..., None] * o for l, o in zip(l_parts, o_parts, strict=True))
-    return out, lse
+    if past is None:
+        return lay.back(o_own, b, s, hq), lse_own
+    t = past.tiles
+    o_p, lse_p = _kernels(backend, "_blocks").block_attention_fwd(
+        _gather_rows(qf, t.rows),
+        lay.k,
+        lay.v,
+        t.kv_row,
+        t.key_start,
+        past.tile_group,
+        scale=scale,
+        block_size=block_size,
+        block_sizes=block_sizes,
+        num_groups=past.group_tiles.shape[0],
+        interpret=interpret,
+        **lay.kv_heads,
+    )
+    o_rows, l_rows = o_p.reshape(-1, o_p.shape[-1]), lse_p.reshape(-1)
+
+    def merge(start, size):
+        """The parts of positions [start, start + size) merged by log-sum-exp."""
+        l_parts = [jax.lax.dynamic_slice_in_dim(lse_own, start, size, axis=1)]  # [B, size, Hq] per part
+        o_parts = [lay.chunk(o_own, start, size, b, hq)]  # [B, size, Hq, Dv] per part
+        for row, valid in _slots(past, start, size, (b, s, hq)):
+            l_parts.append(jnp.where(valid, l_rows[row], -jnp.inf))
+            o_parts.append(jnp.where(valid[..., None], o_rows[row], 0.0))
+        lse = jax.nn.logsumexp(jnp.stack(l_parts), axis=0)  # every query sees itself: finite
+        out = sum(jnp.exp(l - lse)[..., None] * o for l, o in zip(l_parts, o_parts, strict=True))
+        return out.astype(q.dtype), lse
+
+    return _by_positions(merge, s, b * hq)
 
 
 def moba_pallas(q, k, v, own_start, past_start, block_size, scale, backend, interpret, block_sizes):
@@ -247,9 +261,9 @@ def _fwd(q, k, v, own_start, past, block_size, scale, backend, interpret, block_
 
 
 def _own_tpu_bwd(q, lay: _Layout, own_start, d_out, lse, delta, *, block_size, scale, interpret):
-    """The own part's gradients by the chunk-diagonal TPU kernel, in the inputs' dtypes: dq
-    [B, S, Hq, D], and dK/dV in the kernels' layout over S_pad keys (the selected blocks' kernel
-    adds to them in place, a window of block + ALIGN keys at a time)."""
+    """The own part's gradients by the chunk-diagonal TPU kernel, in the inputs' dtypes and the
+    kernels' layout: dq, and dK/dV over S_pad keys (the selected blocks' kernel adds to them in
+    place, a window of block + ALIGN keys at a time)."""
     b, s, hq, d = q.shape
     seq_pad, c = lay.seq, block_size
     tpu_own = _kernels("tpu", "_own")
@@ -270,12 +284,12 @@ def _own_tpu_bwd(q, lay: _Layout, own_start, d_out, lse, delta, *, block_size, s
         interpret=interpret,
     )
     keys = lambda x: jnp.pad(x, ((0, 0), (0, seq_pad - x.shape[1]), (0, 0)))  # n*C -> S_pad: windows fit
-    return lay.back(dq, b, s, hq), keys(dk), keys(dv)
+    return dq, keys(dk), keys(dv)
 
 
 def _own_gpu_bwd(q, lay: _Layout, own_start, d_out, lse, delta, *, block_size, scale, interpret, block_sizes):
-    """The own part's gradients by the GPU kernels (gpu_own.py), as _own_tpu_bwd's. Padding
-    rows have dO = 0 and delta = 0, so they contribute nothing."""
+    """The own part's gradients by the GPU kernels (gpu_own.py): dq head-major [B*Hq, S_pad, D],
+    dK/dV [B, S, Hkv, D]. Padding rows have dO = 0 and delta = 0, so they contribute nothing."""
     b, s, hq, _ = q.shape
     seq_pad = lay.seq
     gpu_own = _kernels("gpu", "_own")
@@ -295,19 +309,41 @@ def _own_gpu_bwd(q, lay: _Layout, own_start, d_out, lse, delta, *, block_size, s
         block_sizes=block_sizes,
         interpret=interpret,
     )
-    return _unheads(dq_h, b, s), _unheads(dk_o, b, s), _unheads(dv_o, b, s)
+    return dq_h, _unheads(dk_o, b, s), _unheads(dv_o, b, s)
 
 
-def _selections(past, x_t, fill, shape):
-    """Per-tile rows x_t [T, Qt, ...] back at their queries: one `shape` [B, S, Hq] + [...] array
-    per selection slot (`fill` where the slot is unused). One gather per slot, so XLA can fuse
-    each into its consumer instead of materialising a [B, S, Hq, K', ...] array."""
-    rows = x_t.reshape(-1, *x_t.shape[2:])
-    ones = (1,) * (x_t.ndim - 2)
-    return [
-        jnp.where(valid.reshape(valid.shape + ones), rows[index], fill).reshape(*shape, *x_t.shape[2:])
-        for index, valid in zip(past.pair_row, past.valid, strict=True)
-    ]
+MERGE_ROWS = 1 << 17  # (position, query head) rows per step of the parts' merge (_by_positions) ...
+MERGE_WHOLE_ROWS = 1 << 19  # ... when it has more rows than this
+
+
+def _slots(past, start, size, shape):
+    """For positions [start, start + size): per selection slot, the tile row of each query's
+    selection and whether the slot is used, [B, size, Hq] each (shape: [B, S, Hq])."""
+    cut = lambda x: jax.lax.dynamic_slice_in_dim(x.reshape(shape), start, size, axis=1)
+    return [(cut(row), cut(valid)) for row, valid in zip(past.pair_row, past.valid, strict=True)]
+
+
+def _by_positions(step, s: int, rows_per_position: int):
+    """step(start, size) -> a tuple of [B, size, ...] arrays, run over positions [0, s) about
+    MERGE_ROWS rows at a time. XLA on TPU materialises each slot's gather of the tile rows
+    rather than fusing it into the merge (float32, 1 GiB per slot at 128K with 16 heads), so
+    the merge gathers a chunk at a time. The last chunk ends at s, overlapping the one before
+    it (both write the same values). Up to MERGE_WHOLE_ROWS rows it is one step: v5e compiles
+    needed more memory with the loop there (BENCHMARKS.md, "... merged in chunks")."""
+    size = min(s, max(1, MERGE_ROWS // rows_per_position))
+    if s * rows_per_position <= MERGE_WHOLE_ROWS:
+        return step(0, s)
+    parts = jax.eval_shape(lambda: step(0, size))
+
+    def body(i, acc):
+        start = jnp.minimum(i * size, s - size)
+        return tuple(
+            jax.lax.dynamic_update_slice_in_dim(a, x, start, axis=1)
+            for a, x in zip(acc, step(start, size), strict=True)
+        )
+
+    init = tuple(jnp.zeros((x.shape[0], s, *x.shape[2:]), x.dtype) for x in parts)
+    return jax.lax.fori_loop(0, -(-s // size), body, init)
 
 
 def _group_of_keys(past, own_start, num_kv_heads):
@@ -332,11 +368,55 @@ def _key_grads(own_grad, group_grad, group, window_start):
     return own_grad.astype(jnp.float32) + past
 
 
+BWD_SLICE_ROWS = 1 << 21  # tile rows per call of the selected blocks' TPU backward (_tpu_past_bwd)
+
+
+def _tpu_past_bwd(kern, qf, lay, past, d_out, lse, delta, dk, dv, **kw):
+    """The selected blocks' TPU backward over the schedule's tiles, BWD_SLICE_ROWS rows a call:
+    each call gathers only its tiles' q and dO rows (1.25 GiB each for the whole schedule at
+    128K, 16 heads), writes its dq tiles into one [T, Qt, D] buffer and adds its dK/dV into the
+    own part's, both in place (aliased). A group cut by a slice is added in two parts, so its
+    dK/dV is rounded twice. Returns (dq tiles, dK, dV)."""
+    t = past.tiles
+    ntiles, qt = t.rows.shape
+    do_f, lse_f = d_out.reshape(-1, d_out.shape[-1]).astype(lay.v.dtype), lse.reshape(-1)
+    # q gathered again, not shared with the forward's gather, whose output would otherwise stay
+    # live across the forward's merge: one more gather for less peak memory (BENCHMARKS.md,
+    # "dK/dV added in place")
+    qf = jax.lax.optimization_barrier(qf)
+    calls = -(-ntiles * qt // BWD_SLICE_ROWS)
+    size = -(-ntiles // calls)
+    dq_t = None
+    for lo in range(0, ntiles, size):
+        cut = slice(lo, min(lo + size, ntiles))
+        rows = t.rows[cut]
+        real = rows >= 0
+        dq_t, dk, dv = kern.block_attention_bwd(
+            _gather_rows(qf, rows),
+            lay.k,
+            lay.v,
+            t.kv_row[cut],
+            t.key_start[cut],
+            past.tile_group[cut],
+            past.group_first[cut].at[0].set(1),  # a group cut by the slice starts again at zero
+            jnp.where(real[..., None], _gather_rows(do_f, rows), 0),
+            jnp.where(real, _gather_rows(lse_f, rows), jnp.inf),
+            jnp.where(real, _gather_rows(delta, rows), 0.0),
+            dk,
+            dv,
+            dq_into=dq_t,
+            first_tile=lo,
+            num_tiles=ntiles,
+            **kw,
+        )
+    return dq_t, dk, dv
+
+
 def _bwd(block_size, scale, backend, interpret, block_sizes, res, d_out):
-    """Each part's kernels give its gradients; dq is then one fused pass that gathers its parts.
-    dK/dV: on TPU the selected blocks' kernel adds each group's sum into the own part's dK/dV
-    in place; on GPU one fused pass gathers them too (no zero-filled float32 arrays or
-    scatter-adds on either)."""
+    """Each part's kernels give its gradients; dq is then one pass that gathers its parts, a
+    chunk of positions at a time (_by_positions). dK/dV: on TPU the selected blocks' kernel adds
+    each group's sum into the own part's dK/dV in place; on GPU one fused pass gathers them too
+    (no zero-filled float32 arrays or scatter-adds on either)."""
     q, k, v, own_start, past, out, lse = res
     b, s, hq, d = q.shape
     hkv = k.shape[2]
@@ -347,25 +427,10 @@ def _bwd(block_size, scale, backend, interpret, block_sizes, res, d_out):
     dq, dk, dv = own_bwd(
         q, lay, own_start, d_out, lse, delta, block_size=block_size, scale=scale, interpret=interpret
     )
-    if past is not None:
+    if past is None:
+        dq = lay.back(dq, b, s, hq)
+    else:
         t, kern = past.tiles, _kernels(backend, "_blocks")
-        real = t.rows >= 0
-        do_f, lse_f = d_out.astype(v.dtype).reshape(-1, v.shape[-1]), lse.reshape(-1)
-        rows = (
-            # gathered again, not shared with the forward's gather, whose output would otherwise
-            # stay live across the forward's merge: one more gather for less peak memory
-            # (BENCHMARKS.md, "dK/dV added in place")
-            _gather_rows(jax.lax.optimization_barrier(qf), t.rows),
-            lay.k,
-            lay.v,
-            t.kv_row,
-            t.key_start,
-            past.tile_group,
-            past.group_first,
-            jnp.where(real[..., None], _gather_rows(do_f, t.rows), 0),
-            jnp.where(real, _gather_rows(lse_f, t.rows), jnp.inf),
-            jnp.where(real, _gather_rows(delta, t.rows), 0.0),
-        )
         kw = dict(
             scale=scale,
             block_size=block_size,
@@ -375,14 +440,38 @@ def _bwd(block_size, scale, backend, interpret, block_sizes, res, d_out):
             **lay.kv_heads,
         )
         if backend == "tpu":
-            dq_t, dk, dv = kern.block_attention_bwd(*rows, dk, dv, **kw)
+            dq_t, dk, dv = _tpu_past_bwd(kern, qf, lay, past, d_out, lse, delta, dk, dv, **kw)
         else:
-            dq_t, dk_g, dv_g = kern.block_attention_bwd(*rows, **kw)
+            real = t.rows >= 0
+            dq_t, dk_g, dv_g = kern.block_attention_bwd(
+                _gather_rows(jax.lax.optimization_barrier(qf), t.rows),
+                lay.k,
+                lay.v,
+                t.kv_row,
+                t.key_start,
+                past.tile_group,
+                past.group_first,
+                jnp.where(
+                    real[..., None], _gather_rows(d_out.astype(v.dtype).reshape(-1, v.shape[-1]), t.rows), 0
+                ),
+                jnp.where(real, _gather_rows(lse.reshape(-1), t.rows), jnp.inf),
+                jnp.where(real, _gather_rows(delta, t.rows), 0.0),
+                **kw,
+            )
             group = _group_of_keys(past, own_start, hkv)
             window_start = kern.window_starts(past.group_start, block_size, lay.seq)
             dk = _key_grads(dk, dk_g, group, window_start)
             dv = _key_grads(dv, dv_g, group, window_start)
-        dq = sum(_selections(past, dq_t, 0.0, (b, s, hq)), dq.astype(jnp.float32))
+        dq_rows, dq_own = dq_t.reshape(-1, d), dq
+
+        def combine(start, size):
+            """dq of positions [start, start + size): the own part plus each selection's tile row."""
+            dq = lay.chunk(dq_own, start, size, b, hq).astype(jnp.float32)
+            for row, valid in _slots(past, start, size, (b, s, hq)):
+                dq = dq + jnp.where(valid[..., None], dq_rows[row], 0.0)
+            return (dq.astype(q.dtype),)
+
+        (dq,) = _by_positions(combine, s, b * hq)
     if backend == "tpu":
         dk, dv = lay.back(dk, b, s, hkv), lay.back(dv, b, s, hkv)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None

@@ -99,23 +99,14 @@ def _bwd_kernel(
     do_ref,
     lse_ref,
     delta_ref,
-    dk_own_ref,
-    dv_own_ref,
-    dq_ref,
-    dk_ref,
-    dv_ref,
-    dk_acc,
-    dv_acc,
-    dk_win,
-    dv_win,
-    sems,
-    *,
+    *refs,
     scale,
     block_size,
     num_groups,
     kv_heads,
 ):
-    del dk_own_ref, dv_own_ref  # aliased to dk_ref, dv_ref
+    # before them: dk_own, dv_own (and dq_into), aliased to dk_ref, dv_ref (and dq_ref)
+    dq_ref, dk_ref, dv_ref, dk_acc, dv_acc, dk_win, dv_win, sems = refs[-8:]
     t = pl.program_id(0)
     offset = _offset(win_ref, start_ref, t)
 
@@ -296,16 +287,28 @@ def block_attention_bwd(
     block_sizes,
     num_groups,
     kv_heads=None,
+    dq_into=None,
+    first_tile=0,
+    num_tiles=None,
     interpret=False,
 ):
     """do_rows [T, Qt, Dv]; lse, delta [T, Qt] (+inf / 0 on padding rows); tile_group,
     group_first [T]; dk_own, dv_own: the own part's dK/dV, laid out like k and v. Returns dq
     [T, Qt, D] in the rows' dtype (each row's part is complete: one rounding, like a flash
     backward's dq), and dK, dV: dk_own, dv_own with each group's float32 sum added over its
-    window (`window_starts`) and rounded once, in place (the buffers are aliased)."""
+    window (`window_starts`) and rounded once, in place (the buffers are aliased).
+
+    A schedule may run in slices, one call each (tiles first_tile.. of num_tiles): dq then
+    comes as the whole [num_tiles, Qt, D], this call's tiles written into dq_into (the previous
+    call's, aliased; None on the first, whose other tiles are left unwritten). The first tile
+    of a slice must be marked in group_first (its group's accumulators start there)."""
     if dk_own.shape != k.shape or dv_own.shape != v.shape:
         raise ValueError(f"dk_own, dv_own must be laid out like k, v: {dk_own.shape}, {dv_own.shape}")
     ntiles, qt, d = q_rows.shape
+    num_tiles = ntiles if num_tiles is None else num_tiles
+    if not 0 <= first_tile <= num_tiles - ntiles:
+        raise ValueError(f"tiles {first_tile}..{first_tile + ntiles} are not inside the {num_tiles} tiles")
+    dq_in = [] if dq_into is None else [dq_into]
     dv, w = v.shape[-1] // (kv_heads or 1), window(block_size)
     row_in = lambda width: pl.BlockSpec((None, qt, width), lambda t, *refs: (refs[-1][t], 0, 0))
     lane_row = pl.BlockSpec((None, 1, qt), lambda t, *refs: (refs[-1][t], 0, 0))
@@ -318,8 +321,9 @@ def block_attention_bwd(
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
             grid=(ntiles,),
-            in_specs=[row_in(d), kv_spec(d), kv_spec(dv), row_in(dv), lane_row, lane_row, in_hbm, in_hbm],
-            out_specs=[pl.BlockSpec((None, qt, d), lambda t, *_: (t, 0, 0)), in_hbm, in_hbm],
+            in_specs=[row_in(d), kv_spec(d), kv_spec(dv), row_in(dv), lane_row, lane_row]
+            + [in_hbm] * (2 + len(dq_in)),
+            out_specs=[pl.BlockSpec((None, qt, d), lambda t, *_: (t + first_tile, 0, 0)), in_hbm, in_hbm],
             scratch_shapes=[
                 pltpu.VMEM((w, d), jnp.float32),
                 pltpu.VMEM((w, dv), jnp.float32),
@@ -329,11 +333,12 @@ def block_attention_bwd(
             ],
         ),
         out_shape=[
-            jax.ShapeDtypeStruct((ntiles, qt, d), q_rows.dtype),
+            jax.ShapeDtypeStruct((num_tiles, qt, d), q_rows.dtype),
             jax.ShapeDtypeStruct(dk_own.shape, dk_own.dtype),
             jax.ShapeDtypeStruct(dv_own.shape, dv_own.dtype),
         ],
-        input_output_aliases={12: 1, 13: 2},  # dk_own, dv_own (after the 6 scalar tables)
+        # dk_own, dv_own, dq_into (after the 6 scalar tables)
+        input_output_aliases={12: 1, 13: 2, **({14: 0} if dq_in else {})},
         # dK/dV accumulate across consecutive steps and windows are updated in place: in order
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
         interpret=tpu_interpret(interpret),
@@ -354,4 +359,5 @@ def block_attention_bwd(
         delta.reshape(ntiles, 1, qt),
         dk_own,
         dv_own,
+        *dq_in,
     )
