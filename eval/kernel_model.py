@@ -108,9 +108,10 @@ def past_counts(past, *, d: int, dv: int, item: int, block_size: int, seq_pad: i
     ntiles, qt = past.tiles.rows.shape
     groups = int((np.asarray(past.group_tiles) > 0).sum())
     real = int(np.asarray(past.group_tiles).sum())  # tiles that do work
-    w = tpu_blocks.window(block_size)
     q = jax.ShapeDtypeStruct((ntiles, qt, d), jnp.bfloat16 if item == 2 else jnp.float32)
-    starts = np.asarray(tpu_blocks.window_starts(past.tiles.key_start, block_size, seq_pad)).astype(np.int64)
+    w = tpu_blocks.window(block_size, q.dtype)
+    starts = tpu_blocks.window_starts(past.tiles.key_start, block_size, seq_pad, q.dtype)
+    starts = np.asarray(starts).astype(np.int64)
     kv_bytes = (
         _copies(np.asarray(past.tiles.kv_row).astype(np.int64) * seq_pad + starts) * w * (d + dv) * item
     )

@@ -459,7 +459,7 @@ def _bwd(block_size, scale, backend, interpret, block_sizes, res, d_out):
                 **kw,
             )
             group = _group_of_keys(past, own_start, hkv)
-            window_start = kern.window_starts(past.group_start, block_size, lay.seq)
+            window_start = kern.window_starts(past.group_start, block_size, lay.seq, lay.k.dtype)
             dk = _key_grads(dk, dk_g, group, window_start)
             dv = _key_grads(dv, dv_g, group, window_start)
         dq_rows, dq_own = dq_t.reshape(-1, d), dq

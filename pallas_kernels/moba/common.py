@@ -26,8 +26,14 @@ NT = (((1,), (1,)), ((), ()))  # dot_general dimension numbers for a @ b.T
 TN = (((0,), (0,)), ((), ()))  # ... and for a.T @ b
 
 BACKENDS = ("tpu", "gpu")
-ALIGN = 32  # whole-block kernels' window starts: multiples of the sublane tile of any dtype down to 8 bits
+ALIGN = 32  # a multiple of the sublane tile of any dtype down to 8 bits (sublane_tile)
 SCHEDULE_NAME = "moba_schedule"  # jax.checkpoint_name of the routing tables and schedule (ints)
+
+
+def sublane_tile(dtype) -> int:
+    """Rows of a TPU (8, 128) tile of 32-bit words in this dtype: 8 float32, 16 bf16, 32 for 8 bits.
+    A copy whose rows start at a multiple of it starts on a whole tile."""
+    return 32 // jnp.dtype(dtype).itemsize
 
 
 @dataclasses.dataclass(frozen=True)

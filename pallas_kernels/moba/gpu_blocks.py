@@ -21,11 +21,11 @@ from jax.experimental import pallas as pl
 from pallas_kernels.moba.common import NT, dkv_step, online_softmax_init, online_softmax_step, triton_params
 
 
-def window(block_size: int) -> int:
+def window(block_size: int, dtype) -> int:
     return block_size
 
 
-def window_starts(block_start: jax.Array, block_size: int, seq_len: int) -> jax.Array:
+def window_starts(block_start: jax.Array, block_size: int, seq_len: int, dtype) -> jax.Array:
     """tpu_blocks.window_starts' contract; a GPU program reads exactly the block."""
     return block_start.astype(jnp.int32)
 

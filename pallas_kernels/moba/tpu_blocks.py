@@ -3,8 +3,9 @@ whole block in that step.
 
 A tile holds up to `past_q_tile` query rows of one (batch, KV head, block) group, from any of
 the KV head's query heads (GQA: one K/V fetch serves them all). Each step fetches the block's
-keys as one window of `block_size + ALIGN` keys starting at the block start rounded down to
-ALIGN (an element-offset BlockSpec, `pl.Element`), so consecutive tiles of a group keep the
+keys as one window of `block_size + A` keys starting at the block start rounded down to A,
+the dtype's sublane tile (an element-offset BlockSpec, `pl.Element`, whose copies then start
+on whole tiles: A = 16 keys in bf16), so consecutive tiles of a group keep the
 same window index and Pallas skips the copy. Every row sees the whole block, so the forward
 is a plain softmax (no online rescaling) and the backward finishes dq within the step; dK/dV
 accumulate in float32 VMEM across the group's consecutive tiles (megablox's pattern: zero on
@@ -27,20 +28,22 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.moba.common import ALIGN, NT, TN, tpu_interpret
+from pallas_kernels.moba.common import NT, TN, sublane_tile, tpu_interpret
 
 
-def window(block_size: int) -> int:
-    """Keys fetched per step: the block plus the alignment slack before it."""
-    return block_size + ALIGN
+def window(block_size: int, dtype) -> int:
+    """Keys fetched per step: the block plus the alignment slack before it, one sublane tile."""
+    return block_size + sublane_tile(dtype)
 
 
-def window_starts(block_start: jax.Array, block_size: int, seq_len: int) -> jax.Array:
-    """Each block's window start: the block start rounded down to ALIGN, and no later than the
-    last ALIGN-aligned window inside the seq_len keys (which still holds the block: a block
-    ends by seq_len, and seq_len is a multiple of ALIGN or at least ALIGN past the last block)."""
-    last = (seq_len - window(block_size)) // ALIGN * ALIGN
-    return jnp.minimum(block_start // ALIGN * ALIGN, last).astype(jnp.int32)
+def window_starts(block_start: jax.Array, block_size: int, seq_len: int, dtype) -> jax.Array:
+    """Each block's window start: the block start rounded down to the dtype's sublane tile A,
+    and no later than the last A-aligned window inside the seq_len keys (which still holds the
+    block: a block ends by seq_len, and seq_len is a multiple of A or at least A past the last
+    block; common.ALIGN is a multiple of every A)."""
+    align = sublane_tile(dtype)
+    last = (seq_len - window(block_size, dtype)) // align * align
+    return jnp.minimum(block_start // align * align, last).astype(jnp.int32)
 
 
 def _scores_t(q, k, offset, *, scale, block_size):
@@ -51,8 +54,8 @@ def _scores_t(q, k, offset, *, scale, block_size):
     return s, (kpos >= offset) & (kpos < offset + block_size)
 
 
-def _offset(win_ref, start_ref, t):
-    return start_ref[t] - win_ref[t] * ALIGN  # win: the window start in units of ALIGN
+def _offset(win_ref, start_ref, t, align):
+    return start_ref[t] - win_ref[t] * align  # win: the window start in units of the sublane tile
 
 
 def _fwd_kernel(
@@ -70,9 +73,10 @@ def _fwd_kernel(
     scale,
     block_size,
     num_groups,
+    align,
 ):
     t = pl.program_id(0)
-    offset = _offset(win_ref, start_ref, t)
+    offset = _offset(win_ref, start_ref, t, align)
 
     @pl.when(group_ref[t] < num_groups)  # padding tiles: no work (their output is never read)
     def _tile():
@@ -104,11 +108,12 @@ def _bwd_kernel(
     block_size,
     num_groups,
     kv_heads,
+    align,
 ):
     # before them: dk_own, dv_own (and dq_into), aliased to dk_ref, dv_ref (and dq_ref)
     dq_ref, dk_ref, dv_ref, dk_acc, dv_acc, dk_win, dv_win, sems = refs[-8:]
     t = pl.program_id(0)
-    offset = _offset(win_ref, start_ref, t)
+    offset = _offset(win_ref, start_ref, t, align)
 
     @pl.when(first_ref[t] == 1)
     def _zero():
@@ -133,9 +138,9 @@ def _bwd_kernel(
     @pl.when(group_ends & (group_ref[t] < num_groups))
     def _add_to_own():
         # read, add, write back, each copy awaited within the step: windows of neighbouring
-        # blocks overlap (the ALIGN slack), so no copy may be in flight across steps
+        # blocks overlap (the alignment slack), so no copy may be in flight across steps
         copies = [
-            (_window(ref, kv_ref[t], win_ref[t], kv_heads, buf.shape), buf, sems.at[i])
+            (_window(ref, kv_ref[t], win_ref[t], kv_heads, buf.shape, align), buf, sems.at[i])
             for i, (ref, buf) in enumerate(((dk_ref, dk_win), (dv_ref, dv_win)))
         ]
         _awaited([pltpu.make_async_copy(hbm, buf, sem) for hbm, buf, sem in copies])
@@ -151,29 +156,29 @@ def _awaited(copies):
         c.wait()
 
 
-def _window(ref, kv_row, win, kv_heads, shape):
+def _window(ref, kv_row, win, kv_heads, shape, align):
     """The group's window [W, D] of a key gradient in HBM: [B*Hkv, S_pad, D], or the natural
     [B, S, Hkv*D] (kv_heads = Hkv; the head's D lanes)."""
     w, width = shape
-    keys = pl.ds(pl.multiple_of(win * ALIGN, ALIGN), w)
+    keys = pl.ds(pl.multiple_of(win * align, align), w)
     if kv_heads is None:
         return ref.at[kv_row, keys, :]
     lanes = pl.ds(pl.multiple_of(jax.lax.rem(kv_row, kv_heads) * width, width), width)
     return ref.at[jax.lax.div(kv_row, kv_heads), keys, lanes]
 
 
-def _kv_spec(w: int, width: int, kv_heads):
+def _kv_spec(w: int, width: int, kv_heads, align: int):
     """A window of w keys of one KV head: from k/v [B*Hkv, S_pad, D] (kv_heads None), or from
     the natural [B, S, Hkv*D] (its D lanes; D a multiple of 128 on a TPU)."""
     if kv_heads is None:
         return pl.BlockSpec(
-            (None, pl.Element(w), pl.Element(width)), lambda t, kv, win, *_: (kv[t], win[t] * ALIGN, 0)
+            (None, pl.Element(w), pl.Element(width)), lambda t, kv, win, *_: (kv[t], win[t] * align, 0)
         )
     return pl.BlockSpec(  # Mosaic takes element offsets on every dim or none: the head's lanes too
         (None, pl.Element(w), pl.Element(width)),
         lambda t, kv, win, *_: (
             jax.lax.div(kv[t], kv_heads),
-            win[t] * ALIGN,
+            win[t] * align,
             jax.lax.rem(kv[t], kv_heads) * width,
         ),
     )
@@ -189,7 +194,7 @@ def _row_tiles(tile_group, num_groups: int):
 def cost_estimate(part: str, q_rows, dv: int, block_size: int, groups: int = 0):
     """`pl.CostEstimate` as issued: every step multiplies its rows by the whole window."""
     ntiles, qt, d = q_rows.shape
-    item, w = q_rows.dtype.itemsize, window(block_size)
+    item, w = q_rows.dtype.itemsize, window(block_size, q_rows.dtype)
     pairs = ntiles * qt * w
     rows = ntiles * qt * (d * item + 4)  # q and lse
     if part == "fwd":
@@ -225,15 +230,17 @@ def block_attention_fwd(
     kv_heads=None,
     interpret=False,
 ):
-    """q_rows [T, Qt, D]; k/v [B*Hkv, S_pad, D|Dv] with S_pad >= S + ALIGN, or with kv_heads
-    = Hkv the natural [B, S, Hkv*D|Dv] with S a multiple of ALIGN (`window_starts`); kv_row,
+    """q_rows [T, Qt, D]; k/v [B*Hkv, S_pad, D|Dv] with S_pad >= S + common.ALIGN, or with kv_heads
+    = Hkv the natural [B, S, Hkv*D|Dv] with S a multiple of common.ALIGN (`window_starts`); kv_row,
     block_start, tile_group [T] (tiles of group `num_groups` are padding, skipped). Returns
     o [T, Qt, Dv] float32 (normalised) and lse [T, Qt]."""
     ntiles, qt, d = q_rows.shape
-    dv, w = v.shape[-1] // (kv_heads or 1), window(block_size)
-    kv_spec = lambda width: _kv_spec(w, width, kv_heads)
+    dv, w, align = v.shape[-1] // (kv_heads or 1), window(block_size, k.dtype), sublane_tile(k.dtype)
+    kv_spec = lambda width: _kv_spec(w, width, kv_heads, align)
     o, lse = pl.pallas_call(
-        functools.partial(_fwd_kernel, scale=scale, block_size=block_size, num_groups=num_groups),
+        functools.partial(
+            _fwd_kernel, scale=scale, block_size=block_size, num_groups=num_groups, align=align
+        ),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=5,
             grid=(ntiles,),
@@ -257,7 +264,7 @@ def block_attention_fwd(
         cost_estimate=cost_estimate("fwd", q_rows, dv, block_size),
     )(
         kv_row,
-        window_starts(block_start, block_size, k.shape[1]) // ALIGN,
+        window_starts(block_start, block_size, k.shape[1], k.dtype) // align,
         block_start,
         tile_group,
         _row_tiles(tile_group, num_groups),
@@ -309,14 +316,19 @@ def block_attention_bwd(
     if not 0 <= first_tile <= num_tiles - ntiles:
         raise ValueError(f"tiles {first_tile}..{first_tile + ntiles} are not inside the {num_tiles} tiles")
     dq_in = [] if dq_into is None else [dq_into]
-    dv, w = v.shape[-1] // (kv_heads or 1), window(block_size)
+    dv, w, align = v.shape[-1] // (kv_heads or 1), window(block_size, k.dtype), sublane_tile(k.dtype)
     row_in = lambda width: pl.BlockSpec((None, qt, width), lambda t, *refs: (refs[-1][t], 0, 0))
     lane_row = pl.BlockSpec((None, 1, qt), lambda t, *refs: (refs[-1][t], 0, 0))
-    kv_spec = lambda width: _kv_spec(w, width, kv_heads)
+    kv_spec = lambda width: _kv_spec(w, width, kv_heads, align)
     in_hbm = pl.BlockSpec(memory_space=pl.ANY)
     return pl.pallas_call(
         functools.partial(
-            _bwd_kernel, scale=scale, block_size=block_size, num_groups=num_groups, kv_heads=kv_heads
+            _bwd_kernel,
+            scale=scale,
+            block_size=block_size,
+            num_groups=num_groups,
+            kv_heads=kv_heads,
+            align=align,
         ),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
@@ -346,7 +358,7 @@ def block_attention_bwd(
         cost_estimate=cost_estimate("bwd", q_rows, dv, block_size, num_groups),
     )(
         kv_row,
-        window_starts(block_start, block_size, k.shape[1]) // ALIGN,
+        window_starts(block_start, block_size, k.shape[1], k.dtype) // align,
         block_start,
         tile_group,
         group_first,
