@@ -111,9 +111,9 @@ class MobaConfig:
     block_size: int = 512
     top_k: int = 3  # counts the query's own block
     impl: str = "auto"  # one of MOBA_IMPLS
-    q_tile: int = 128  # query rows per tile (GPU own-block kernel; the XLA path's selected-block tiles)
+    q_tile: int = 128  # query rows per tile of the GPU own-block kernel
     kv_block: int = 128  # GPU kernels: keys per step
-    past_q_tile: int = 256  # Pallas whole-block kernels: query rows per step on a selected earlier block
+    past_q_tile: int = 256  # query rows per step on a selected earlier block (whole-block kernels, XLA path)
     routing_chunk: int = 512  # gate scores are computed this many queries at a time (bounds memory)
     # Schedule hybrid: MoBA layers switch to dense attention from this step on
     # (0 = never); or from the step at which this many tokens have been seen.

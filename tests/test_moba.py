@@ -65,7 +65,7 @@ def test_xla_matches_reference_float32(name):
 
 
 def test_tile_and_chunk_knobs_change_the_schedule_not_the_result(monkeypatch):
-    """moba.q_tile reaches the XLA path's tiles and moba.routing_chunk the gate's query chunks
+    """moba.past_q_tile reaches the XLA path's tiles and moba.routing_chunk the gate's query chunks
     (small values: several tiles per block, several chunks plus a padded one)."""
     from effattn_jax.ops import moba_xla
 
@@ -78,7 +78,7 @@ def test_tile_and_chunk_knobs_change_the_schedule_not_the_result(monkeypatch):
     kw = dict(block_size=4, top_k=3, segment_ids=segments(2, [13, 20, 17]))
     want = jax.jit(lambda q, k, v: moba_attention(q, k, v, impl="reference", **kw))(q, k, v)
     xla = lambda q, k, v: moba_attention(
-        q, k, v, impl="xla", block_sizes=BlockSizes(q_tile=3), routing_chunk=7, **kw
+        q, k, v, impl="xla", block_sizes=BlockSizes(past_q_tile=3), routing_chunk=7, **kw
     )
     got = jax.jit(xla)(q, k, v)
     assert q_tiles == [3]

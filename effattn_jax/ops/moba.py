@@ -94,7 +94,7 @@ def moba_attention(
     `scale` defaults to 1/sqrt(D). impl: "reference" (dense mask), "xla"
     (sub-quadratic), "pallas" / "pallas_tpu" / "pallas_gpu" (kernels; see
     `resolve_impl`), "auto". `block_sizes`: tile sizes of the kernels (all
-    fields) and of the XLA path (q_tile). `routing_chunk`: queries per chunk of
+    fields) and of the XLA path (past_q_tile). `routing_chunk`: queries per chunk of
     gate scores. `rules`: logical sharding rules; under a context mesh the
     kernels run per (batch, head) shard through shard_map.
     """
@@ -126,5 +126,5 @@ def moba_attention(
         block_size=block_size,
         segment_ids=segment_ids,
         scale=scale,
-        q_tile=block_sizes.q_tile,
+        q_tile=block_sizes.past_q_tile,
     )

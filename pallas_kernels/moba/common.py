@@ -42,8 +42,8 @@ class BlockSizes:
     128-row query tiles and 128-key sub-blocks).
 
     past_q_tile: query rows per step of the whole-block kernels (the selected earlier blocks,
-    both backends). The GPU's own-block kernel also uses q_tile (query rows per program, also
-    the XLA path's selected-block tiles) and kv_block (keys per step, also the GPU whole-block
+    both backends; also the XLA path's selected-block tiles). The GPU's own-block kernel also
+    uses q_tile (query rows per program) and kv_block (keys per step, also the GPU whole-block
     kernels' step); the TPU's own-block kernel works in chunks of the MoBA block. Construction
     checks what every path needs; `check_backend` adds what one backend's compiler needs on
     real hardware (interpret mode needs neither)."""
