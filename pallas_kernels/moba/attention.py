@@ -371,37 +371,43 @@ def _key_grads(own_grad, group_grad, group, window_start):
 BWD_SLICE_ROWS = 1 << 21  # tile rows per call of the selected blocks' TPU backward (_tpu_past_bwd)
 
 
-def _tpu_past_bwd(kern, qf, lay, past, d_out, lse, delta, dk, dv, **kw):
+def _tile_rows(qf, do_f, lse_f, delta, rows):
+    """q, dO, lse and delta [B*S*Hq, ...] gathered into tiles of `rows` (padding rows, -1: dO
+    and delta 0, lse +inf, so they contribute nothing)."""
+    real = rows >= 0
+    return (
+        _gather_rows(qf, rows),
+        jnp.where(real[..., None], _gather_rows(do_f, rows), 0),
+        jnp.where(real, _gather_rows(lse_f, rows), jnp.inf),
+        jnp.where(real, _gather_rows(delta, rows), 0.0),
+    )
+
+
+def _tpu_past_bwd(kern, flat, lay, past, dk, dv, **kw):
     """The selected blocks' TPU backward over the schedule's tiles, BWD_SLICE_ROWS rows a call:
-    each call gathers only its tiles' q and dO rows (1.25 GiB each for the whole schedule at
-    128K, 16 heads), writes its dq tiles into one [T, Qt, D] buffer and adds its dK/dV into the
-    own part's, both in place (aliased). A group cut by a slice is added in two parts, so its
-    dK/dV is rounded twice. Returns (dq tiles, dK, dV)."""
+    each call gathers only its tiles' rows of `flat` (q, dO, lse, delta; q and dO are 1.25 GiB
+    each for the whole schedule at 128K, 16 heads), writes its dq tiles into one [T, Qt, D]
+    buffer and adds its dK/dV into the own part's, both in place (aliased). A group cut by a
+    slice is added in two parts, so its dK/dV is rounded twice. Returns (dq tiles, dK, dV)."""
     t = past.tiles
     ntiles, qt = t.rows.shape
-    do_f, lse_f = d_out.reshape(-1, d_out.shape[-1]).astype(lay.v.dtype), lse.reshape(-1)
-    # q gathered again, not shared with the forward's gather, whose output would otherwise stay
-    # live across the forward's merge: one more gather for less peak memory (BENCHMARKS.md,
-    # "dK/dV added in place")
-    qf = jax.lax.optimization_barrier(qf)
     calls = -(-ntiles * qt // BWD_SLICE_ROWS)
     size = -(-ntiles // calls)
     dq_t = None
     for lo in range(0, ntiles, size):
         cut = slice(lo, min(lo + size, ntiles))
-        rows = t.rows[cut]
-        real = rows >= 0
+        q_r, do_r, lse_r, delta_r = _tile_rows(*flat, t.rows[cut])
         dq_t, dk, dv = kern.block_attention_bwd(
-            _gather_rows(qf, rows),
+            q_r,
             lay.k,
             lay.v,
             t.kv_row[cut],
             t.key_start[cut],
             past.tile_group[cut],
             past.group_first[cut].at[0].set(1),  # a group cut by the slice starts again at zero
-            jnp.where(real[..., None], _gather_rows(do_f, rows), 0),
-            jnp.where(real, _gather_rows(lse_f, rows), jnp.inf),
-            jnp.where(real, _gather_rows(delta, rows), 0.0),
+            do_r,
+            lse_r,
+            delta_r,
             dk,
             dv,
             dq_into=dq_t,
@@ -439,23 +445,30 @@ def _bwd(block_size, scale, backend, interpret, block_sizes, res, d_out):
             interpret=interpret,
             **lay.kv_heads,
         )
+        # q gathered again, not shared with the forward's gather, whose output would otherwise
+        # stay live across the forward's merge: one more gather for less peak memory
+        # (BENCHMARKS.md, "dK/dV added in place")
+        flat = (
+            jax.lax.optimization_barrier(qf),
+            d_out.reshape(-1, d_out.shape[-1]).astype(lay.v.dtype),
+            lse.reshape(-1),
+            delta,
+        )
         if backend == "tpu":
-            dq_t, dk, dv = _tpu_past_bwd(kern, qf, lay, past, d_out, lse, delta, dk, dv, **kw)
+            dq_t, dk, dv = _tpu_past_bwd(kern, flat, lay, past, dk, dv, **kw)
         else:
-            real = t.rows >= 0
+            q_r, do_r, lse_r, delta_r = _tile_rows(*flat, t.rows)
             dq_t, dk_g, dv_g = kern.block_attention_bwd(
-                _gather_rows(jax.lax.optimization_barrier(qf), t.rows),
+                q_r,
                 lay.k,
                 lay.v,
                 t.kv_row,
                 t.key_start,
                 past.tile_group,
                 past.group_first,
-                jnp.where(
-                    real[..., None], _gather_rows(d_out.astype(v.dtype).reshape(-1, v.shape[-1]), t.rows), 0
-                ),
-                jnp.where(real, _gather_rows(lse.reshape(-1), t.rows), jnp.inf),
-                jnp.where(real, _gather_rows(delta, t.rows), 0.0),
+                do_r,
+                lse_r,
+                delta_r,
                 **kw,
             )
             group = _group_of_keys(past, own_start, hkv)

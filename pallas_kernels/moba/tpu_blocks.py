@@ -355,7 +355,8 @@ def block_attention_bwd(
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
         interpret=tpu_interpret(interpret),
         name="moba_block_bwd",
-        cost_estimate=cost_estimate("bwd", q_rows, dv, block_size, num_groups),
+        # a slice's share of the groups' window updates
+        cost_estimate=cost_estimate("bwd", q_rows, dv, block_size, -(-num_groups * ntiles // num_tiles)),
     )(
         kv_row,
         window_starts(block_start, block_size, k.shape[1], k.dtype) // align,
