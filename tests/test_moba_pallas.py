@@ -124,8 +124,9 @@ def test_prefix_scan_equals_cumsum_and_cummax(n):
 
 @pytest.mark.parametrize("s", [6, 100, 512, 1000])
 def test_padded_length_holds_every_window(s):
-    """The whole-block kernels fetch block + ALIGN keys per step, also on the padding steps of
-    a sequence shorter than a block (no earlier blocks): the padded length must hold one."""
+    """The whole-block kernels fetch the block plus at most ALIGN keys per step, also on the
+    padding steps of a sequence shorter than a block (no earlier blocks): the padded length
+    must hold one."""
     bs = BlockSizes()
     pad = padded_length(s, 512, bs)
     assert pad % 512 == 0 and pad >= max(s, 512) + ALIGN

@@ -53,7 +53,8 @@ def _unheads(x, b, s):
 def padded_length(s: int, block_size: int, block_sizes: BlockSizes) -> int:
     """S_pad: a multiple of the block (the TPU own-block chunks) and of the GPU own-block tiles
     and sub-blocks, and at least S + ALIGN and block + ALIGN (the whole-block kernels' windows,
-    block + ALIGN keys, may run past S; with no earlier block their padding steps read one)."""
+    the block plus at most ALIGN keys of slack, may run past S; with no earlier block their
+    padding steps read one)."""
     m = math.lcm(block_sizes.q_tile, block_sizes.kv_block, block_size)
     return -(-(max(s, block_size) + ALIGN) // m) * m
 
@@ -263,7 +264,7 @@ def _fwd(q, k, v, own_start, past, block_size, scale, backend, interpret, block_
 def _own_tpu_bwd(q, lay: _Layout, own_start, d_out, lse, delta, *, block_size, scale, interpret):
     """The own part's gradients by the chunk-diagonal TPU kernel, in the inputs' dtypes and the
     kernels' layout: dq, and dK/dV over S_pad keys (the selected blocks' kernel adds to them in
-    place, a window of block + ALIGN keys at a time)."""
+    place, one block's window at a time)."""
     b, s, hq, d = q.shape
     seq_pad, c = lay.seq, block_size
     tpu_own = _kernels("tpu", "_own")
