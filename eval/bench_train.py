@@ -1,16 +1,21 @@
 """Training throughput vs this machine's float32 matmul peak, measured in one run.
 
     python -m eval.bench_train --config configs/cpu/default.yaml [key=value ...] [--repeats 5]
+        [--profile 15]
 
 Alternates timed train steps (synthetic tokens, the real step function and
 shardings) with timed large matmuls so that machine noise hits both; reports
-medians, tokens/s, model FLOP/s and its fraction of the matmul peak.
+medians, tokens/s, model FLOP/s and its fraction of the matmul peak. `--profile N` then
+traces a few steps and prints the N XLA ops that took the most time: where the step goes.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import glob
 import statistics
+import tempfile
 import time
 
 import jax
@@ -82,6 +87,36 @@ def head_matmuls_timer(cfg, embed, batch):
     return _warm_timer(jax.jit(matmuls), x, embed.T)
 
 
+def top_ops(step, state, batch, steps: int = 3):
+    """Traces `steps` train steps -> (XLA op, seconds per step), largest first. An op's time is
+    its own: ops it encloses (a scan's body inside its while) are counted as theirs, not
+    twice. Summed over the threads that ran it, so on 2 cores the ops can add up to more than
+    the step; a multithreaded matmul counts its wait for the other thread. The names are the
+    optimized HLO's (XLA_FLAGS="--xla_dump_to=DIR --xla_dump_hlo_as_text" shows what each is)."""
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            for _ in range(steps):
+                state, m = step(state, batch)
+            jax.block_until_ready(m)
+        (path,) = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
+        data = jax.profiler.ProfileData.from_file(path)
+    seconds = collections.Counter()
+    for plane in data.planes:
+        for line in plane.lines:
+            # an op's event names its HLO instruction; executor and thread-pool events do not
+            events = [e for e in line.events if any(k == "hlo_op" for k, _ in e.stats)]
+            events.sort(key=lambda e: (e.start_ns, -e.duration_ns))
+            enclosing = []  # (end, name) of the ops open at this event's start
+            for e in events:
+                while enclosing and enclosing[-1][0] <= e.start_ns:
+                    enclosing.pop()
+                if enclosing:
+                    seconds[enclosing[-1][1]] -= e.duration_ns / 1e9 / steps
+                seconds[e.name] += e.duration_ns / 1e9 / steps
+                enclosing.append((e.start_ns + e.duration_ns, e.name))
+    return seconds.most_common()
+
+
 def _warm_timer(f, *args):
     """Runs f once (compile), then returns a timer of one call."""
     jax.block_until_ready(f(*args))
@@ -93,6 +128,7 @@ def main(argv=None):
     p.add_argument("--config", default="configs/cpu/default.yaml")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--steps-per-repeat", type=int, default=3)
+    p.add_argument("--profile", type=int, default=0, metavar="N", help="print the N costliest XLA ops")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
@@ -147,6 +183,12 @@ def main(argv=None):
         f"GFLOP/s ({head_flops / mt / peak:.0%} of the peak); the step with a free softmax: "
         f"{tok_s * flops_tok * st / (st - ht + mt) / peak:.1%} of the peak"
     )
+    if args.profile:
+        print(
+            f"costliest XLA ops, ms per step summed over threads (profiled; the step is {st * 1e3:.0f} ms):"
+        )
+        for name, sec in top_ops(step, state, batch)[: args.profile]:
+            print(f"  {sec * 1e3:8.1f}  {sec / st:5.1%}  {name}")
 
 
 if __name__ == "__main__":
