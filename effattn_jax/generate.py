@@ -28,7 +28,7 @@ from flax import nnx
 
 from effattn_jax.cli import ArgumentParser, non_negative_float, positive_int, probability
 from effattn_jax.model import Transformer, init_cache
-from pallas_kernels.moba.common import ALIGN
+from effattn_jax.ops.cache import cache_length
 
 
 def sample(logits: jax.Array, key, temperature: float = 0.0, top_p: float = 1.0) -> jax.Array:
@@ -73,9 +73,7 @@ class Generator:
         tokens = np.zeros((b, lp), np.int32)
         for i, p in enumerate(prompts):
             tokens[i, : len(p)] = p
-        # slots past the last token are never attended; a multiple of ALIGN lets a TPU take
-        # the MoBA decode kernel (its block starts must be tile-aligned: tpu_decode.fits)
-        length = -(-(lp + max_new_tokens) // ALIGN) * ALIGN
+        length = cache_length(lp + max_new_tokens)
         caches = init_cache(self.model, b, length, self.cache_dtype)
         positions = np.broadcast_to(np.arange(lp, dtype=np.int32), (b, lp))
         logits, caches = self._decode(

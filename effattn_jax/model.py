@@ -9,17 +9,20 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.nnx import traversals
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from effattn_jax.attention import CORES, KINDS
 from effattn_jax.config import Config
 from effattn_jax.layers import RMSNorm, SwiGLU, param
 from effattn_jax.ops.moba import SCHEDULE_NAME
 from effattn_jax.ops.segments import segment_positions
-from effattn_jax.sharding import constrain, sharding_rules
+from effattn_jax.sharding import constrain, logical_to_spec, sharding_rules
 
 # Remat recomputes a layer's activations in the backward but keeps MoBA's routing tables and
 # schedule (small int arrays, no gradient): rebuilding them adds a sort, scatters and gathers
@@ -234,3 +237,41 @@ def param_counts(model: Transformer) -> dict[str, int]:
     gate = sum(v.size for path, v in flat if path[-1] == "gate_table")
     emb = sum(v.size for path, v in flat if path in (("embed",), ("lm_head",)))
     return {"total": total, "embedding": emb, "embedding_gate": gate, "non_embedding": total - emb - gate}
+
+
+# ---------------------------------------------------------------- parameters over a mesh
+
+
+def new_model(cfg: Config) -> Transformer:
+    """A freshly initialised model (from `train.seed`)."""
+    return Transformer(cfg, rngs=nnx.Rngs(params=cfg.train.seed))
+
+
+def param_specs(cfg: Config, mesh: Mesh) -> tuple[Any, dict]:
+    """(graphdef, pure dict of PartitionSpecs) from the Params' logical axes, without allocating."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: new_model(cfg)))
+    rules = sharding_rules(cfg)
+    flat = {
+        path: logical_to_spec(_axes(var), var.shape, mesh.shape, rules)
+        for path, var in nnx.to_flat_state(state)
+    }
+    return graphdef, traversals.unflatten_mapping(flat)
+
+
+def _axes(var) -> tuple:
+    """A parameter's logical axes; stacked (scanned) layers add a leading, unsharded layer axis."""
+    axes = tuple(var.get_metadata()["logical_axes"])
+    return (None,) * (len(var.shape) - len(axes)) + axes
+
+
+def abstract_params(cfg: Config, mesh: Mesh) -> tuple[Any, dict]:
+    """(graphdef, pure dict of ShapeDtypeStructs sharded over `mesh`): what a restore targets."""
+    graphdef, pspecs = param_specs(cfg, mesh)
+    shapes = jax.eval_shape(lambda: nnx.to_pure_dict(nnx.split(new_model(cfg))[1]))
+    is_spec = lambda x: isinstance(x, PartitionSpec)
+    return graphdef, jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s)),
+        shapes,
+        pspecs,
+        is_leaf=is_spec,
+    )

@@ -6,8 +6,8 @@
     scaling     loss against training compute, power-law fits per attention kind
     report      the EG-MLA four-panel figure and its table
 
-The benchmark scripts stay modules of their own: `python -m eval.efficiency`, `eval.bench_train`,
-`eval.bench_attention`, `eval.aot_compile`.
+The benchmark and measurement scripts are modules of their own under `eval/bench/`
+(`python -m eval.bench.<name>`: attention, train, efficiency, aot_compile, gpu_suite, ...).
 
 Multi-process (as train.py: JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, or a
 cluster jax detects): every process evaluates its share on its own devices; process 0 prints

@@ -2,7 +2,7 @@
 (a) average accuracy vs training tokens (every kept checkpoint, as `curves`); (b) final
 validation loss vs gate-table parameters (EG-MLA runs as a curve, the others as flat lines);
 (c) KV-cache elements per token (counted from the cache each model allocates); (d) decode
-ms/token at `--context` (batch 1, synthetic cache, `eval.efficiency.decode_latency`).
+ms/token at `--context` (batch 1, synthetic cache, `eval.decoding.decode_latency`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from eval.tasks import add_task_arguments
 
 
 def efficiency(run: str, context: int) -> dict:
-    from eval.efficiency import decode_latency, kv_cache_report
+    from eval.decoding import decode_latency, kv_cache_report
 
     cfg = checkpoint.load_run_config(run, checkpoint.kept_steps(run)[-1])
     kv = kv_cache_report(cfg)

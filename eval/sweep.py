@@ -109,7 +109,7 @@ def summarize_report(run_dir: Path) -> dict:
     measured for all runs together when drawing (`measure_decode`)."""
     from effattn_jax import checkpoint
     from eval.curves import collect
-    from eval.efficiency import kv_cache_report
+    from eval.decoding import kv_cache_report
     from eval.tasks import parse_tasks
 
     cfg = checkpoint.load_run_config(run_dir, checkpoint.kept_steps(run_dir)[-1])
@@ -132,7 +132,7 @@ def measure_decode(summaries: list[dict], out: Path) -> dict:
     if path.exists() and sorted(json.loads(path.read_text())["ms_per_token"]) == sorted(runs):
         return json.loads(path.read_text())["ms_per_token"]
     from effattn_jax.config import load_config
-    from eval.efficiency import decode_latency
+    from eval.decoding import decode_latency
 
     ms = {}
     for s in summaries:

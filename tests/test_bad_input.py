@@ -8,7 +8,7 @@ import pytest
 from conftest import tiny_overrides
 
 from eval.__main__ import main as eval_main
-from eval.efficiency import main as efficiency_main
+from eval.bench.efficiency import main as efficiency_main
 from eval.tasks import TaskError, load_task
 
 ROOT = Path(__file__).resolve().parents[1]

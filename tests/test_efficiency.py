@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 
 from effattn_jax.config import load_config
-from eval.efficiency import decode_bytes_accessed, decode_latency, kv_cache_report, main, train_cost
+from eval.bench.efficiency import main, train_cost
+from eval.decoding import decode_bytes_accessed, decode_latency, kv_cache_report
 
 PAPER = Path(__file__).resolve().parents[1] / "configs" / "egmla" / "paper"
 

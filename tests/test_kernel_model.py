@@ -1,8 +1,8 @@
-"""eval.kernel_model: the JSON scripts read, and the HLO traffic count it gives routing."""
+"""eval.bench.kernel_model: the JSON scripts read, and the HLO traffic count it gives routing."""
 
 import json
 
-from eval import kernel_model
+from eval.bench import kernel_model
 
 HLO = """HloModule m
 

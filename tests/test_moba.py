@@ -10,9 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from effattn_jax.ops.dense import dense_attention
-from effattn_jax.ops.moba import moba_attention
+from effattn_jax.ops.moba import BlockSizes, moba_attention
 from effattn_jax.ops.routing import moba_routing
-from pallas_kernels.moba.common import BlockSizes
 
 
 def rand_qkv(seed, b, s, hq, hkv, d, dv=None, dtype=jnp.float32):

@@ -13,7 +13,8 @@ from flax import nnx
 
 from effattn_jax.config import load_config
 from effattn_jax.model import Transformer, init_cache
-from effattn_jax.ops.moba_decode import empty_block_means, kv_view, moba_decode_attention, prefill_block_means
+from effattn_jax.ops.cache import kv_view
+from effattn_jax.ops.moba_decode import empty_block_means, moba_decode_attention, prefill_block_means
 from pallas_kernels.moba.gpu_decode import moba_decode_gpu
 
 BLOCK = 4

@@ -15,14 +15,16 @@ from test_moba import rand_qkv, segments
 
 from effattn_jax.config import load_config
 from effattn_jax.model import REMAT_POLICY
-from effattn_jax.ops.moba import moba_attention, moba_reference, moba_reference_mask, resolve_impl
+from effattn_jax.ops.moba import moba_attention, moba_reference, moba_reference_mask
+from effattn_jax.ops.platform import resolve_impl
 from effattn_jax.ops.routing import moba_routing
 from effattn_jax.sharding import make_mesh
 from effattn_jax.train.state import init_state, make_setup
 from effattn_jax.train.step import make_train_step
+from pallas_kernels.common import ALIGN
 from pallas_kernels.moba import attention as moba_attention_module
 from pallas_kernels.moba.attention import _forward, _layout, _past_schedule, moba_pallas, padded_length
-from pallas_kernels.moba.common import ALIGN, BlockSizes, past_tiles, prefix_scan
+from pallas_kernels.moba.schedule import BlockSizes, past_tiles, prefix_scan
 
 SMALL = BlockSizes(q_tile=8, kv_block=8, past_q_tile=8)  # groups of several tiles: dK/dV accumulate
 CASES = {
@@ -227,14 +229,14 @@ def _moba_grad_fn(kernel, block_sizes, s, d, wrap=lambda loss: loss):
 def test_tpu_kernels_compile_for_a_real_tpu(seq):
     """Mosaic lowering and libtpu compile (no TPU needed): forward + backward, bf16, the
     benchmark's head dim and block, with q/K/V read in place (S a multiple of the block) and
-    through head-major copies; the full benchmark shapes are in eval/aot_compile.py."""
+    through head-major copies; the full benchmark shapes are in eval/bench/aot_compile.py."""
     x = v5e_arg()((1, seq, 2, 128))
     lowered = _moba_grad_fn("tpu", BlockSizes(), seq, 128).lower(x, x, x)
     text = lowered.as_text()
     # own block and selected blocks: a forward and one fused backward each
     assert text.count("tpu_custom_call") == 4
     # what libtpu compiles slowly: the backward reuses the forward's sort of the pairs, and no
-    # scan over the pairs (2,048 here) is a reduce_window (common.prefix_scan); those left scan
+    # scan over the pairs (2,048 here) is a reduce_window (schedule.prefix_scan); those left scan
     # the groups and chunks
     assert text.count("stablehlo.sort") == 1
     windows = re.findall(r"window_dimensions = array<i64: ([\d, ]+)>", text)

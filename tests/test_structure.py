@@ -87,24 +87,49 @@ def test_no_import_cycle(graph):
 
 
 def layer_of(module: str) -> str:
-    for prefix in ("effattn_jax.ops", "effattn_jax.attention", "effattn_jax.data", "effattn_jax.train"):
+    """The layer of docs/architecture.md a module belongs to: a subpackage, a top module, or
+    pallas_kernels / eval (the commands and their library) / eval.bench (the scripts)."""
+    for prefix in (
+        "eval.bench",
+        *(f"effattn_jax.{p}" for p in ("ops", "attention", "data", "train", "checkpoint")),
+    ):
         if module == prefix or module.startswith(prefix + "."):
-            return prefix.split(".")[1]
-    return module.split(".")[1] if module.startswith("effattn_jax.") else module.split(".")[0]
+            return prefix.removeprefix("effattn_jax.")
+    if module.startswith("effattn_jax."):
+        return module.split(".")[1]
+    return module.split(".")[0]
 
 
-# What each lower layer may import from the project (docs/architecture.md).
+# What each layer may import from the project besides itself (docs/architecture.md). Kernels
+# are reached through ops only (and measured directly by eval.bench); they import nothing else.
+BELOW_MODEL = {"config", "sharding", "ops", "layers", "attention"}
 ALLOWED = {
+    "effattn_jax": set(),
     "config": set(),
+    "cli": set(),
+    "checksums": set(),
     "sharding": {"config"},
-    "pallas_kernels": {"pallas_kernels"},
-    "ops": {"ops", "config", "sharding", "pallas_kernels"},
+    "pallas_kernels": set(),
+    "ops": {"config", "sharding", "pallas_kernels"},
     "layers": set(),
-    "attention": {"attention", "ops", "layers", "config", "sharding", "pallas_kernels"},
-    "model": {"attention", "ops", "layers", "config", "sharding"},
+    "attention": {"ops", "layers", "config", "sharding"},
+    "model": BELOW_MODEL,
     "flops": {"config"},
-    "data": {"data", "config"},
+    "data": {"config"},
+    "checkpoint": {"config", "sharding", "checksums", "model"},
+    "launch": {"config", "cli"},
+    "train": BELOW_MODEL | {"model", "flops", "data", "checkpoint", "checksums", "launch", "cli"},
+    "generate": BELOW_MODEL | {"model", "data", "checkpoint", "launch", "cli"},
+    "eval": BELOW_MODEL | {"model", "flops", "data", "checkpoint", "launch", "cli", "generate", "train"},
+    "eval.bench": set(),  # on top: anything (filled in below)
 }
+ALLOWED["eval.bench"] = set(ALLOWED) - {"eval.bench"}
+
+
+def test_every_module_has_a_layer(graph):
+    assert {layer_of(name) for name in graph} <= set(ALLOWED), sorted(
+        name for name in graph if layer_of(name) not in ALLOWED
+    )
 
 
 def test_imports_run_one_way(graph):
@@ -112,23 +137,39 @@ def test_imports_run_one_way(graph):
         f"{name} imports {target}"
         for name, targets in graph.items()
         for target in targets
-        if layer_of(name) in ALLOWED and layer_of(target) not in ALLOWED[layer_of(name)]
+        if layer_of(target) != layer_of(name) and layer_of(target) not in ALLOWED.get(layer_of(name), ())
     ]
     assert not wrong, "\n".join(wrong)
 
 
 def test_each_kernel_backend_stands_alone(graph):
-    """The GPU kernels do not import the TPU ones (or the reverse): shared code is in common.py."""
-    moba = "pallas_kernels.moba."
-    gpu, tpu = (
-        {moba + "gpu_own", moba + "gpu_blocks", moba + "gpu_decode"},
-        {moba + "tpu_own", moba + "tpu_blocks"},
-    )
-    for name in gpu:
-        assert graph[name] <= gpu | {moba + "common"}, name
-    for name in tpu:
-        assert graph[name] == {moba + "common"}, name
-    assert graph[moba + "common"] == set()
+    """The GPU kernels do not import the TPU ones (or the reverse); what they share is in
+    pallas_kernels/common.py (every kernel), moba/common.py (the MoBA kernel bodies) and
+    moba/schedule.py (the MoBA schedule, also the XLA path's), which import no kernel."""
+    shared = {"pallas_kernels.common", "pallas_kernels.moba.common", "pallas_kernels.moba.schedule"}
+    by_backend = {
+        b: {*(f"pallas_kernels.moba.{b}_{part}" for part in ("own", "blocks", "decode")),
+            f"pallas_kernels.mla_decode.{b}"}
+        for b in ("tpu", "gpu")
+    }  # fmt: skip
+    for backend, names in by_backend.items():
+        for name in names:
+            assert name in graph, name
+            assert graph[name] <= names | shared, f"{name} ({backend}) imports {graph[name] - names - shared}"
+    assert graph["pallas_kernels.common"] == set()
+    assert graph["pallas_kernels.moba.schedule"] == set()
+    assert graph["pallas_kernels.moba.common"] == {"pallas_kernels.common"}
+
+
+def test_kernel_helpers_are_defined_once():
+    """NT, TN, tpu_interpret and triton_params live in pallas_kernels/common.py only."""
+    pattern = re.compile(r"^(NT|TN) = |^def (tpu_interpret|triton_params)\(", re.M)
+    hits = [
+        str(path.relative_to(ROOT))
+        for path in (ROOT / "pallas_kernels").rglob("*.py")
+        if pattern.search(path.read_text())
+    ]
+    assert hits == ["pallas_kernels/common.py"], hits
 
 
 def test_kernels_and_ops_know_nothing_of_flax():

@@ -27,7 +27,7 @@ from effattn_jax.attention.eg_mla import EGMLA
 from effattn_jax.attention.mha import MHA
 from effattn_jax.attention.mla import MLA
 from effattn_jax.ops.dense import dense_attention, masked_attention
-from effattn_jax.ops.moba import moba_attention
+from effattn_jax.ops.moba import BlockSizes, moba_attention
 from effattn_jax.ops.moba_decode import (
     empty_block_means,
     moba_decode_attention,
@@ -35,7 +35,6 @@ from effattn_jax.ops.moba_decode import (
     update_block_means,
 )
 from effattn_jax.sharding import sharding_rules
-from pallas_kernels.moba.common import BlockSizes
 
 KINDS = {"mha": MHA, "mla": MLA, "eg_mla": EGMLA}
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from effattn_jax.layers import Dense, apply_rope
-from effattn_jax.ops.moba_decode import kv_view
+from effattn_jax.ops.cache import kv_view
 from effattn_jax.sharding import constrain, sharding_rules
 
 

@@ -16,8 +16,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from effattn_jax.layers import Dense, RMSNorm, apply_rope
+from effattn_jax.ops.cache import CacheView, kv_view, take_slots
 from effattn_jax.ops.mla_decode import absorbed_attention
-from effattn_jax.ops.moba_decode import CacheView, kv_view, take_slots
 from effattn_jax.sharding import constrain, sharding_rules
 
 

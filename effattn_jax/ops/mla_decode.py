@@ -7,7 +7,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from effattn_jax.ops.moba import resolve_impl
+from effattn_jax.ops.platform import resolve_impl
 
 
 def absorbed_attention(q_lat, q_rope, lat, kr, positions, scale: float, impl: str = "xla"):

@@ -16,12 +16,14 @@ import jax.numpy as jnp
 from effattn_jax.config import MOBA_IMPLS
 from effattn_jax.ops.dense import masked_attention
 from effattn_jax.ops.moba_xla import moba_xla
-from effattn_jax.ops.platform import target_backend
+from effattn_jax.ops.platform import resolve_impl
 from effattn_jax.ops.routing import Routing, moba_routing
 from effattn_jax.ops.segments import block_starts
 from effattn_jax.sharding import Rules, shard_over_batch_heads
-from pallas_kernels.moba.common import SCHEDULE_NAME as SCHEDULE_NAME  # re-exported: the model's remat policy
-from pallas_kernels.moba.common import BlockSizes
+
+# re-exported: the model's remat policy and the attention registry reach the kernels only through ops
+from pallas_kernels.moba.schedule import SCHEDULE_NAME as SCHEDULE_NAME
+from pallas_kernels.moba.schedule import BlockSizes as BlockSizes
 
 
 def check_args(q, k, v, block_size, top_k, segment_ids, impl):
@@ -57,22 +59,6 @@ def moba_reference(q, k, v, routing: Routing, *, block_size: int, segment_ids=No
     """Dense-mask O(S^2) MoBA, written for clarity: the oracle for every other implementation."""
     mask = moba_reference_mask(routing, block_size=block_size, segment_ids=segment_ids)
     return masked_attention(q, k, v, mask, scale)
-
-
-def resolve_impl(impl: str, backend: str | None = None) -> tuple[str, str | None, bool]:
-    """(path, kernel backend, interpret) for an impl name on a JAX backend.
-
-    auto: the Pallas kernels on TPU and GPU, xla elsewhere. pallas: the kernel
-    for this backend, interpreted on CPU (TPU kernel). pallas_tpu/pallas_gpu:
-    that kernel, interpreted unless running on its own hardware."""
-    backend = backend or target_backend()
-    on = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}.get(backend)
-    if impl == "auto":
-        impl = "pallas" if on else "xla"
-    if impl in ("reference", "xla"):
-        return impl, None, False
-    kernel = impl.removeprefix("pallas_") if impl != "pallas" else (on or "tpu")
-    return "pallas", kernel, kernel != on
 
 
 def moba_attention(

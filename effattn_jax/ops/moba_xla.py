@@ -11,7 +11,7 @@ Two parts, merged per query by log-sum-exp (docs/moba.md, item 6):
   triangle is never computed ((R + 1) / 2R of the square with R parts).
 * Selected earlier blocks: the grouped-matmul trick. The (query, head, block)
   pairs are sorted by block and cut into tiles of q_tile queries sharing one
-  K/V block (`pallas_kernels.moba.common.past_tiles`, the same schedule
+  K/V block (`pallas_kernels.moba.schedule.past_tiles`, the same schedule
   the Pallas kernels run), and one batched einsum runs every tile.
 
 Cost: S * (top_k - 1) * block_size * D for the past part plus about
@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from effattn_jax.ops.routing import Routing
 from effattn_jax.ops.segments import block_starts
-from pallas_kernels.moba.common import past_tiles
+from pallas_kernels.moba.schedule import past_tiles
 
 
 def own_row_parts(block_size: int) -> int:

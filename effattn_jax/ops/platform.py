@@ -1,7 +1,7 @@
 """The platform the ops are traced for: this process's JAX backend, or the target of an
 ahead-of-time compile (a dry run for a TPU slice, traced on a CPU host). Kernel dispatch
-(`resolve_impl`, `resolve_dense_impl`) asks here, so an AOT compile gets the real kernels,
-not their CPU interpretation."""
+(`resolve_impl` here, shared by the MoBA and MLA ops; `ops.dense.resolve_dense_impl`) asks
+here, so an AOT compile gets the real kernels, not their CPU interpretation."""
 
 from __future__ import annotations
 
@@ -25,3 +25,19 @@ def tracing_for(platform: str):
         yield
     finally:
         _TARGET.reset(token)
+
+
+def resolve_impl(impl: str, backend: str | None = None) -> tuple[str, str | None, bool]:
+    """(path, kernel backend, interpret) for an impl name on a JAX backend.
+
+    auto: the Pallas kernels on TPU and GPU, xla elsewhere. pallas: the kernel
+    for this backend, interpreted on CPU (TPU kernel). pallas_tpu/pallas_gpu:
+    that kernel, interpreted unless running on its own hardware."""
+    backend = backend or target_backend()
+    on = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}.get(backend)
+    if impl == "auto":
+        impl = "pallas" if on else "xla"
+    if impl in ("reference", "xla"):
+        return impl, None, False
+    kernel = impl.removeprefix("pallas_") if impl != "pallas" else (on or "tpu")
+    return "pallas", kernel, kernel != on

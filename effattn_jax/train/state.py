@@ -14,11 +14,10 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from flax.nnx import traversals
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from effattn_jax.config import Config, check_batch_divides
-from effattn_jax.model import Transformer
+from effattn_jax.model import Transformer, new_model, param_specs
 from effattn_jax.sharding import logical_to_spec, sharding_rules
 
 
@@ -59,46 +58,12 @@ class TrainSetup:
         return nnx.merge(self.graphdef, params)
 
 
-def _new_model(cfg: Config) -> Transformer:
-    return Transformer(cfg, rngs=nnx.Rngs(params=cfg.train.seed))
-
-
-def param_specs(cfg: Config, mesh: Mesh) -> tuple[Any, dict]:
-    """(graphdef, pure dict of PartitionSpecs) from the Params' logical axes, without allocating."""
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: _new_model(cfg)))
-    rules = sharding_rules(cfg)
-    flat = {
-        path: logical_to_spec(_axes(var), var.shape, mesh.shape, rules)
-        for path, var in nnx.to_flat_state(state)
-    }
-    return graphdef, traversals.unflatten_mapping(flat)
-
-
-def _axes(var) -> tuple:
-    """A parameter's logical axes; stacked (scanned) layers add a leading, unsharded layer axis."""
-    axes = tuple(var.get_metadata()["logical_axes"])
-    return (None,) * (len(var.shape) - len(axes)) + axes
-
-
-def abstract_params(cfg: Config, mesh: Mesh) -> tuple[Any, dict]:
-    """(graphdef, pure dict of ShapeDtypeStructs sharded over `mesh`): what a restore targets."""
-    graphdef, pspecs = param_specs(cfg, mesh)
-    shapes = jax.eval_shape(lambda: nnx.to_pure_dict(nnx.split(_new_model(cfg))[1]))
-    is_spec = lambda x: isinstance(x, PartitionSpec)
-    return graphdef, jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s)),
-        shapes,
-        pspecs,
-        is_leaf=is_spec,
-    )
-
-
 def make_setup(cfg: Config, mesh: Mesh) -> TrainSetup:
     """Raises ConfigError (before anything compiles) when the batch does not split over the mesh."""
     check_batch_divides(cfg, dict(mesh.shape))
     graphdef, pspecs = param_specs(cfg, mesh)
     tx, schedule = make_optimizer(cfg)
-    params_shape = jax.eval_shape(lambda: nnx.to_pure_dict(nnx.split(_new_model(cfg))[1]))
+    params_shape = jax.eval_shape(lambda: nnx.to_pure_dict(nnx.split(new_model(cfg))[1]))
     opt_shape = jax.eval_shape(tx.init, params_shape)
     is_spec = lambda x: isinstance(x, PartitionSpec)
     opt_specs = optax.tree_map_params(
@@ -117,7 +82,7 @@ def init_state(setup: TrainSetup) -> dict:
     """Fresh, sharded train state (initialised directly into its shardings)."""
 
     def init():
-        params = nnx.to_pure_dict(nnx.split(_new_model(setup.cfg))[1])
+        params = nnx.to_pure_dict(nnx.split(new_model(setup.cfg))[1])
         return {"params": params, "opt_state": setup.tx.init(params), "step": jnp.zeros((), jnp.int32)}
 
     return jax.jit(init, out_shardings=setup.state_shardings)()

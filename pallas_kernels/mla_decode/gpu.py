@@ -16,7 +16,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-NT = (((1,), (1,)), ((), ()))  # dot_general dimension numbers for a @ b.T
+from pallas_kernels.common import NT, attention_cost, triton_params
+
 TILE = 64  # latent slots per loop step
 MIN_ROWS = 16  # Triton's dot needs 16 rows: the heads are padded to this
 
@@ -67,13 +68,11 @@ def mla_decode_gpu(q_lat, q_rope, lat, kr, lengths, scale: float, *, tile: int =
         in_specs=[whole, heads(d), heads(dr), whole, whole],
         out_specs=heads(d),
         out_shape=jax.ShapeDtypeStruct((b, rows, d), jnp.float32),
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
+        compiler_params=triton_params(),
         interpret=bool(interpret),
         name="mla_decode_gpu",
-        cost_estimate=pl.CostEstimate(
-            flops=2 * b * rows * lat.shape[1] * (2 * d + dr),
-            transcendentals=b * rows * lat.shape[1],
-            bytes_accessed=b * lat.shape[1] * (d + dr) * lat.dtype.itemsize,
+        cost_estimate=attention_cost(
+            b * rows * lat.shape[1], d + dr, d, b * lat.shape[1] * (d + dr) * lat.dtype.itemsize
         ),
     )(lengths.astype(jnp.int32), pad(q_lat), pad(q_rope), lat, kr)
     return out[:, :h]

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-NT = (((1,), (1,)), ((), ()))  # dot_general dimension numbers for a @ b.T
+from pallas_kernels.common import NT, attention_cost, tpu_interpret
+
 TILE = 512  # latent slots per grid step
 
 
@@ -87,11 +88,7 @@ def mla_decode_tpu(q_lat, q_rope, lat, kr, lengths, scale: float, *, tile: int =
         ),
         out_shape=jax.ShapeDtypeStruct((b, h, d), jnp.float32),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
-        interpret=pltpu.InterpretParams() if interpret == "tpu" else bool(interpret),
+        interpret=tpu_interpret(interpret),
         name="mla_decode",
-        cost_estimate=pl.CostEstimate(
-            flops=2 * b * h * length * (2 * d + dr),
-            transcendentals=b * h * length,
-            bytes_accessed=b * length * (d + dr) * lat.dtype.itemsize,
-        ),
+        cost_estimate=attention_cost(b * h * length, d + dr, d, b * length * (d + dr) * lat.dtype.itemsize),
     )(lengths.astype(jnp.int32), q_lat, q_rope, lat, kr)

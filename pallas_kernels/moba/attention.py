@@ -26,7 +26,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from pallas_kernels.moba.common import ALIGN, BACKENDS, SCHEDULE_NAME, BlockSizes, past_tiles
+from pallas_kernels.common import ALIGN
+from pallas_kernels.moba.schedule import BACKENDS, SCHEDULE_NAME, BlockSizes, past_tiles
 
 
 def _kernels(backend: str, part: str):
@@ -122,7 +123,7 @@ def _layout(q, k, v, block_sizes, block_size, backend):
 
 
 def _past_schedule(past_start, *, hkv, block_size, bs: BlockSizes):
-    """The selected blocks' schedule (common.past_tiles), or None when top_k = 1."""
+    """The selected blocks' schedule (schedule.past_tiles), or None when top_k = 1."""
     if not past_start.shape[-1]:
         return None
     return past_tiles(past_start, num_kv_heads=hkv, block_size=block_size, q_tile=bs.past_q_tile)
@@ -173,7 +174,7 @@ def _own_gpu_fwd(q, lay: _Layout, own_start, *, block_size, scale, interpret, bl
 
 
 def _forward(q, k, v, own_start, past, *, block_size, scale, backend, interpret, block_sizes):
-    """past: the selected blocks' schedule (common.PastTiles), None when top_k = 1."""
+    """past: the selected blocks' schedule (schedule.PastTiles), None when top_k = 1."""
     b, s, hq, _ = q.shape
     qf, lay = _layout(q, k, v, block_sizes, block_size, backend)
     if backend == "tpu":

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.moba.common import triton_params
+from pallas_kernels.common import attention_cost, triton_params
 
 
 def _decode_kernel(start_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, o_ref, *, scale, size, blocks, group):
@@ -60,9 +60,7 @@ def moba_decode_gpu(q, k_cache, v_cache, starts, lo, hi, size: int, scale: float
         compiler_params=triton_params(),
         interpret=bool(interpret),
         name="moba_decode_gpu",
-        cost_estimate=pl.CostEstimate(
-            flops=2 * b * hq * blocks * size * (d + dv),
-            transcendentals=b * hq * blocks * size,
-            bytes_accessed=b * hq * blocks * size * (d + dv) * k_cache.dtype.itemsize,
+        cost_estimate=attention_cost(
+            b * hq * blocks * size, d, dv, b * hq * blocks * size * (d + dv) * k_cache.dtype.itemsize
         ),
     )(starts.astype(jnp.int32), lo.astype(jnp.int32), hi.astype(jnp.int32), q, k_cache, v_cache)

@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.moba.common import NT, dkv_step, online_softmax_init, online_softmax_step, triton_params
+from pallas_kernels.common import NT, triton_params
+from pallas_kernels.moba.common import dkv_step, online_softmax_init, online_softmax_step
 
 
 def own_tables(own_start: jax.Array, *, seq_pad: int, q_tile: int, kv_block: int):

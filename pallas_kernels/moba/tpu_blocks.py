@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.moba.common import NT, TN, sublane_tile, tpu_interpret
+from pallas_kernels.common import NT, TN, sublane_tile, tpu_interpret
 
 
 def window(block_size: int, dtype) -> int:

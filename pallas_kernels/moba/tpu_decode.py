@@ -19,9 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.moba.common import ALIGN, tpu_interpret
-
-NT = (((1,), (1,)), ((), ()))  # dot_general dimension numbers for a @ b.T
+from pallas_kernels.common import ALIGN, NT, attention_cost, tpu_interpret
 
 
 def fits(length: int, size: int) -> bool:
@@ -98,10 +96,8 @@ def moba_decode_tpu(q, k_cache, v_cache, starts, lo, hi, size: int, scale: float
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=tpu_interpret(interpret),
         name="moba_decode_tpu",
-        cost_estimate=pl.CostEstimate(
-            flops=2 * b * hq * blocks * size * (d + dv),
-            transcendentals=b * hq * blocks * size,
-            bytes_accessed=b * hq * blocks * size * (d + dv) * k_cache.dtype.itemsize,
+        cost_estimate=attention_cost(
+            b * hq * blocks * size, d, dv, b * hq * blocks * size * (d + dv) * k_cache.dtype.itemsize
         ),
     )(starts, lo, hi, q[:, :, None].astype(k_cache.dtype), k_cache, v_cache)
     return out[:, :, 0].astype(q.dtype)

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.moba.common import NT, TN, tpu_interpret
+from pallas_kernels.common import NT, TN, tpu_interpret
 
 
 def own_tables(own_start: jax.Array, *, block_size: int, seq_pad: int):

@@ -1,9 +1,9 @@
 """What the MoBA Pallas kernels would issue on a TPU, counted from their own schedule.
 
-    python -m eval.kernel_model [--seq 8192,32768,131072] [--kv-heads 16,4] [--json]
+    python -m eval.bench.kernel_model [--seq 8192,32768,131072] [--kv-heads 16,4] [--json]
 
 Routes random bf16 q/k with the real gate (`moba_routing`), builds the tile tables the kernels
-run with (`tpu_own.own_tables`, `common.past_tiles`, the default `BlockSizes`) and counts, per
+run with (`tpu_own.own_tables`, `schedule.past_tiles`, the default `BlockSizes`) and counts, per
 forward and backward, for the own-block kernels (tpu_own.py) plus the whole-block kernels of
 the selected earlier blocks (tpu_blocks.py):
 - grid steps, as issued (padding tiles included);
@@ -41,7 +41,7 @@ from effattn_jax.cli import ArgumentParser, positive_int, positive_int_list
 from effattn_jax.ops.routing import moba_routing
 from pallas_kernels.moba import gpu_own, tpu_blocks, tpu_own
 from pallas_kernels.moba.attention import padded_length, reads_in_place
-from pallas_kernels.moba.common import BlockSizes, past_tiles
+from pallas_kernels.moba.schedule import BlockSizes, past_tiles
 
 GIB = 2**30
 
@@ -367,7 +367,7 @@ def model(seq: int, hq: int, hkv: int, *, d: int = 128, block_size: int = 512, t
 
 
 def main(argv=None) -> int:
-    p = ArgumentParser(prog="python -m eval.kernel_model", description=__doc__)
+    p = ArgumentParser(prog="python -m eval.bench.kernel_model", description=__doc__)
     p.add_argument("--seq", type=positive_int_list, default=[8192, 32768, 131072])
     p.add_argument("--kv-heads", type=positive_int_list, default=[16, 4])
     p.add_argument("--q-heads", type=positive_int, default=16)

@@ -1,6 +1,6 @@
 """Training throughput vs this machine's float32 matmul peak, measured in one run.
 
-    python -m eval.bench_train --config configs/cpu/default.yaml [key=value ...] [--repeats 5]
+    python -m eval.bench.train --config configs/cpu/default.yaml [key=value ...] [--repeats 5]
         [--profile 15]
 
 Alternates timed train steps (synthetic tokens, the real step function and
@@ -30,7 +30,7 @@ from effattn_jax.ops.cross_entropy import chunk_len, chunked_cross_entropy
 from effattn_jax.sharding import make_mesh
 from effattn_jax.train.state import init_state, make_setup
 from effattn_jax.train.step import make_train_step
-from eval.common import synthetic_batch, time_once
+from eval.bench.common import synthetic_batch, time_once
 
 
 def matmul_peak(n: int = 2048):

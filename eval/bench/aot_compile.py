@@ -1,6 +1,6 @@
 """Compile the MoBA Pallas kernels for real hardware, on this CPU, at the benchmark shapes.
 
-    python -m eval.aot_compile [--seqs 8192,32768,131072] [--topology v5p:2x2x1]
+    python -m eval.bench.aot_compile [--seqs 8192,32768,131072] [--topology v5p:2x2x1]
 
 TPU: Mosaic lowering plus a libtpu ahead-of-time compile of forward+backward
 for a TPU topology (needs the `tpu` extra, no TPU). GPU: jax.export lowering for
@@ -21,10 +21,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.experimental import topologies  # noqa: E402
 
+from effattn_jax.ops.moba import BlockSizes  # noqa: E402
 from effattn_jax.ops.routing import moba_routing  # noqa: E402
-from eval.common import compiled_bytes  # noqa: E402
+from eval.bench.common import compiled_bytes  # noqa: E402
 from pallas_kernels.moba.attention import moba_pallas  # noqa: E402
-from pallas_kernels.moba.common import BlockSizes  # noqa: E402
 
 
 def grad_fn(kernel, block_sizes, head_dim, block_size=512, top_k=3):

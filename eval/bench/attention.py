@@ -1,7 +1,7 @@
 """MoBA vs dense causal attention: forward+backward wall time and compiled memory.
 
-    python -m eval.bench_attention [--seqs 2048,4096,8192,16384] [--repeats 3]
-    python -m eval.bench_attention --backend gpu [--out results.md]   # on a GPU machine
+    python -m eval.bench.attention [--seqs 2048,4096,8192,16384] [--repeats 3]
+    python -m eval.bench.attention --backend gpu [--out results.md]   # on a GPU machine
 
 GPU mode (see `gpu_main`): Pallas MoBA kernels vs cuDNN flash attention vs MoBA
 xla, forward+backward, bf16, batch 1, 16 heads, head dim 128, block 512,
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from effattn_jax.ops.moba import moba_attention
-from eval.common import compiled_bytes, time_once
+from eval.bench.common import compiled_bytes, time_once
 
 
 def make_fns(block_size, top_k, impl):

@@ -1,10 +1,10 @@
 """Efficiency measurements of the EG-MLA paper.
 
-    python -m eval.efficiency kv-cache --config configs/egmla/paper/mla_base.yaml [--json]
-    python -m eval.efficiency decode-latency [--config a.yaml --config b.yaml ...] --context 1024,4096,16384
-    python -m eval.efficiency train-cost [--config ...] [key=value ...]
-    python -m eval.efficiency moba-decode [--context 8192,32768,131072] [--batch 1,8] [--json]
-    python -m eval.efficiency latent-decode [--context 4096,8192,16384,32768] [--batch 1,16] [--json]
+    python -m eval.bench.efficiency kv-cache --config configs/egmla/paper/mla_base.yaml [--json]
+    python -m eval.bench.efficiency decode-latency [--config a.yaml ...] --context 1024,4096,16384
+    python -m eval.bench.efficiency train-cost [--config ...] [key=value ...]
+    python -m eval.bench.efficiency moba-decode [--context 8192,32768,131072] [--batch 1,8] [--json]
+    python -m eval.bench.efficiency latent-decode [--context 4096,8192,16384,32768] [--batch 1,16] [--json]
 
 kv-cache: elements and bytes per token of the decode cache, all layers,
 counted from the cache arrays the attention modules actually allocate
@@ -41,7 +41,6 @@ model.remat=false: the paper configs remat for their TPU slice, the measured ste
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import statistics
@@ -51,42 +50,23 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from flax import nnx  # noqa: E402
 
 from effattn_jax.cli import ArgumentParser, positive_int, positive_int_list  # noqa: E402
 from effattn_jax.config import ConfigError, load_config  # noqa: E402
-from effattn_jax.model import Transformer, init_cache, param_counts  # noqa: E402
-from effattn_jax.ops.moba_decode import prefill_block_means  # noqa: E402
 from effattn_jax.sharding import make_mesh  # noqa: E402
 from effattn_jax.train.state import init_state, make_setup  # noqa: E402
 from effattn_jax.train.step import make_train_step  # noqa: E402
-from eval.common import compiled_bytes, synthetic_batch  # noqa: E402
+from eval.bench.common import compiled_bytes, synthetic_batch  # noqa: E402
+from eval.decoding import (  # noqa: E402
+    PAPER,
+    copy_bandwidth,
+    decode_latency,
+    kv_cache_report,
+    latent_decode,
+    moba_decode_cases,
+    moba_vs_dense_decode,
+)
 
-
-def kv_cache_report(cfg) -> dict:
-    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
-    dtype = jnp.dtype(cfg.model.dtype)
-    caches = jax.eval_shape(lambda: init_cache(model, batch=1, max_len=1, dtype=dtype))
-    leaves = jax.tree.leaves(caches)
-    floats = [x for x in leaves if jnp.issubdtype(x.dtype, jnp.floating)]
-    ints = [x for x in leaves if not jnp.issubdtype(x.dtype, jnp.floating)]
-    counts = param_counts(model)
-    return {
-        "attention_kind": cfg.attention.kind,
-        "layers": cfg.model.num_layers,
-        "cache_dtype": str(dtype),
-        "kv_elements_per_token": int(sum(x.size for x in floats)),
-        "kv_bytes_per_token": int(sum(x.size * x.dtype.itemsize for x in floats)),
-        "integer_entries_per_token": int(sum(x.size for x in ints)),
-        "params_total": counts["total"],
-        "params_embedding": counts["embedding"],
-        "params_embedding_gate": counts["embedding_gate"],
-        "params_non_embedding": counts["non_embedding"],
-    }
-
-
-PAPER = os.path.join(os.path.dirname(__file__), "..", "configs", "egmla", "paper")
 # (label, config file, overrides, decode with absorbed weights)
 PAPER_DECODE = [
     ("MHA", "mha_base.yaml", [], True),
@@ -101,156 +81,6 @@ def _variants(configs, extra):
     if configs:
         return [(c, c, list(extra), True) for c in configs]
     return [(label, os.path.join(PAPER, f), o + list(extra), absorb) for label, f, o, absorb in PAPER_DECODE]
-
-
-def compiled_decode_step(cfg, context: int, *, absorb: bool):
-    """(compiled decode step, its arguments): one new token at position `context` over a cache
-    of `context` earlier tokens filled with random entries (batch 1). The step returns (logits,
-    cache) and donates the cache, as generation does (else each step would copy it)."""
-    model = Transformer(cfg, rngs=nnx.Rngs(0))
-    graphdef, params = nnx.split(model)
-    step = jax.jit(
-        lambda p, t, pos, c: nnx.merge(graphdef, p).decode(t, pos, c, absorb=absorb), donate_argnums=3
-    )
-    caches = synthetic_caches(model, 1, context + 1, jnp.dtype(cfg.model.dtype), seed=context)
-    args = (params, jnp.ones((1, 1), jnp.int32), jnp.full((1, 1), context, jnp.int32), caches)
-    return step.lower(*args).compile(), args
-
-
-def synthetic_caches(model, batch: int, length: int, dtype=jnp.float32, *, seed: int = 0) -> list[dict]:
-    """Every cache array of `init_cache` filled with random entries: normal floats, token ids
-    drawn from the vocabulary (what a filled cache holds, without running a prefill)."""
-    key = jax.random.key(seed)
-    vocab = model.embed[...].shape[0]
-    fill = lambda x, key: (
-        jax.random.normal(key, x.shape, x.dtype)
-        if jnp.issubdtype(x.dtype, jnp.floating)
-        else jax.random.randint(key, x.shape, 0, vocab, x.dtype)
-    )
-    caches = init_cache(model, batch, length, dtype)
-    return [
-        {name: fill(x, jax.random.fold_in(key, 64 * layer + i)) for i, (name, x) in enumerate(c.items())}
-        for layer, c in enumerate(caches)
-    ]
-
-
-def decode_bytes_accessed(cfg, context: int, *, absorb: bool) -> float:
-    """Bytes one decode step moves, from XLA's cost analysis of the compiled step."""
-    compiled, _ = compiled_decode_step(cfg, context, absorb=absorb)
-    return float(compiled.cost_analysis()["bytes accessed"])
-
-
-def decode_latency(cfg, contexts: list[int], *, absorb: bool, repeats: int = 5) -> dict[int, float]:
-    """Median ms per decode step at each context length (synthetic cache, batch 1)."""
-    out = {}
-    for ctx in contexts:
-        step, (params, tokens, pos, caches) = compiled_decode_step(cfg, ctx, absorb=absorb)
-        times = []
-        for i in range(repeats + 1):  # the first warms up
-            t = time.perf_counter()
-            logits, caches = step(params, tokens, pos, caches)  # each step writes the same slot
-            jax.block_until_ready(logits)
-            if i:
-                times.append(time.perf_counter() - t)
-        out[ctx] = statistics.median(times) * 1e3
-    return out
-
-
-MOBA_DECODE_MODEL = [
-    "model.num_layers=12",
-    "model.d_model=768",
-    "model.num_heads=12",
-    "model.mlp_dim=3072",
-    "model.dtype=float32",
-    "moba.block_size=512",
-    "moba.top_k=3",
-]
-
-
-def moba_decode_cases(contexts, batches, max_cache_gib: float):
-    """(context, batch, fits) for every pair: whether one float32 cache fits the budget."""
-    per_token = 2 * 12 * 768 * 4  # K and V, 12 layers, d 768, float32
-    return [(c, b, b * (c + 1) * per_token <= max_cache_gib * 2**30) for c in contexts for b in batches]
-
-
-def moba_vs_dense_decode(context: int, batch: int, *, repeats: int = 5) -> dict:
-    """Median ms of a decode step at position `context` for the MoBA and the dense model, the
-    two alternated over one donated cache (each step writes the same slot)."""
-    steps, caches = {}, None
-    for core in ("moba", "dense"):
-        cfg = load_config(None, MOBA_DECODE_MODEL + [f"attention.core={core}", f"data.seq_len={context + 1}"])
-        model = Transformer(cfg, rngs=nnx.Rngs(0))  # same seed: the same parameters for both
-        graphdef, params = nnx.split(model)
-        step = jax.jit(lambda p, t, pos, c, g=graphdef: nnx.merge(g, p).decode(t, pos, c), donate_argnums=3)
-        steps[core] = functools.partial(step, params)
-        if caches is None:  # the MoBA model's cache: K/V plus block means
-            caches = _synthetic_moba_caches(model, batch, context + 1, cfg.moba.block_size)
-    tokens = jnp.ones((batch, 1), jnp.int32)
-    pos = jnp.full((batch, 1), context, jnp.int32)
-    times = {core: [] for core in steps}
-    for i in range(repeats + 1):  # the first round compiles and warms up
-        for core, step in steps.items():
-            t = time.perf_counter()
-            logits, caches = step(tokens, pos, caches)
-            jax.block_until_ready(logits)
-            if i:
-                times[core].append(time.perf_counter() - t)
-    moba, dense = (statistics.median(times[c]) * 1e3 for c in ("moba", "dense"))
-    return {"context": context, "batch": batch, "moba_ms": moba, "dense_ms": dense, "ratio": moba / dense}
-
-
-LATENT_MODELS = [("MLA-Base", "mla_base.yaml"), ("EG-MLA kv64 emb256", "eg_mla_kv64_emb256.yaml")]
-
-
-def copy_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
-    """Bytes read + written per second copying a float32 array into a donated buffer."""
-    x = jnp.ones((int(gib * 2**28),), jnp.float32)
-    copy = jax.jit(lambda x, out: x + 0.0, donate_argnums=1)
-    out = copy(x, jnp.zeros_like(x))
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        out = jax.block_until_ready(copy(x, out))
-        times.append(time.perf_counter() - t)
-    return 2 * x.nbytes / statistics.median(times)
-
-
-def latent_decode(context: int, batch: int, *, repeats: int = 5) -> list[dict]:
-    """Median ms of an absorbed decode step at position `context` for each LATENT_MODELS
-    entry (alternated over their donated caches) and the cache bytes each step reads."""
-    steps, caches, read = {}, {}, {}
-    for label, name in LATENT_MODELS:
-        cfg = load_config(os.path.join(PAPER, name), [f"data.seq_len={context + 1}", "model.dtype=float32"])
-        model = Transformer(cfg, rngs=nnx.Rngs(0))
-        graphdef, params = nnx.split(model)
-        step = jax.jit(lambda p, t, pos, c, g=graphdef: nnx.merge(g, p).decode(t, pos, c), donate_argnums=3)
-        steps[label] = functools.partial(step, params)
-        caches[label] = synthetic_caches(model, batch, context + 1, seed=context)
-        read[label] = sum(x.nbytes for c in caches[label] for x in c.values())
-    tokens, pos = jnp.ones((batch, 1), jnp.int32), jnp.full((batch, 1), context, jnp.int32)
-    times = {label: [] for label in steps}
-    for i in range(repeats + 1):  # the first round compiles and warms up
-        for label, step in steps.items():
-            t = time.perf_counter()
-            logits, caches[label] = step(tokens, pos, caches[label])
-            jax.block_until_ready(logits)
-            if i:
-                times[label].append(time.perf_counter() - t)
-    return [
-        {"model": label, "context": context, "batch": batch, "ms": statistics.median(times[label]) * 1e3,
-         "cache_bytes_read": read[label]}
-        for label in steps
-    ]  # fmt: skip
-
-
-def _synthetic_moba_caches(model, batch: int, length: int, block_size: int) -> list[dict]:
-    """Random K/V for every slot and the block means they imply."""
-    caches = synthetic_caches(model, batch, length)
-    for c in caches:
-        c["block_means"] = prefill_block_means(
-            c["block_means"], jnp.swapaxes(c["k"], 1, 2), length, block_size=block_size, dtype=c["k"].dtype
-        )
-    return caches
 
 
 def train_cost(cfg, steps: int = 3) -> dict:

@@ -1,4 +1,4 @@
-"""Kill test: `python -m eval.faults --kills 5 [--seed 0] [--steps 120]`.
+"""Kill test: `python -m eval.bench.faults --kills 5 [--seed 0] [--steps 120]`.
 
 Trains a tiny model on the built-in corpus through train.py, `kill -9`s it at random moments
 (the first kill lands while an async checkpoint is being written), reruns the same command
@@ -133,7 +133,7 @@ def run_faults(kills: int, steps: int, seed: int, workdir: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = ArgumentParser(prog="python -m eval.faults", description=__doc__)
+    p = ArgumentParser(prog="python -m eval.bench.faults", description=__doc__)
     p.add_argument("--kills", type=positive_int, default=5)
     p.add_argument("--steps", type=positive_int, default=120, help="training steps of the tiny run")
     p.add_argument("--seed", type=int, default=0, help="chooses the kill moments")

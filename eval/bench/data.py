@@ -2,7 +2,7 @@
 pipeline's streaming throughput against the default model's consumption, and a training
 process's peak resident memory on a large prepared corpus against on the built-in one.
 
-    python -m eval.bench_data [--copies 90] [--workers 2] [--steps 30] [--root DIR] [--keep]
+    python -m eval.bench.data [--copies 90] [--workers 2] [--steps 30] [--root DIR] [--keep]
 
 The synthetic corpus is `--copies` copies of the built-in corpus's training speeches, each copy
 with every speech's paragraphs shuffled by its own seed (no two copies alike), written as one

@@ -2,7 +2,7 @@
 restore, the non-finite check before each save, and training throughput with checkpoints every
 N steps against none, alternated in one process.
 
-    python -m eval.bench_checkpoint --config configs/cpu/default.yaml [key=value ...] [--every 10]
+    python -m eval.bench.checkpoint --config configs/cpu/default.yaml [key=value ...] [--every 10]
 
 Saves go to a temporary directory on the same disk as the system temp dir. Throughput is
 measured on synthetic batches with the real train step; each setting runs `--steps` steps,
@@ -28,7 +28,7 @@ from effattn_jax.model import param_counts
 from effattn_jax.sharding import make_mesh
 from effattn_jax.train.state import init_state, make_setup
 from effattn_jax.train.step import all_finite, make_train_step
-from eval.common import synthetic_batch
+from eval.bench.common import synthetic_batch
 
 
 def _timed(fn) -> float:
@@ -104,7 +104,7 @@ def throughput(cfg, setup, state, root: Path, steps: int, every: int, repeats: i
 
 
 def main(argv=None) -> int:
-    p = ArgumentParser(prog="python -m eval.bench_checkpoint", description=__doc__)
+    p = ArgumentParser(prog="python -m eval.bench.checkpoint", description=__doc__)
     p.add_argument("--config", required=True)
     p.add_argument("--every", type=positive_int, default=10, help="checkpoint every N steps")
     p.add_argument(

@@ -1,0 +1,97 @@
+"""The reader: what eval, generate and a resumed run's config check read from a run directory
+(its kept steps, a step's config, a step's parameters into any mesh), never writing to it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import orbax.checkpoint as ocp
+
+from effattn_jax import checksums
+from effattn_jax.checkpoint.store import CheckpointError, manager
+from effattn_jax.config import ConfigError, config_from_dict
+from effattn_jax.model import abstract_params
+from effattn_jax.sharding import make_mesh
+
+
+def restore_config(run_dir: str | Path, step: int | None = None) -> dict:
+    """The resolved config saved with a checkpoint of a run (default: the newest)."""
+    mngr = manager(run_dir, read_only=True)
+    step = mngr.latest_step() if step is None else step
+    if step is None:
+        raise CheckpointError(f"{run_dir}: no checkpoint")
+    return mngr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+
+
+def saved_config(run_dir: str | Path) -> dict | None:
+    """The config saved with the newest checkpoint whose config reads (a resumed run is checked
+    against it); None for a directory without checkpoints."""
+    if not (Path(run_dir) / "checkpoints").is_dir():
+        return None
+    for step in sorted(manager(run_dir, read_only=True).all_steps(), reverse=True):
+        try:
+            return restore_config(run_dir, step)
+        except Exception:  # noqa: BLE001, S112 - an unreadable step is restore_latest's to report
+            continue
+    return None
+
+
+def kept_steps(run_dir: str | Path) -> list[int]:
+    """The committed checkpoint steps of a run, oldest first; a clear error when there is no run."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "checkpoints").is_dir():
+        raise CheckpointError(f"{run_dir}: not a run directory (no checkpoints/ inside)")
+    steps = sorted(manager(run_dir, read_only=True).all_steps())
+    if not steps:
+        raise CheckpointError(f"{run_dir}: the run has no checkpoint yet")
+    return steps
+
+
+def select_steps(run_dir: str | Path, which: str | int = "latest") -> list[int]:
+    """`--step` value (N, 'latest' or 'all') -> kept steps, or a clear error naming the kept ones."""
+    steps = kept_steps(run_dir)
+    if which == "all":
+        return steps
+    if which == "latest":
+        return steps[-1:]
+    try:
+        step = int(which)
+    except ValueError:
+        raise CheckpointError(f"--step={which!r}: expected a step number, latest or all") from None
+    if step not in steps:
+        raise CheckpointError(f"{run_dir}: no checkpoint at step {step}; kept steps: {steps}")
+    return [step]
+
+
+def load_run_config(run_dir: str | Path, step: int):
+    """The Config a run saved with a step; CheckpointError when this version cannot read it."""
+    try:
+        return config_from_dict(restore_config(run_dir, step))
+    except ConfigError as e:
+        raise CheckpointError(f"{run_dir}: this version cannot read the run's config: {e}") from None
+
+
+def load_params(run_dir: str | Path, step: int, mesh=None):
+    """(config, graphdef, params) of one kept step: parameters only (the optimizer state is not read),
+    restored into the shardings of `mesh` (default: this process's first local device), with the
+    config the run saved as of that step (`Config.at_step`: dense after a MoBA -> dense switch).
+    Raises CheckpointError when the step or its config cannot be read."""
+    mngr = manager(run_dir, read_only=True)
+    cfg = load_run_config(run_dir, step).at_step(step)
+    mesh = make_mesh(1, 1, 1, devices=jax.local_devices()) if mesh is None else mesh
+    graphdef, params = abstract_params(cfg, mesh)
+    abstract = {"params": params}
+    args = ocp.args.PyTreeRestore(
+        item=abstract,
+        restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
+        partial_restore=True,
+    )
+    try:
+        checksums.verify(Path(mngr.directory) / str(step))
+        restored = mngr.restore(step, args=ocp.args.Composite(state=args))
+    except Exception as e:  # noqa: BLE001 - any failure means this step cannot be evaluated
+        raise CheckpointError(
+            f"{run_dir}: step {step} cannot be restored: {type(e).__name__}: {e}".splitlines()[0][:300]
+        ) from None
+    return cfg, graphdef, restored["state"]["params"]

@@ -1,0 +1,46 @@
+"""What every kernel here shares (MoBA and MLA decode, TPU and GPU): dot dimension numbers,
+the TPU tile alignment, the interpret-mode switch, Triton's compiler parameters and the cost
+estimate of an attention pass."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+NT = (((1,), (1,)), ((), ()))  # dot_general dimension numbers for a @ b.T
+TN = (((0,), (0,)), ((), ()))  # ... and for a.T @ b
+
+ALIGN = 32  # a multiple of the sublane tile of any dtype down to 8 bits (sublane_tile)
+
+
+def sublane_tile(dtype) -> int:
+    """Rows of a TPU (8, 128) tile of 32-bit words in this dtype: 8 float32, 16 bf16, 32 for 8 bits.
+    A copy whose rows start at a multiple of it starts on a whole tile."""
+    return 32 // jnp.dtype(dtype).itemsize
+
+
+def tpu_interpret(interpret):
+    """pallas_call's `interpret` for the TPU kernels: "tpu" runs the TPU interpreter
+    (`pltpu.InterpretParams()`: DMAs, semaphores, TPU memory on CPU), an InterpretParams is
+    used as given (e.g. `detect_races=True`), anything else is a plain bool."""
+    from jax.experimental.pallas import tpu as pltpu  # imported only for the TPU kernels
+
+    if isinstance(interpret, pltpu.InterpretParams):
+        return interpret
+    return pltpu.InterpretParams() if interpret == "tpu" else bool(interpret)
+
+
+def triton_params(num_warps: int = 4):
+    """Compiler parameters of the GPU kernels (Pallas -> Triton)."""
+    from jax.experimental.pallas import triton as pltriton
+
+    return pltriton.CompilerParams(num_warps=num_warps, num_stages=2)
+
+
+def attention_cost(pairs: int, qk_dim: int, v_dim: int, bytes_read: int):
+    """The `pl.CostEstimate` of an attention pass over `pairs` (query, key) pairs that reads
+    `bytes_read` of cache: a score and a weighted value per pair, one exp per pair."""
+    from jax.experimental import pallas as pl
+
+    return pl.CostEstimate(
+        flops=2 * pairs * (qk_dim + v_dim), transcendentals=pairs, bytes_accessed=bytes_read
+    )
