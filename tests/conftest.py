@@ -23,8 +23,13 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
+from pathlib import Path  # noqa: E402
+
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]  # the repository: configs and docs resolve from here
 
 WORDS = (
     "the of and to in a is that for it as was with be by on not he this are or his from at which but have an "
@@ -156,3 +161,15 @@ def v5e_arg():
     mesh = jax.sharding.Mesh(np.array(topo.devices[:1]), ("x",))
     place = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     return lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype, sharding=place)
+
+
+def rand_qkv(seed, b, s, hq, hkv, d, dv=None, dtype=jnp.float32):
+    """Random q [b, s, hq, d], k [b, s, hkv, d], v [b, s, hkv, dv or d]."""
+    rng = np.random.default_rng(seed)
+    f = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dtype)
+    return f(b, s, hq, d), f(b, s, hkv, d), f(b, s, hkv, dv or d)
+
+
+def segments(b, lengths):
+    """[b, sum(lengths)] segment ids 1, 2, ... of documents of these lengths, the same in every row."""
+    return jnp.asarray(np.stack([np.repeat(np.arange(1, len(lengths) + 1), lengths)] * b), jnp.int32)

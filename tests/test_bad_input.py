@@ -2,16 +2,14 @@
 status 2, and leaves nothing half-written (the run directory is not even created)."""
 
 import importlib.util
-from pathlib import Path
 
 import pytest
-from conftest import tiny_overrides
+from conftest import ROOT, tiny_overrides
 
 from eval.__main__ import main as eval_main
 from eval.bench.efficiency import main as efficiency_main
 from eval.tasks import TaskError, load_task
 
-ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("train_cli", ROOT / "train.py")
 train_cli = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(train_cli)
@@ -65,6 +63,8 @@ TRAIN_CASES = [
 
 @pytest.mark.parametrize("case, extra, needle", TRAIN_CASES, ids=[c[0] for c in TRAIN_CASES])
 def test_train_cli(tmp_path, corpus_dir, capsys, case, extra, needle):
+    """Each bad input ends in one line naming it, exit status 2, no traceback. Catches: a validation
+    removed (the error would surface later as a traceback)."""
     _files(tmp_path)
     extra = [e.format(tmp=tmp_path) for e in extra]
     config = extra[1] if extra[:1] == ["--config"] else None
@@ -85,6 +85,7 @@ def _exit_status(main, argv) -> int:
 
 
 def test_eval_and_efficiency_cli(tmp_path, capsys):
+    """Catches: a missing run reported as a traceback."""
     for argv, needle in (
         (["lm-loss", "--run", str(tmp_path / "missing")], "not a run directory"),
         (["lm-loss", "--run", str(tmp_path)], "not a run directory"),  # a directory, but not a run

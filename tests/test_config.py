@@ -1,12 +1,10 @@
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
 from effattn_jax.config import ConfigError, config_from_dict, load_config, to_yaml
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize(

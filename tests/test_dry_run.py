@@ -1,14 +1,13 @@
 """`train.dry_run`: the paper configs size themselves without allocating, and compile ahead of
 time for a TPU slice."""
 
-import glob
-
 import pytest
+from conftest import ROOT
 
 from effattn_jax.config import ConfigError, load_config
 from effattn_jax.train.dry_run import dry_run
 
-PAPER = sorted(glob.glob("configs/*/paper/*.yaml"))
+PAPER = sorted(ROOT.glob("configs/*/paper/*.yaml"))
 # docs/moba.md: the scaling-law models' non-embedding parameters
 MOBA_SIZES = {"545m": 545e6, "822m": 822e6, "1.1b": 1.1e9, "1.5b": 1.5e9, "2.1b": 2.1e9}
 
@@ -22,18 +21,18 @@ def test_every_paper_config_loads():
 @pytest.mark.parametrize("size", sorted(MOBA_SIZES))
 def test_moba_scaling_models_have_the_papers_sizes(size):
     for variant in ("moba", "full"):
-        report = dry_run(load_config(f"configs/moba/paper/{variant}_{size}.yaml"), compile=False)
+        report = dry_run(load_config(ROOT / f"configs/moba/paper/{variant}_{size}.yaml"), compile=False)
         assert report["params_non_embedding"] == pytest.approx(MOBA_SIZES[size], rel=0.06)
         assert report["params_embedding_gate"] == 0
 
 
 def test_smallest_of_each_family_dry_runs(capsys):
-    moba = dry_run(load_config("configs/moba/paper/moba_545m.yaml"), compile=False)
+    moba = dry_run(load_config(ROOT / "configs/moba/paper/moba_545m.yaml"), compile=False)
     assert moba["tokens"] == pytest.approx(10.8e9, rel=0.01)
     assert moba["pflops_days_6nd"] == pytest.approx(
         6 * moba["params_non_embedding"] * moba["tokens"] / 8.64e19
     )
-    eg = dry_run(load_config("configs/egmla/paper/eg_mla_kv64_emb64.yaml"), compile=False)
+    eg = dry_run(load_config(ROOT / "configs/egmla/paper/eg_mla_kv64_emb64.yaml"), compile=False)
     assert eg["params_embedding_gate"] == 12 * 50304 * 64  # emb64: the paper's 38M tables
     assert eg["tokens"] == pytest.approx(50e9, rel=0.01)
     out = capsys.readouterr().out

@@ -68,17 +68,16 @@ def test_absorbed_decode_reads_less_than_naive():
     assert moved["mla", False][0] > moved["mla", True][0]
     assert per_token["mla", False] > per_token["mla", True]
     assert per_token["eg_mla", False] > per_token["eg_mla", True]
-    ms = decode_latency(cfg, [64], absorb=True, repeats=1)
-    assert set(ms) == {64} and ms[64] > 0
+    ms = decode_latency(cfg, [64, 128], absorb=True, repeats=1)
+    assert list(ms) == [64, 128]  # one median per context asked, in order
 
 
 def test_train_cost_counts_the_gate_table():
     """A 64-wide gate table on a 2048-word vocabulary is 131K parameters with gradients and two
     Adam moments: the compiled step must need more memory than plain MLA's."""
     big_vocab = ["model.vocab_size=2048", "eg_mla.gate_dim=64"]
-    mla, eg = (
-        train_cost(load_config(None, TINY_LATENT + big_vocab + [f"attention.kind={k}"]), steps=1)
-        for k in ("mla", "eg_mla")
-    )
+    cfgs = [load_config(None, TINY_LATENT + big_vocab + [f"attention.kind={k}"]) for k in ("mla", "eg_mla")]
+    mla, eg = (train_cost(cfg, steps=1) for cfg in cfgs)
     assert eg["memory_gib"] - mla["memory_gib"] > 3 * 2048 * 64 * 4 / 2**30
-    assert eg["tokens_per_s"] > 0 and mla["tokens_per_s"] > 0
+    tokens = cfgs[0].data.batch_size * cfgs[0].data.seq_len  # tokens/s counts a step's tokens
+    assert [r["tokens_per_s"] * r["step_s"] for r in (mla, eg)] == pytest.approx([tokens, tokens])

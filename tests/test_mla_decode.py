@@ -22,7 +22,8 @@ from pallas_kernels.mla_decode.tpu import mla_decode_tpu
 )
 def test_kernel_decode_equals_xla_decode(kind, impl):
     """Prefill 11 tokens (XLA), then single-token steps (the kernel's case) over a 40-slot
-    cache, the rows at different lengths; EG-MLA passes its c~."""
+    cache, the rows at different lengths; EG-MLA passes its c~. The kernel's steps are checked
+    to contain its pallas_call (a dispatch that fell back to XLA would compare XLA with itself)."""
     logits = {}
     for name in ("xla", impl):
         cfg = load_config(None, TINY_MLA + [f"attention.kind={kind}", f"mla.decode_impl={name}"])
@@ -34,7 +35,9 @@ def test_kernel_decode_equals_xla_decode(kind, impl):
         out, caches = decode(params, tokens[:, :11], jnp.broadcast_to(jnp.arange(11), (2, 11)), caches)
         steps = []
         for t in range(11, 16):
-            out, caches = decode(params, tokens[:, t : t + 1], jnp.array([[t], [t + 20]]), caches)
+            step = (params, tokens[:, t : t + 1], jnp.array([[t], [t + 20]]), caches)
+            assert ("mla_decode" in str(jax.make_jaxpr(decode)(*step))) == (name != "xla")
+            out, caches = decode(*step)
             steps.append(out)
         logits[name] = jnp.concatenate(steps, axis=1)
     np.testing.assert_allclose(logits[impl], logits["xla"], atol=1e-5, rtol=1e-5)
@@ -44,15 +47,14 @@ def test_kernel_decode_equals_xla_decode(kind, impl):
     "kernel, interpret", [(mla_decode_tpu, True), (mla_decode_tpu, "tpu"), (mla_decode_gpu, True)]
 )
 def test_kernel_tiles_equal_xla(kernel, interpret):
-    """16-slot tiles over 40 slots: a partial last tile (masked), and a row whose length ends in
-    the first tile (its later tiles are skipped)."""
+    """Each kernel, 16-slot tiles over 40 slots: a partial last tile (masked), and a row whose length ends
+    in the first tile (its later tiles are skipped). Catches: a mask of the last tile dropped, a skipped
+    tile that still adds, a length off by one."""
     keys = jax.random.split(jax.random.key(0), 4)
     q_lat, q_rope = jax.random.normal(keys[0], (2, 1, 4, 16)), jax.random.normal(keys[1], (2, 1, 4, 8))
     lat, kr = jax.random.normal(keys[2], (2, 40, 16)), jax.random.normal(keys[3], (2, 40, 8))
     positions = jnp.array([[9], [39]])
-    out = mla_decode_tpu(
-        q_lat[:, 0], q_rope[:, 0], lat, kr, positions[:, 0] + 1, 0.3, tile=16, interpret=interpret
-    )
+    out = kernel(q_lat[:, 0], q_rope[:, 0], lat, kr, positions[:, 0] + 1, 0.3, tile=16, interpret=interpret)
     want = absorbed_attention(q_lat, q_rope, lat, kr, positions, 0.3, "xla")[:, 0]
     np.testing.assert_allclose(out, want, atol=1e-5, rtol=1e-5)
 

@@ -5,23 +5,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import jaxpr_outputs
+from conftest import jaxpr_outputs, rand_qkv, segments
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from effattn_jax.ops.dense import dense_attention
 from effattn_jax.ops.moba import BlockSizes, moba_attention
 from effattn_jax.ops.routing import moba_routing
-
-
-def rand_qkv(seed, b, s, hq, hkv, d, dv=None, dtype=jnp.float32):
-    rng = np.random.default_rng(seed)
-    f = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dtype)
-    return f(b, s, hq, d), f(b, s, hkv, d), f(b, s, hkv, dv or d)
-
-
-def segments(b, lengths):
-    return jnp.asarray(np.stack([np.repeat(np.arange(1, len(lengths) + 1), lengths)] * b), jnp.int32)
 
 
 def run(impl, q, k, v, segment_ids=None, **kw):

@@ -141,8 +141,10 @@ def _kernel_case(length, block):
 @pytest.mark.parametrize("interpret", ["pallas_tpu", "tpu_interpreter"])
 @pytest.mark.parametrize("length, block", [(160, 32), (96, 64)], ids=["aligned", "short_last_block"])
 def test_tpu_decode_kernel_matches_xla(length, block, interpret):
-    """The TPU kernel (interpreted: plain, and the TPU interpreter) equals the XLA step. The
-    second case's cache ends inside the last block, so the own window moves back by half a block."""
+    """The TPU kernel (interpreted: plain, and the TPU interpreter) equals the XLA step. The second case's
+    cache ends inside the last block, so the own window moves back by half a block. Catches: a block start
+    not moved back at a short cache, an unused pick (hi < lo) attended, a query head reading another KV
+    head."""
     step = _kernel_case(length, block)
     if interpret == "tpu_interpreter":
         from pallas_kernels.moba import tpu_decode
@@ -159,8 +161,8 @@ def test_tpu_decode_kernel_matches_xla(length, block, interpret):
 
 
 def test_tpu_decode_kernel_compiles_for_a_real_tpu():
-    """Mosaic lowering and a libtpu compile (no TPU needed): bf16, 12 query heads on 4 KV heads
-    (head dim 64 and 128), block 512 over a 4,096-slot cache."""
+    """Mosaic lowering and a libtpu compile (no TPU needed): bf16, 12 query heads on 4 KV heads (head dim
+    64 and 128), block 512 over a 4,096-slot cache. Catches: starts Mosaic cannot prove aligned."""
     from pallas_kernels.moba.tpu_decode import moba_decode_tpu
 
     arg = v5e_arg()
@@ -173,9 +175,11 @@ def test_tpu_decode_kernel_compiles_for_a_real_tpu():
 
 
 def test_gpu_decode_kernel_matches_xla_and_lowers_for_cuda():
-    """A single-token step through the GPU kernel (interpreted here) equals the XLA step (GQA,
-    a partial own block, picks and an unused pick), and lowers for CUDA with jax.export."""
+    """A single-token step through the GPU kernel (interpreted here) equals the XLA step (GQA, a partial
+    own block, picks and an unused pick), and lowers for CUDA with jax.export. Catches: the same mutations
+    as the TPU kernel's test, and a dispatch that silently falls back to XLA."""
     step = _kernel_case(70, 8)
+    assert "moba_decode_gpu" in str(jax.make_jaxpr(lambda: step("pallas_gpu"))())  # the kernel ran
     np.testing.assert_allclose(step("pallas_gpu"), step("xla"), atol=1e-5, rtol=1e-5)
     triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
     tables = [jax.ShapeDtypeStruct((2, 8, 3), jnp.int32)] * 3

@@ -9,9 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import random_batch, tiny_overrides, v5e_arg
+from conftest import rand_qkv, random_batch, segments, tiny_overrides, v5e_arg
 from jax.experimental.pallas import tpu as pltpu
-from test_moba import rand_qkv, segments
 
 from effattn_jax.config import load_config
 from effattn_jax.model import REMAT_POLICY
@@ -78,14 +77,20 @@ def check_against_reference(kernel, interpret, b, s, hq, hkv, c, top_k, lengths,
 @pytest.mark.parametrize("name", CASES)
 @pytest.mark.parametrize("kernel", ["tpu", "gpu"])
 def test_kernels_interpreted_match_reference(kernel, name):
+    """Each backend's kernels, interpreted, against the dense-mask reference: output, lse and dq/dK/dV
+    over a partial last block, packed documents, GQA, top_k 1 and top_k covering every block. Catches: a
+    causal mask off by one in the own block, a selected block's window shifted, a document boundary
+    ignored, a TPU dK/dV accumulator not zeroed at a group's first tile (group_first: tried, the tpu
+    packed case fails), a query head mapped to the wrong KV head."""
     check_against_reference(kernel, True, *CASES[name])
 
 
 @pytest.mark.parametrize("kernel", ["tpu", "gpu"])
 def test_merge_by_chunks_and_backward_by_slices(kernel, monkeypatch):
-    """What long sequences take: the parts merged (and dq gathered) a few positions at a time,
-    the last chunk overlapping the one before (50 positions in chunks of 7), and on TPU the
-    selected blocks' backward in calls of 7 tiles, two groups cut between calls."""
+    """What long sequences take: the parts merged (and dq gathered) a few positions at a time, the last
+    chunk overlapping the one before (50 positions in chunks of 7), and on TPU the selected blocks'
+    backward in calls of 7 tiles, two groups cut between calls. Catches: a chunk or slice boundary dropped
+    or counted twice."""
     monkeypatch.setattr(moba_attention_module, "MERGE_ROWS", 7 * 2 * 2)  # batch 2 x 2 heads per position
     monkeypatch.setattr(moba_attention_module, "MERGE_WHOLE_ROWS", 0)
     monkeypatch.setattr(moba_attention_module, "BWD_SLICE_ROWS", 7 * SMALL.past_q_tile)
@@ -94,9 +99,9 @@ def test_merge_by_chunks_and_backward_by_slices(kernel, monkeypatch):
 
 @pytest.mark.parametrize("kernel", ["tpu", "gpu"])
 def test_kernels_take_bfloat16(kernel):
-    """bf16 inputs, float32 accumulation: output and gradients within bf16 rounding of the
-    float32 reference (inputs to each matmul are rounded to 8 mantissa bits, and each part's
-    gradient once before the parts are added; values are O(1))."""
+    """bf16 inputs, float32 accumulation: output and gradients within bf16 rounding of the float32
+    reference (inputs to each matmul are rounded to 8 mantissa bits, and each part's gradient once before
+    the parts are added; values are O(1)). Catches: an accumulation in bf16 instead of float32."""
     q, k, v = rand_qkv(6, 1, 40, 4, 2, 8, dtype=jnp.bfloat16)
     seg = segments(1, [17, 23])
     r = moba_routing(q, k, block_size=8, top_k=3, segment_ids=seg)
@@ -118,6 +123,8 @@ def test_kernels_take_bfloat16(kernel):
 
 @pytest.mark.parametrize("n", [1, 100, 128, 129, 5000])
 def test_prefix_scan_equals_cumsum_and_cummax(n):
+    """The schedule's scan against numpy's, at lengths around its row width. Catches: a row total carried
+    into the wrong row, a shift past a row's end."""
     x = np.random.default_rng(n).integers(-50, 50, n).astype(np.int32)
     np.testing.assert_array_equal(prefix_scan(jnp.asarray(x), jnp.add, 0), np.cumsum(x))
     low = np.iinfo(np.int32).min
@@ -126,18 +133,19 @@ def test_prefix_scan_equals_cumsum_and_cummax(n):
 
 @pytest.mark.parametrize("s", [6, 100, 512, 1000])
 def test_padded_length_holds_every_window(s):
-    """The whole-block kernels fetch the block plus at most ALIGN keys per step, also on the
-    padding steps of a sequence shorter than a block (no earlier blocks): the padded length
-    must hold one."""
+    """The whole-block kernels fetch the block plus at most ALIGN keys per step, also on the padding steps
+    of a sequence shorter than a block (no earlier blocks): the padded length must hold one. Catches:
+    padding to the block without the slack."""
     bs = BlockSizes()
     pad = padded_length(s, 512, bs)
     assert pad % 512 == 0 and pad >= max(s, 512) + ALIGN
 
 
 def test_tpu_kernels_read_whole_lane_heads_in_place():
-    """With every head 128 lanes wide and S a multiple of the block, the TPU kernels read q, K, V
-    and dO as [B, S, H*D] (no head-major copies) and write dq, dK, dV so: packed documents
-    (a chunk needing the previous one), GQA, against the reference."""
+    """With every head 128 lanes wide and S a multiple of the block, the TPU kernels read q, K, V and dO
+    as [B, S, H*D] (no head-major copies) and write dq, dK, dV so: packed documents (a chunk needing the
+    previous one), GQA, against the reference. Catches: an in-place index map that reads the wrong head or
+    chunk."""
     b, s, hq, hkv, c, top_k, lengths = 2, 128, 4, 2, 32, 3, [40, 50, 38]
     q = jnp.zeros((b, s, hq, 128))
     assert _layout(q, q[:, :, :hkv], q[:, :, :hkv], SMALL, c, "tpu")[1].natural
@@ -147,19 +155,21 @@ def test_tpu_kernels_read_whole_lane_heads_in_place():
 
 @pytest.mark.parametrize("q_tile, kv_block", [(16, 8), (8, 16)])
 def test_gpu_own_block_with_query_tiles_unlike_key_steps(q_tile, kv_block):
-    """The GPU own-block kernel's tables (first key step per query tile, last query tile per key
-    step) with tiles that straddle blocks and documents, under GQA."""
+    """The GPU own-block kernel's tables (first key step per query tile, last query tile per key step)
+    with tiles that straddle blocks and documents, under GQA. Catches: a key step skipped at a straddling
+    tile."""
     sizes = BlockSizes(q_tile=q_tile, kv_block=kv_block, past_q_tile=8)
     check_against_reference("gpu", True, 1, 50, 4, 2, 16, 3, [13, 20, 17], block_sizes=sizes)
 
 
 @pytest.mark.parametrize("name", ["packed_documents"])
 def test_tpu_kernel_in_tpu_interpret_mode(name):
-    """The TPU interpreter (TPU semantics on CPU: DMAs, semaphores) against the reference, with
-    its happens-before race detector. With packed documents neighbouring blocks' dK/dV windows
-    overlap, and the selected blocks' kernel reads, adds and writes each back by DMAs it must
-    finish within the step. Values alone do not show a race there: a read started before the
-    previous write-back was awaited still gave the right gradients here; the detector found it."""
+    """The TPU interpreter (TPU semantics on CPU: DMAs, semaphores) against the reference, with its
+    happens-before race detector. With packed documents neighbouring blocks' dK/dV windows overlap, and
+    the selected blocks' kernel reads, adds and writes each back by DMAs it must finish within the step.
+    Values alone do not show a race there: a read started before the previous write-back was awaited still
+    gave the right gradients here; the detector found it. Catches: a DMA not awaited, two writes to one
+    dK/dV window racing."""
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call as interpreter
 
     check_against_reference("tpu", pltpu.InterpretParams(detect_races=True), *CASES[name])
@@ -167,9 +177,9 @@ def test_tpu_kernel_in_tpu_interpret_mode(name):
 
 
 def test_selected_blocks_share_one_kv_fetch_across_query_heads():
-    """GQA: the selections are grouped by (batch, KV head, block), so a tile holds the rows of
-    every query head of its KV head that chose its block, and a group's tiles are consecutive
-    (the kernels keep one K/V window and one dK/dV accumulator for them)."""
+    """GQA: the selections are grouped by (batch, KV head, block), so a tile holds the rows of every query
+    head of its KV head that chose its block, and a group's tiles are consecutive (the kernels keep one
+    K/V window and one dK/dV accumulator for them). Catches: grouping by query head instead of KV head."""
     q, k, _ = rand_qkv(1, 1, 64, 4, 1, 8)
     r = moba_routing(q, k, block_size=8, top_k=3)
     past = past_tiles(r.past_start, num_kv_heads=1, block_size=8, q_tile=8)
@@ -186,6 +196,9 @@ def test_selected_blocks_share_one_kv_fetch_across_query_heads():
 
 
 def test_block_sizes_are_checked_and_impls_resolve():
+    """Tile sizes a compiler would reject fail at construction or `check_backend`, naming the field;
+    `resolve_impl` maps each impl and backend to its path. Catches: a check dropped, auto taking an
+    interpreted kernel on CPU."""
     with pytest.raises(ValueError, match="q_tile"):
         BlockSizes(q_tile=0)
     with pytest.raises(ValueError, match="kv_block"):
@@ -227,9 +240,10 @@ def _moba_grad_fn(kernel, block_sizes, s, d, wrap=lambda loss: loss):
 
 @pytest.mark.parametrize("seq", [1024, 1000], ids=["lane_heads", "head_major"])
 def test_tpu_kernels_compile_for_a_real_tpu(seq):
-    """Mosaic lowering and libtpu compile (no TPU needed): forward + backward, bf16, the
-    benchmark's head dim and block, with q/K/V read in place (S a multiple of the block) and
-    through head-major copies; the full benchmark shapes are in eval/bench/aot_compile.py."""
+    """Mosaic lowering and libtpu compile (no TPU needed): forward + backward, bf16, the benchmark's head
+    dim and block, with q/K/V read in place (S a multiple of the block) and through head-major copies; the
+    full benchmark shapes are in eval/bench/aot_compile.py. Catches: a block shape Mosaic rejects
+    (interpret mode would accept it)."""
     x = v5e_arg()((1, seq, 2, 128))
     lowered = _moba_grad_fn("tpu", BlockSizes(), seq, 128).lower(x, x, x)
     text = lowered.as_text()
@@ -249,8 +263,9 @@ def test_tpu_kernels_compile_for_a_real_tpu(seq):
 
 
 def test_remat_keeps_the_schedule():
-    """Under the model's remat policy a layer's backward recomputes the forward but not the
-    named schedule: one sort of the pairs in the program (two with a save-nothing remat)."""
+    """Under the model's remat policy a layer's backward recomputes the forward but not the named
+    schedule: one sort of the pairs in the program (two with a save-nothing remat). Catches: the schedule
+    left out of the remat policy."""
     x = v5e_arg()((1, 1024, 2, 128))
 
     def sorts(policy):
@@ -262,6 +277,8 @@ def test_remat_keeps_the_schedule():
 
 
 def test_gpu_kernels_lower_for_cuda():
+    """Forward + backward lower to Triton for CUDA (jax.export, no GPU): the six kernels, each once.
+    Catches: a shape or op the Triton lowering rejects, a kernel replaced by an XLA fallback."""
     x = jax.ShapeDtypeStruct((1, 1024, 2, 128), jnp.bfloat16)
     triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")  # not a stable-ABI call
     exported = jax.export.export(
@@ -273,8 +290,8 @@ def test_gpu_kernels_lower_for_cuda():
 
 
 def test_kernels_inside_a_sharded_train_step(tmp_path, corpus_dir):
-    """impl=pallas under a (data=2, fsdp=2, tensor=2) mesh runs through shard_map and matches
-    the single-device XLA path."""
+    """impl=pallas under a (data=2, fsdp=2, tensor=2) mesh runs through shard_map and matches the single-
+    XLA path. Catches: a shard_map spec that splits heads or batch wrongly."""
     batch = random_batch(0)
     metrics = []
     for impl, mesh_shape in (("xla", (1, 1, 1)), ("pallas", (2, 2, 2))):

@@ -15,7 +15,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import tiny_overrides
+from conftest import ROOT, tiny_overrides
 
 from effattn_jax import checkpoint
 from effattn_jax.config import load_config
@@ -24,7 +24,6 @@ from effattn_jax.train.loop import Preempted, run
 from effattn_jax.train.metrics import read_scalars
 from effattn_jax.train.state import make_setup
 
-ROOT = Path(__file__).resolve().parents[1]
 # the schedule depends on train.steps: every run here has the same, and stops early
 LONG = {"train.steps": 100000, "checkpoint.every_steps": 2, "eval.every_steps": 100000}
 
@@ -44,6 +43,9 @@ def _losses(run_dir) -> dict[int, float]:
 
 
 def test_two_processes_train_as_one_and_stop_together(tmp_path, corpus_dir):
+    """Two processes of two devices each train as one 4-device run (the same losses as one process), and
+    when one is killed the other stops too. Catches: a process left hanging in a collective, per-process
+    data that overlaps."""
     multi = tmp_path / "multi"
     cmd = [sys.executable, "-m", "effattn_jax.launch", "--processes", "2", "--devices-per-process", "2"]
     cmd += ["--log-dir", str(tmp_path / "logs"), "--"]
@@ -175,8 +177,9 @@ print(f"restored step {step}")
 
 
 def test_processes_agree_on_a_step_only_one_of_them_finds_corrupt(tmp_path, small_run):
-    """Each process reads its own copy of the run; process 1's newest step is damaged. Both must
-    set that step aside and resume from the same older one."""
+    """Each process reads its own copy of the run; process 1's newest step is damaged. Both must set that
+    step aside and resume from the same older one. Catches: a verdict taken per process (they would
+    restore different steps and hang)."""
     from conftest import corrupt_step
 
     from effattn_jax.launch import _env, _free_port

@@ -5,11 +5,8 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-from conftest import tiny_overrides
-
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import ROOT, tiny_overrides
 
 
 def launch(corpus_dir, run_dir, log):
@@ -44,6 +41,9 @@ def steps(run_dir):
 
 
 def test_sigterm_and_kill9_resume(tmp_path, corpus_dir):
+    """SIGTERM and SIGINT checkpoint the finished step and exit 143 with the `preempted step=N run_dir=D`
+    line; kill -9 loses at most the steps since the last save. Catches: a signal handler that exits
+    without saving, a resume from an older step."""
     run_dir = tmp_path / "run"
     p = launch(corpus_dir, run_dir, tmp_path / "a.log")
     try:

@@ -4,6 +4,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from conftest import TINY_MODEL
 from flax import nnx
 
@@ -88,13 +89,13 @@ def test_forward_gradients_and_decoding_match_the_loop():
     np.testing.assert_allclose(g_scan["embed"][...], g_loop["embed"][...], atol=1e-5)
 
 
-def test_a_sharded_train_step_runs():
-    """Stacked parameters get a leading unsharded axis in their shardings (fsdp and tensor)."""
+def test_a_sharded_train_step_equals_one_device():
+    """Stacked parameters get a leading unsharded axis in their shardings (fsdp and tensor), and a
+    train step on a (2, 2, 2) mesh gives the loss and parameters of the same step on one device."""
     cfg = load_config(None, TINY_MODEL + ["model.scan_layers=true", "data.batch_size=4", "data.seq_len=16"])
-    setup = make_setup(cfg, make_mesh(2, 2, 2))
-    spec = setup.state_shardings["params"]["blocks"][0]["mlp"]["up"]["kernel"].spec
+    sharded = make_setup(cfg, make_mesh(2, 2, 2))
+    spec = sharded.state_shardings["params"]["blocks"][0]["mlp"]["up"]["kernel"].spec
     assert spec[0] is None and "fsdp" in jax.tree.leaves(tuple(spec))
-    state = init_state(setup)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 128, (4, 16)).astype(np.int32)
     batch = {
@@ -103,5 +104,11 @@ def test_a_sharded_train_step_runs():
         "segment_ids": np.ones_like(tokens),
         "loss_mask": np.ones((4, 16), np.float32),
     }
-    state, metrics = make_train_step(setup)(state, jax.device_put(batch, setup.batch_sharding()))
-    assert np.isfinite(float(metrics["loss"]))
+    results = []
+    for setup in (sharded, make_setup(cfg, make_mesh(1, 1, 1))):
+        state = init_state(setup)
+        results.append(make_train_step(setup)(state, jax.device_put(batch, setup.batch_sharding())))
+    (state_8, metrics_8), (state_1, metrics_1) = results
+    assert float(metrics_8["loss"]) == pytest.approx(float(metrics_1["loss"]), rel=1e-5)
+    for a, b in zip(jax.tree.leaves(state_8["params"]), jax.tree.leaves(state_1["params"]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)

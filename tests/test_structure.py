@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("effattn_jax", "pallas_kernels", "eval")
 SKIP_DIRS = {".venv", ".git", "runs", "__pycache__", ".pytest_cache", ".hypothesis", "build", "dist"}
 

@@ -32,9 +32,11 @@ def test_tiny_run_learns_and_logs(tmp_path, corpus_dir):
 
 
 def test_resume_is_bitwise_identical_past_corrupt_steps(tmp_path, corpus_dir, capsys):
-    """A run cut short resumes to the uninterrupted run's losses and state bitwise, also when its
-    newest step is corrupt each time it resumes (flipped, truncated, deleted file): the step is
-    quarantined (reported once), the run resumes from the step before and saves that step again."""
+    """A run cut short resumes to the uninterrupted run's losses and state bitwise, also when its newest
+    step is corrupt each time it resumes (flipped, truncated, deleted file): the step is quarantined
+    (reported once), the run resumes from the step before and saves that step again. Catches: a step
+    restored without verifying its manifest, a quarantine that leaves the step listed, a data iterator
+    restored to the wrong position."""
     full = run(tiny_cfg(corpus_dir, tmp_path / "full"))
     cut = tmp_path / "cut"
     with pytest.raises(Preempted) as stopped:
@@ -74,6 +76,9 @@ def test_resume_is_bitwise_identical_past_corrupt_steps(tmp_path, corpus_dir, ca
 
 
 def test_checkpoint_round_trip_and_retention(tmp_path, corpus_dir):
+    """A saved state restores exactly; retention keeps the newest step; a flipped byte fails `load_params`
+    naming the checksum. Catches: a step deleted before the newer one is checksummed, a manifest that is
+    not checked on load."""
     run(tiny_cfg(corpus_dir, tmp_path / "run", **{"train.steps": 4}))
     cfg = tiny_cfg(corpus_dir, tmp_path / "run")
     setup = make_setup(cfg, make_mesh(1, 1, 1))
@@ -135,6 +140,8 @@ def test_grad_accumulation_matches_one_batch(tmp_path, corpus_dir):
 
 
 def test_run_dir_has_one_writer_and_keeps_its_config(tmp_path, corpus_dir):
+    """A second live writer is refused, a stale lock taken over, a changed config refused on resume.
+    Catches: a lock that ignores a live holder, a resume that silently takes a new config."""
     import json
     import os
     import socket
@@ -168,6 +175,9 @@ def test_run_dir_has_one_writer_and_keeps_its_config(tmp_path, corpus_dir):
 
 
 def test_nonfinite_step_is_skipped_or_stops_before_any_save(tmp_path, corpus_dir):
+    """A non-finite step is skipped (the state unchanged) or stops the run before any save. Catches: a
+    skipped step that still applies its update or advances Adam's moments, a non-finite state saved before
+    the stop."""
     from effattn_jax.train.loop import NonFiniteError
     from effattn_jax.train.step import all_finite
 
