@@ -1,11 +1,12 @@
-# `make train` (default small model on CPU), `make test` (lint + tests); `make format` fixes style.
+# `make train` (default small model on CPU), `make test` (lint + every test), `make test-fast` (lint +
+# the quick subset); `make format` fixes style.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CONFIG ?= configs/cpu/default.yaml
 
-.PHONY: train test lint format data clean-venv
+.PHONY: train test test-fast lint format data clean-venv
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +27,11 @@ train: data
 PYTEST_WORKERS ?= 2
 test: data lint
 	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=15 tests
+
+# The quick loop (under 3 minutes on 2 cores): unit tests and small interpreted kernels; tests
+# marked slow (training runs, subprocesses, multi-process launches, AOT compiles) are left out.
+test-fast: data lint
+	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=10 -m "not slow" tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -113,12 +113,14 @@ def moba_decode_cases(contexts, batches, max_cache_gib: float):
     return [(c, b, b * (c + 1) * per_token <= max_cache_gib * 2**30) for c in contexts for b in batches]
 
 
-def moba_vs_dense_decode(context: int, batch: int, *, repeats: int = 5) -> dict:
-    """Median ms of a decode step at position `context` for the MoBA and the dense model, the
-    two alternated over one donated cache (each step writes the same slot)."""
+def moba_vs_dense_decode(
+    context: int, batch: int, *, repeats: int = 5, overrides: list[str] = MOBA_DECODE_MODEL
+) -> dict:
+    """Median ms of a decode step at position `context` for the MoBA and the dense model (built
+    from `overrides`), the two alternated over one donated cache (each step writes the same slot)."""
     steps, caches = {}, None
     for core in ("moba", "dense"):
-        cfg = load_config(None, MOBA_DECODE_MODEL + [f"attention.core={core}", f"data.seq_len={context + 1}"])
+        cfg = load_config(None, overrides + [f"attention.core={core}", f"data.seq_len={context + 1}"])
         model = Transformer(cfg, rngs=nnx.Rngs(0))  # same seed: the same parameters for both
         graphdef, params = nnx.split(model)
         step = jax.jit(lambda p, t, pos, c, g=graphdef: nnx.merge(g, p).decode(t, pos, c), donate_argnums=3)
@@ -155,12 +157,16 @@ def copy_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
     return 2 * x.nbytes / statistics.median(times)
 
 
-def latent_decode(context: int, batch: int, *, repeats: int = 5) -> list[dict]:
+def latent_decode(
+    context: int, batch: int, *, repeats: int = 5, overrides: tuple[str, ...] = ()
+) -> list[dict]:
     """Median ms of an absorbed decode step at position `context` for each LATENT_MODELS
-    entry (alternated over their donated caches) and the cache bytes each step reads."""
+    entry (with `overrides`; alternated over their donated caches) and the cache bytes each
+    step reads."""
     steps, caches, read = {}, {}, {}
     for label, name in LATENT_MODELS:
-        cfg = load_config(os.path.join(PAPER, name), [f"data.seq_len={context + 1}", "model.dtype=float32"])
+        extra = [f"data.seq_len={context + 1}", "model.dtype=float32", *overrides]
+        cfg = load_config(os.path.join(PAPER, name), extra)
         model = Transformer(cfg, rngs=nnx.Rngs(0))
         graphdef, params = nnx.split(model)
         step = jax.jit(lambda p, t, pos, c, g=graphdef: nnx.merge(g, p).decode(t, pos, c), donate_argnums=3)

@@ -173,3 +173,9 @@ def rand_qkv(seed, b, s, hq, hkv, d, dv=None, dtype=jnp.float32):
 def segments(b, lengths):
     """[b, sum(lengths)] segment ids 1, 2, ... of documents of these lengths, the same in every row."""
     return jnp.asarray(np.stack([np.repeat(np.arange(1, len(lengths) + 1), lengths)] * b), jnp.int32)
+
+
+def quick_or_slow(cases, quick):
+    """pytest params of `cases` (values or tuples of values), marked slow unless in `quick`."""
+    as_tuple = lambda c: c if isinstance(c, tuple) else (c,)
+    return [pytest.param(*as_tuple(c), marks=() if c in quick else pytest.mark.slow) for c in cases]

@@ -63,6 +63,7 @@ def test_scientific_notation_is_a_number_in_files_and_overrides(tmp_path):
     assert load_config(None, ["train.run_dir=1e3x"]).train.run_dir == "1e3x"  # still a string
 
 
+@pytest.mark.slow  # a subprocess
 def test_cli_exits_2_with_one_line(tmp_path):
     res = subprocess.run(
         [

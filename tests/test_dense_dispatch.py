@@ -32,6 +32,7 @@ def test_each_backend_gets_its_path():
         dense_attention(*_qkv(s=1000), impl="splash")
 
 
+@pytest.mark.slow
 def test_splash_matches_xla_forward_and_gradients():
     """GQA, a value width unlike q/k's (MLA), packed documents crossing kernel blocks."""
     q, k, v = _qkv()
@@ -48,6 +49,7 @@ def test_splash_matches_xla_forward_and_gradients():
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_splash_compiles_for_a_real_tpu():
     """Mosaic lowering and a libtpu compile (no TPU needed) of forward + backward through the
     dispatch, bf16, head dim 128, 4 query heads on 2 KV heads, packed documents."""

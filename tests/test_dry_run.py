@@ -7,6 +7,8 @@ from conftest import ROOT
 from effattn_jax.config import ConfigError, load_config
 from effattn_jax.train.dry_run import dry_run
 
+pytestmark = pytest.mark.slow  # paper-size models and TPU compiles
+
 PAPER = sorted(ROOT.glob("configs/*/paper/*.yaml"))
 # docs/moba.md: the scaling-law models' non-embedding parameters
 MOBA_SIZES = {"545m": 545e6, "822m": 822e6, "1.1b": 1.1e9, "1.5b": 1.5e9, "2.1b": 2.1e9}

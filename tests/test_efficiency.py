@@ -54,6 +54,7 @@ TINY_LATENT = [
 ]
 
 
+@pytest.mark.slow
 def test_absorbed_decode_reads_less_than_naive():
     """Absorbed MLA attends over the cached latent (d_c + d_R = 20 per token); the naive path
     rebuilds 4 heads x (8 + 4 + 8) per token first, so a step moves more bytes, and more per extra
@@ -72,6 +73,7 @@ def test_absorbed_decode_reads_less_than_naive():
     assert list(ms) == [64, 128]  # one median per context asked, in order
 
 
+@pytest.mark.slow
 def test_train_cost_counts_the_gate_table():
     """A 64-wide gate table on a 2048-word vocabulary is 131K parameters with gradients and two
     Adam moments: the compiled step must need more memory than plain MLA's."""

@@ -23,6 +23,8 @@ from eval.lm_loss import lm_loss, position_report, token_nll
 from eval.scaling import fit_power_law
 from eval.scoring import direct_loglikelihood, score_requests
 
+pytestmark = pytest.mark.slow  # trains runs to evaluate
+
 
 def _requests(rng, vocab, n_questions=7):
     """Questions of 1-4 choices sharing a context (one of a single choice, as WinoGrande), and

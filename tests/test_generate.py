@@ -32,6 +32,7 @@ def model_for(name):
     return Transformer(load_config(None, TINY + KINDS[name]), rngs=nnx.Rngs(0))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", KINDS)
 def test_decode_equals_full_forward(name):
     model = model_for(name)
@@ -71,6 +72,7 @@ def uncached_greedy(model, prompt, n, width=16):
     return seq[len(prompt) :]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gqa", "eg_mla_latent", "mha_moba"])
 def test_cached_generation_equals_uncached(name):
     model = model_for(name)
@@ -99,6 +101,7 @@ def test_sampling():
     assert draws == {0, 1, 2}
 
 
+@pytest.mark.slow
 def test_cli_on_a_trained_run(tmp_path, corpus_dir, capsys):
     run(load_config(None, tiny_overrides(corpus_dir, tmp_path / "run", **{"train.steps": 2})))
     capsys.readouterr()

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from eval.bench import kernel_model
 
 HLO = """HloModule m
@@ -56,6 +58,7 @@ def test_hlo_traffic_counts_loop_trips_slices_and_in_place_updates():
     assert kernel_model.hlo_traffic(HLO) == copy + 4 * per_trip
 
 
+@pytest.mark.slow
 def test_json_keys_and_sane_ratios(capsys):
     kernel_model.main(["--seq", "2048", "--kv-heads", "4", "--topology", "none", "--json"])
     row = json.loads(capsys.readouterr().out)

@@ -59,6 +59,7 @@ def test_kernel_tiles_equal_xla(kernel, interpret):
     np.testing.assert_allclose(out, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_kernel_compiles_for_a_real_tpu():
     """Mosaic lowering and a libtpu compile (no TPU needed): bf16, 12 heads, MLA-Base's latent
     width 256 with a 64-wide RoPE key, a cache length that is not a multiple of the tile."""

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import jaxpr_outputs, rand_qkv, segments
+from conftest import jaxpr_outputs, quick_or_slow, rand_qkv, segments
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -35,8 +35,10 @@ CASES = {
     "eight_row_parts_packed": (1, 100, 2, 2, 8, 8, 32, 3, [45, 55]),  # own block in 8 row parts
 }
 
+QUICK = {"top_k_1"}  # the cases `make test-fast` runs
 
-@pytest.mark.parametrize("name", CASES)
+
+@pytest.mark.parametrize("name", quick_or_slow(CASES, QUICK))
 def test_xla_matches_reference_float32(name):
     b, s, hq, hkv, d, dv, c, k_top, lengths = CASES[name]
     q, k, v = rand_qkv(1, b, s, hq, hkv, d, dv)
@@ -53,6 +55,7 @@ def test_xla_matches_reference_float32(name):
         assert not all(bool((past[0] == past[i]).all()) for i in range(1, b))
 
 
+@pytest.mark.slow
 def test_tile_and_chunk_knobs_change_the_schedule_not_the_result(monkeypatch):
     """moba.past_q_tile reaches the XLA path's tiles and moba.routing_chunk the gate's query chunks
     (small values: several tiles per block, several chunks plus a padded one)."""
@@ -79,6 +82,7 @@ def test_tile_and_chunk_knobs_change_the_schedule_not_the_result(monkeypatch):
     np.testing.assert_array_equal(chunked.past_start, whole.past_start)
 
 
+@pytest.mark.slow
 def test_xla_matches_reference_bfloat16():
     """Both paths get the same bf16 inputs (so identical routing) and accumulate in float32;
     they differ by summation order and the final rounding to bf16: one bf16 ulp (2^-8
@@ -131,6 +135,7 @@ def test_routing_ties_go_to_the_earlier_block():
     assert r.past_start[0, 15, 0].tolist() == [0]  # blocks 0, 1, 2 tie: block 0 wins
 
 
+@pytest.mark.slow
 @settings(max_examples=10, deadline=None)
 @given(data=st.data())
 def test_property_random_shapes(data):

@@ -25,6 +25,7 @@ def model_for(*overrides):
     return Transformer(cfg, rngs=nnx.Rngs(0))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "overrides",
     [
@@ -160,6 +161,7 @@ def test_tpu_decode_kernel_matches_xla(length, block, interpret):
     np.testing.assert_allclose(got, step("xla"), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_tpu_decode_kernel_compiles_for_a_real_tpu():
     """Mosaic lowering and a libtpu compile (no TPU needed): bf16, 12 query heads on 4 KV heads (head dim
     64 and 128), block 512 over a 4,096-slot cache. Catches: starts Mosaic cannot prove aligned."""

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import rand_qkv, random_batch, segments, tiny_overrides, v5e_arg
+from conftest import quick_or_slow, rand_qkv, random_batch, segments, tiny_overrides, v5e_arg
 from jax.experimental.pallas import tpu as pltpu
 
 from effattn_jax.config import load_config
@@ -74,8 +74,13 @@ def check_against_reference(kernel, interpret, b, s, hq, hkv, c, top_k, lengths,
         np.testing.assert_allclose(a, e, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("name", CASES)
-@pytest.mark.parametrize("kernel", ["tpu", "gpu"])
+QUICK = {("gpu", "top_k_1"), ("gpu", "shorter_than_a_block")}  # the cases `make test-fast` runs
+
+
+@pytest.mark.parametrize(
+    "kernel, name",
+    quick_or_slow([(k, n) for k in ("tpu", "gpu") for n in CASES], QUICK),
+)
 def test_kernels_interpreted_match_reference(kernel, name):
     """Each backend's kernels, interpreted, against the dense-mask reference: output, lse and dq/dK/dV
     over a partial last block, packed documents, GQA, top_k 1 and top_k covering every block. Catches: a
@@ -85,6 +90,7 @@ def test_kernels_interpreted_match_reference(kernel, name):
     check_against_reference(kernel, True, *CASES[name])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", ["tpu", "gpu"])
 def test_merge_by_chunks_and_backward_by_slices(kernel, monkeypatch):
     """What long sequences take: the parts merged (and dq gathered) a few positions at a time, the last
@@ -97,6 +103,7 @@ def test_merge_by_chunks_and_backward_by_slices(kernel, monkeypatch):
     check_against_reference(kernel, True, *CASES["packed_documents"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", ["tpu", "gpu"])
 def test_kernels_take_bfloat16(kernel):
     """bf16 inputs, float32 accumulation: output and gradients within bf16 rounding of the float32
@@ -141,6 +148,7 @@ def test_padded_length_holds_every_window(s):
     assert pad % 512 == 0 and pad >= max(s, 512) + ALIGN
 
 
+@pytest.mark.slow
 def test_tpu_kernels_read_whole_lane_heads_in_place():
     """With every head 128 lanes wide and S a multiple of the block, the TPU kernels read q, K, V and dO
     as [B, S, H*D] (no head-major copies) and write dq, dK, dV so: packed documents (a chunk needing the
@@ -153,6 +161,7 @@ def test_tpu_kernels_read_whole_lane_heads_in_place():
     check_against_reference("tpu", True, b, s, hq, hkv, c, top_k, lengths, d=128)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("q_tile, kv_block", [(16, 8), (8, 16)])
 def test_gpu_own_block_with_query_tiles_unlike_key_steps(q_tile, kv_block):
     """The GPU own-block kernel's tables (first key step per query tile, last query tile per key step)
@@ -162,6 +171,7 @@ def test_gpu_own_block_with_query_tiles_unlike_key_steps(q_tile, kv_block):
     check_against_reference("gpu", True, 1, 50, 4, 2, 16, 3, [13, 20, 17], block_sizes=sizes)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["packed_documents"])
 def test_tpu_kernel_in_tpu_interpret_mode(name):
     """The TPU interpreter (TPU semantics on CPU: DMAs, semaphores) against the reference, with its
@@ -238,6 +248,7 @@ def _moba_grad_fn(kernel, block_sizes, s, d, wrap=lambda loss: loss):
     return jax.jit(jax.grad(wrap(loss), argnums=(0, 1, 2)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seq", [1024, 1000], ids=["lane_heads", "head_major"])
 def test_tpu_kernels_compile_for_a_real_tpu(seq):
     """Mosaic lowering and libtpu compile (no TPU needed): forward + backward, bf16, the benchmark's head
@@ -276,6 +287,7 @@ def test_remat_keeps_the_schedule():
     assert sorts(REMAT_POLICY) == 1 and sorts(None) == 2
 
 
+@pytest.mark.slow
 def test_gpu_kernels_lower_for_cuda():
     """Forward + backward lower to Triton for CUDA (jax.export, no GPU): the six kernels, each once.
     Catches: a shape or op the Triton lowering rejects, a kernel replaced by an XLA fallback."""
@@ -289,6 +301,7 @@ def test_gpu_kernels_lower_for_cuda():
     assert sorted(names) == sorted([f"moba_{k}_{p}_gpu" for k in ("own", "block") for p in parts])
 
 
+@pytest.mark.slow
 def test_kernels_inside_a_sharded_train_step(tmp_path, corpus_dir):
     """impl=pallas under a (data=2, fsdp=2, tensor=2) mesh runs through shard_map and matches the single-
     XLA path. Catches: a shard_map spec that splits heads or batch wrongly."""

@@ -17,6 +17,8 @@ from effattn_jax.train.metrics import read_scalars
 from effattn_jax.train.state import make_setup
 from effattn_jax.train.step import make_eval_step
 
+pytestmark = pytest.mark.slow  # training runs
+
 MOBA = {"attention.core": "moba", "moba.block_size": 8, "moba.top_k": 2}
 
 

@@ -46,6 +46,7 @@ def test_segment_positions_restart():
     assert segment_positions(seg).tolist() == [[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 4, 5]]
 
 
+@pytest.mark.slow
 def test_packed_documents_do_not_see_each_other():
     """A document packed after another gives the same logits as the document alone,
     so there is no attention across documents and RoPE restarts per document."""
@@ -93,6 +94,7 @@ def test_bf16_matches_float32():
     np.testing.assert_allclose(mb(x), m(x), atol=0.05)  # bf16 matmuls on ~unit logits
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("core", ["dense", "moba"])
 def test_remat_gives_the_same_gradients(core):
     """Remat recomputes each block's activations in the backward (keeping only MoBA's schedule):

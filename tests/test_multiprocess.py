@@ -169,6 +169,8 @@ initialize(DistributedConfig())
 from effattn_jax import checkpoint
 from effattn_jax.sharding import make_mesh
 from effattn_jax.train.state import make_setup
+
+pytestmark = pytest.mark.slow  # processes and launches
 run_dir = sys.argv[1 + jax.process_index()]
 setup = make_setup(checkpoint.load_run_config(run_dir, 2), make_mesh(1, 1, 1, devices=jax.local_devices()))
 step, _ = checkpoint.Checkpoints(run_dir).restore_latest(setup.abstract_state)

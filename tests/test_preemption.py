@@ -6,7 +6,10 @@ import subprocess
 import sys
 import time
 
+import pytest
 from conftest import ROOT, tiny_overrides
+
+pytestmark = pytest.mark.slow  # signals to a training process
 
 
 def launch(corpus_dir, run_dir, log):

@@ -53,6 +53,7 @@ def models():
     return loop, stacked_like(loop, Transformer(scanned_cfg, rngs=nnx.Rngs(1)))
 
 
+@pytest.mark.slow
 def test_forward_gradients_and_decoding_match_the_loop():
     loop, scanned = models()
     rng = np.random.default_rng(0)
@@ -89,6 +90,7 @@ def test_forward_gradients_and_decoding_match_the_loop():
     np.testing.assert_allclose(g_scan["embed"][...], g_loop["embed"][...], atol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_sharded_train_step_equals_one_device():
     """Stacked parameters get a leading unsharded axis in their shardings (fsdp and tensor), and a
     train step on a (2, 2, 2) mesh gives the loss and parameters of the same step on one device."""

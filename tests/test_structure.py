@@ -55,6 +55,7 @@ def graph() -> dict[str, set[str]]:
     return {name: imports_of(name, path, modules) for name, path in modules.items()}
 
 
+@pytest.mark.slow  # a subprocess
 def test_config_imports_no_jax_or_model_code():
     code = (
         "import sys, effattn_jax.config\n"

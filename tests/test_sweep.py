@@ -11,6 +11,8 @@ from conftest import tiny_overrides
 from effattn_jax.data.small_bpe import train_small_bpe
 from eval import sweep
 
+pytestmark = pytest.mark.slow  # trains a recipe
+
 
 def test_recipe_trains_summarizes_then_only_redraws(tmp_path, corpus_dir, monkeypatch):
     tiny = [o for o in tiny_overrides(corpus_dir, tmp_path / "unused") if not o.startswith("train.run_dir=")]

@@ -1,5 +1,6 @@
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from conftest import corrupt_step, random_batch, tiny_overrides
 
@@ -10,6 +11,8 @@ from effattn_jax.train.loop import Preempted, run
 from effattn_jax.train.metrics import read_scalars
 from effattn_jax.train.state import init_state, make_setup
 from effattn_jax.train.step import make_train_step
+
+pytestmark = pytest.mark.slow  # training runs
 
 TB_TAGS = {"loss", "learning_rate", "grad_norm", "tokens_per_sec", "tokens_seen", "val_loss"}
 
@@ -206,7 +209,5 @@ def test_nonfinite_step_is_skipped_or_stops_before_any_save(tmp_path, corpus_dir
     abstract = make_setup(tiny_cfg(corpus_dir, run_dir), make_mesh(1, 1, 1)).abstract_state
     mngr = checkpoint.manager(run_dir)
     for step in mngr.all_steps():
-        restored = mngr.restore(
-            step, args=checkpoint.ocp.args.Composite(state=checkpoint.ocp.args.StandardRestore(abstract))
-        )
+        restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
         assert bool(all_finite(restored["state"]))

@@ -1,0 +1,257 @@
+"""Everything this project wants to know from a GPU, in one run of about 4 minutes on one H200,
+compiles included; it prints as it goes and rewrites `<out>/gpu_suite.json` after every case.
+
+    python -m eval.bench.gpu_suite --out DIR [--budget-s 230]
+    python -m eval.bench.gpu_suite --out DIR --dry     # on a CPU: tiny shapes, kernels interpreted
+
+Sections, in order (a section stops starting cases once its share of the budget is spent, and
+says so in the JSON):
+- attention: MoBA (Pallas GPU kernels) against cuDNN flash attention, forward + backward, bf16,
+  batch 1, 16 heads, head dim 128, block 512, top_k 3, block-local routing, at 8K/32K/128K;
+  the loss and gradients against the XLA path's at the first length (largest relative difference).
+- moba_decode: a decode step of a 12-layer d-768 MHA model, MoBA core (its decode kernel) against
+  dense, at 32K and 128K (eval/decoding.py).
+- latent_decode: the absorbed MLA and EG-MLA decode steps (their kernels) at 32K, the cache
+  bytes they read per second against a device-to-device copy.
+- train: 30 steps of a small MoBA model with the GPU kernels beside the same run with the XLA
+  path (same initialisation, same batches, float32): the losses must agree within `--loss-tol`.
+- long attention: 256K and 512K if the budget and memory allow.
+
+It imports nothing from the data stack (the GPU image may lack grain): batches are synthetic.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from effattn_jax.config import load_config
+from effattn_jax.ops.moba import BlockSizes, moba_attention
+from effattn_jax.sharding import make_mesh
+from effattn_jax.train.state import init_state, make_setup
+from effattn_jax.train.step import make_train_step
+from eval.bench.attention import structured_inputs
+from eval.bench.common import synthetic_batch, time_once
+from eval.decoding import copy_bandwidth, latent_decode, moba_vs_dense_decode
+
+# (section, share of the budget)
+SHARES = {
+    "attention": 0.35,
+    "moba_decode": 0.15,
+    "latent_decode": 0.12,
+    "train": 0.23,
+    "long_attention": 0.15,
+}
+
+FULL = {
+    "attention": dict(seqs=[8192, 32768, 131072], heads=16, head_dim=128, block=512, top_k=3,
+                      impl="pallas_gpu", dense="cudnn", tiles=BlockSizes(), repeats=3),
+    "long_seqs": [262144, 524288],
+    "moba_decode": dict(contexts=[32768, 131072], model=None),
+    "latent_decode": dict(contexts=[32768], batches=[1, 16], overrides=(), copy_gib=1.0),
+    "train": ["model.num_layers=4", "model.d_model=512", "model.num_heads=8", "model.mlp_dim=1408",
+              "model.vocab_size=32768", "data.seq_len=8192", "data.batch_size=2", "moba.block_size=512",
+              "moba.top_k=3", "model.dtype=float32", "train.lr=3e-4", "train.warmup_steps=5"],
+    "train_steps": 30,
+}  # fmt: skip
+DRY = {
+    "attention": dict(seqs=[256], heads=2, head_dim=16, block=32, top_k=3, impl="pallas_gpu", dense="xla",
+                      tiles=BlockSizes(q_tile=16, kv_block=16, past_q_tile=16), repeats=1),
+    "long_seqs": [],  # the same function as the first section's
+    "moba_decode": dict(contexts=[128], model=["model.num_layers=2", "model.d_model=64", "model.num_heads=2",
+                        "model.mlp_dim=128", "model.vocab_size=256", "model.dtype=float32",
+                        "moba.block_size=32", "moba.top_k=3"]),
+    "latent_decode": dict(contexts=[64], batches=[1], copy_gib=0.01,
+                          overrides=("model.num_layers=1", "model.vocab_size=256")),
+    "train": ["model.num_layers=2", "model.d_model=32", "model.num_heads=2", "model.mlp_dim=64",
+              "model.vocab_size=256", "data.seq_len=64", "data.batch_size=2", "moba.block_size=16",
+              "moba.top_k=3", "model.dtype=float32", "moba.q_tile=16", "moba.kv_block=16",
+              "moba.past_q_tile=16", "train.warmup_steps=1"],
+    "train_steps": 2,
+}  # fmt: skip
+
+
+class Suite:
+    """The JSON being built: each case is added and the file rewritten at once."""
+
+    def __init__(self, out: Path, budget_s: float, dry: bool):
+        self.path = out / "gpu_suite.json"
+        self.start, self.budget_s = time.perf_counter(), budget_s
+        device = jax.devices()[0]
+        self.data = {
+            "date": datetime.date.today().isoformat(),
+            "jax": jax.__version__,
+            "device": device.device_kind,
+            "backend": jax.default_backend(),
+            "device_count": jax.device_count(),
+            "dry": dry,
+            "sections": {},
+        }
+        self.deadline = self.start
+        self.write()
+
+    def section(self, name: str) -> list:
+        self.deadline = time.perf_counter() + SHARES[name] * self.budget_s
+        print(f"== {name} (until {self.deadline - self.start:.0f} s)", flush=True)
+        rows = self.data["sections"].setdefault(name, [])
+        self.write()
+        return rows
+
+    def time_left(self) -> bool:
+        return time.perf_counter() < self.deadline
+
+    def add(self, rows: list, row: dict) -> None:
+        row["at_s"] = round(time.perf_counter() - self.start, 1)
+        rows.append(row)
+        print("  " + json.dumps(row), flush=True)
+        self.write()
+
+    def write(self) -> None:
+        self.path.write_text(json.dumps(self.data, indent=1) + "\n")
+
+
+def _grad_fn(attn):
+    loss = lambda q, k, v: jnp.sum(attn(q, k, v).astype(jnp.float32))
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+
+
+def _relative_difference(a, b) -> float:
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return float(jnp.abs(a - b).max() / jnp.abs(b).max())
+
+
+def attention(suite: Suite, rows: list, p: dict, seqs: list[int], compare_xla: bool) -> None:
+    moba = lambda impl: _grad_fn(
+        lambda q, k, v: moba_attention(
+            q, k, v, block_size=p["block"], top_k=p["top_k"], impl=impl, block_sizes=p["tiles"]
+        )
+    )
+    dense = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=p["dense"])
+    fns = {"moba_pallas": moba(p["impl"]), "dense": _grad_fn(dense)}
+    for seq in seqs:
+        if not suite.time_left():
+            suite.add(rows, {"seq": seq, "skipped": "time budget"})
+            continue
+        x = structured_inputs(seq, p["heads"], p["head_dim"], jnp.bfloat16)
+        row = {
+            "seq": seq,
+            "heads": p["heads"],
+            "head_dim": p["head_dim"],
+            "block": p["block"],
+            "top_k": p["top_k"],
+        }
+        try:
+            for name, fn in fns.items():
+                t = time.perf_counter()
+                jax.block_until_ready(fn(*x))
+                row[f"{name}_first_call_s"] = round(time.perf_counter() - t, 2)
+            times = {name: [] for name in fns}
+            for _ in range(p["repeats"]):  # alternated
+                for name, fn in fns.items():
+                    times[name].append(time_once(fn, x))
+            for name in fns:
+                row[f"{name}_ms"] = statistics.median(times[name]) * 1e3
+            row["dense_over_moba"] = row["dense_ms"] / row["moba_pallas_ms"]
+            if compare_xla and seq == seqs[0]:
+                xla = moba("xla")
+                got, want = (jax.tree.leaves(f(*x)) for f in (fns["moba_pallas"], xla))
+                # loss and dq/dK/dV, each relative to its largest entry (bf16: about 1e-2 expected)
+                row["pallas_vs_xla_max_rel_diff"] = max(
+                    _relative_difference(a, b) for a, b in zip(got, want, strict=True)
+                )
+        except Exception as e:  # noqa: BLE001 - out of memory at the longest lengths ends the list
+            row["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+            suite.add(rows, row)
+            return
+        suite.add(rows, row)
+
+
+def train_pair(suite: Suite, rows: list, overrides: list[str], steps: int, loss_tol: float) -> None:
+    """The same run with the GPU kernels and with the XLA path: losses per step, tokens/s."""
+    losses, tok_s = {}, {}
+    batches = None
+    for impl in ("pallas_gpu", "xla"):
+        if not suite.time_left():
+            suite.add(rows, {"impl": impl, "skipped": "time budget"})
+            return
+        cfg = load_config(None, overrides + [f"moba.impl={impl}", "attention.core=moba"])
+        setup = make_setup(cfg, make_mesh(1, 1, 1))
+        b, s = cfg.data.batch_size, cfg.data.seq_len
+        batches = batches or [synthetic_batch(b, s, cfg.model.vocab_size, seed=i) for i in range(steps)]
+        state, step = init_state(setup), make_train_step(setup)
+        losses[impl], times = [], []
+        for batch in batches:
+            t = time.perf_counter()
+            state, metrics = step(state, jax.device_put(batch, setup.batch_sharding()))
+            losses[impl].append(float(metrics["loss"]))  # waits for the step
+            times.append(time.perf_counter() - t)
+        tok_s[impl] = b * s / statistics.median(times[1:] or times)
+        first, last = losses[impl][0], losses[impl][-1]
+        suite.add(
+            rows,
+            {
+                "impl": impl,
+                "steps": steps,
+                "first_loss": first,
+                "last_loss": last,
+                "tokens_per_s": tok_s[impl],
+            },
+        )
+    diff = float(np.max(np.abs(np.subtract(losses["pallas_gpu"], losses["xla"]))))
+    suite.add(rows, {"max_loss_difference": diff, "loss_tol": loss_tol, "losses_agree": diff <= loss_tol,
+                     "pallas_over_xla_tokens_per_s": tok_s["pallas_gpu"] / tok_s["xla"]})  # fmt: skip
+
+
+def main(argv=None) -> int:
+    from effattn_jax.cli import ArgumentParser
+
+    p = ArgumentParser(prog="python -m eval.bench.gpu_suite", description=__doc__)
+    p.add_argument("--out", type=Path, required=True, help="directory for gpu_suite.json")
+    p.add_argument("--budget-s", type=float, default=230.0, help="seconds for everything, compiles included")
+    p.add_argument("--dry", action="store_true", help="tiny shapes with interpreted kernels (a CPU check)")
+    p.add_argument("--loss-tol", type=float, default=2e-3, help="largest loss difference pallas vs xla")
+    args = p.parse_args(argv)
+    plan = DRY if args.dry else FULL
+    args.out.mkdir(parents=True, exist_ok=True)
+    suite = Suite(args.out, args.budget_s, args.dry)
+    print(f"{suite.data['device']} x{suite.data['device_count']}, jax {jax.__version__}", flush=True)
+
+    attention(
+        suite, suite.section("attention"), plan["attention"], plan["attention"]["seqs"], compare_xla=True
+    )
+    rows = suite.section("moba_decode")
+    decode = plan["moba_decode"]
+    for context in decode["contexts"]:
+        if not suite.time_left():
+            suite.add(rows, {"context": context, "skipped": "time budget"})
+            continue
+        model = {"overrides": decode["model"]} if decode["model"] else {}
+        suite.add(rows, moba_vs_dense_decode(context, 1, repeats=3, **model))
+    rows = suite.section("latent_decode")
+    latent = plan["latent_decode"]
+    copy = copy_bandwidth(latent["copy_gib"])
+    suite.add(rows, {"copy_bytes_per_s": copy})
+    for context in latent["contexts"]:
+        for batch in latent["batches"]:
+            if not suite.time_left():
+                suite.add(rows, {"context": context, "batch": batch, "skipped": "time budget"})
+                continue
+            for r in latent_decode(context, batch, repeats=3, overrides=latent["overrides"]):
+                r["read_bytes_per_s"] = r["cache_bytes_read"] / (r["ms"] / 1e3)
+                r["of_copy_bandwidth"] = r["read_bytes_per_s"] / copy
+                suite.add(rows, r)
+    train_pair(suite, suite.section("train"), plan["train"], plan["train_steps"], args.loss_tol)
+    attention(suite, suite.section("long_attention"), plan["attention"], plan["long_seqs"], compare_xla=False)
+    print(f"done in {time.perf_counter() - suite.start:.0f} s: {suite.path}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
