@@ -24,6 +24,7 @@ from effattn_jax.train.loop import Preempted, run
 from effattn_jax.train.metrics import read_scalars
 from effattn_jax.train.state import make_setup
 
+pytestmark = pytest.mark.slow  # processes and launches
 # the schedule depends on train.steps: every run here has the same, and stops early
 LONG = {"train.steps": 100000, "checkpoint.every_steps": 2, "eval.every_steps": 100000}
 
@@ -169,8 +170,6 @@ initialize(DistributedConfig())
 from effattn_jax import checkpoint
 from effattn_jax.sharding import make_mesh
 from effattn_jax.train.state import make_setup
-
-pytestmark = pytest.mark.slow  # processes and launches
 run_dir = sys.argv[1 + jax.process_index()]
 setup = make_setup(checkpoint.load_run_config(run_dir, 2), make_mesh(1, 1, 1, devices=jax.local_devices()))
 step, _ = checkpoint.Checkpoints(run_dir).restore_latest(setup.abstract_state)
