@@ -40,7 +40,7 @@ def window_starts(block_start: jax.Array, block_size: int, seq_len: int, dtype) 
     """Each block's window start: the block start rounded down to the dtype's sublane tile A,
     and no later than the last A-aligned window inside the seq_len keys (which still holds the
     block: a block ends by seq_len, and seq_len is a multiple of A or at least A past the last
-    block; common.ALIGN is a multiple of every A)."""
+    block; pallas_kernels.common.ALIGN is a multiple of every A)."""
     align = sublane_tile(dtype)
     last = (seq_len - window(block_size, dtype)) // align * align
     return jnp.minimum(block_start // align * align, last).astype(jnp.int32)
@@ -230,8 +230,8 @@ def block_attention_fwd(
     kv_heads=None,
     interpret=False,
 ):
-    """q_rows [T, Qt, D]; k/v [B*Hkv, S_pad, D|Dv] with S_pad >= S + common.ALIGN, or with kv_heads
-    = Hkv the natural [B, S, Hkv*D|Dv] with S a multiple of common.ALIGN (`window_starts`); kv_row,
+    """q_rows [T, Qt, D]; k/v [B*Hkv, S_pad, D|Dv] with S_pad >= S + ALIGN, or with kv_heads
+    = Hkv the natural [B, S, Hkv*D|Dv] with S a multiple of ALIGN (`window_starts`); kv_row,
     block_start, tile_group [T] (tiles of group `num_groups` are padding, skipped). Returns
     o [T, Qt, Dv] float32 (normalised) and lse [T, Qt]."""
     ntiles, qt, d = q_rows.shape
