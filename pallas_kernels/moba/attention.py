@@ -331,7 +331,7 @@ def _by_positions(step, s: int, rows_per_position: int):
     rather than fusing it into the merge (float32, 1 GiB per slot at 128K with 16 heads), so
     the merge gathers a chunk at a time. The last chunk ends at s, overlapping the one before
     it (both write the same values). Up to MERGE_WHOLE_ROWS rows it is one step: v5e compiles
-    needed more memory with the loop there (BENCHMARKS.md, "... merged in chunks")."""
+    needed more memory with the loop there (BENCHMARKS.md, "History")."""
     size = min(s, max(1, MERGE_ROWS // rows_per_position))
     if s * rows_per_position <= MERGE_WHOLE_ROWS:
         return step(0, s)
@@ -449,7 +449,7 @@ def _bwd(block_size, scale, backend, interpret, block_sizes, res, d_out):
         )
         # q gathered again, not shared with the forward's gather, whose output would otherwise
         # stay live across the forward's merge: one more gather for less peak memory
-        # (BENCHMARKS.md, "dK/dV added in place")
+        # (BENCHMARKS.md, "History")
         flat = (
             jax.lax.optimization_barrier(qf),
             d_out.reshape(-1, d_out.shape[-1]).astype(lay.v.dtype),

@@ -14,7 +14,7 @@ head-major [B*H, S_pad, D] or as they lie, [B, S, H*D] (`heads`). Scores are [ke
 lse and delta are lane-dense rows, and the forward's o comes out [Dv, rows]: the kernel
 transposes it (one [Dv, C/2] float32 tile per row part) and writes rows laid out like q. XLA
 then needs no transpose of o, whose [Dv, S] layout made the merge of the parts copy every other
-part to it, in float32 (BENCHMARKS.md, "The own block's output in the rows' layout").
+part to it, in float32 (BENCHMARKS.md, "History").
 """
 
 from __future__ import annotations
