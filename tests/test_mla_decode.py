@@ -62,7 +62,8 @@ def test_kernel_tiles_equal_xla(kernel, interpret):
 @pytest.mark.slow
 def test_kernel_compiles_for_a_real_tpu():
     """Mosaic lowering and a libtpu compile (no TPU needed): bf16, 12 heads, MLA-Base's latent
-    width 256 with a 64-wide RoPE key, a cache length that is not a multiple of the tile."""
+    width 256 with a 64-wide RoPE key, a cache length that is not a multiple of the tile. Catches:
+    a block shape or op Mosaic rejects (interpret mode accepts it)."""
     arg = v5e_arg()
     step = jax.jit(lambda ql, qr, lat, kr, lens: mla_decode_tpu(ql, qr, lat, kr, lens, 0.1))
     lowered = step.lower(
@@ -73,7 +74,8 @@ def test_kernel_compiles_for_a_real_tpu():
 
 
 def test_gpu_kernel_lowers_for_cuda():
-    """jax.export lowers the GPU kernel to Triton: bf16, 12 heads (padded to 16), d 256 + 64."""
+    """jax.export lowers the GPU kernel to Triton: bf16, 12 heads (padded to 16), d 256 + 64.
+    Catches: an op the Triton lowering rejects, a non-power-of-two block."""
     triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
     arg = jax.ShapeDtypeStruct
     step = jax.jit(lambda ql, qr, lat, kr, lens: mla_decode_gpu(ql, qr, lat, kr, lens, 0.1))

@@ -67,6 +67,9 @@ def test_shards_round_trip_and_are_deterministic(tmp_path):
 
 
 def test_interrupted_prepare_resumes_and_finished_is_not_redone(tmp_path, monkeypatch):
+    """A prepare stopped after two shards resumes to the same shards as an uninterrupted one, and a
+    finished prepare is not redone; a half-written shard left behind is ignored. Catches: a resume
+    that starts over or skips documents, a finished prepare run again."""
     inputs = jsonl_corpus(tmp_path / "corpus")
     prep.prepare(inputs, tmp_path / "whole", **SMALL)
     saves, real_save = [], prep._save_progress
@@ -124,6 +127,9 @@ def test_parquet_and_zstd_jsonl_read_like_jsonl(tmp_path):
 
 
 def test_bad_inputs_name_the_file_and_row(tmp_path):
+    """A directory, non-UTF-8 text, a cut .zst stream, a file that is not Parquet, a Parquet file
+    without the field or with a null each stop naming the file (and line or row); the CLI exits 2.
+    Catches: a reader that skips or replaces bad input silently."""
     good = json.dumps({"text": "fine"}) + "\n"
     (tmp_path / "latin1.jsonl").write_bytes(good.encode() + '{"text": "caf\xe9"}\n'.encode("latin-1"))
     (tmp_path / "cut.jsonl.zst").write_bytes(
