@@ -1,6 +1,7 @@
 """Checksum manifests of checkpoint steps. A manifest (sha256 and size of every file of a step) is
 written last, once the step's save is complete, and verified before the step is restored, so a
-flipped, truncated or missing file is found before anything is loaded."""
+flipped, truncated or missing file is found before anything is loaded. A step without a manifest
+is never restored: nothing says its files are whole."""
 
 from __future__ import annotations
 
@@ -14,6 +15,11 @@ MANIFEST = "checksums.json"
 
 class ChecksumError(RuntimeError):
     """A step's files do not match its manifest."""
+
+
+class MissingManifest(ChecksumError):
+    """A step without a manifest: a save cut short before its manifest, or a removed manifest.
+    Nothing vouches for its files, so it is never restored."""
 
 
 def _digest(path: Path) -> str:
@@ -37,13 +43,14 @@ def has_manifest(step_dir: Path) -> bool:
     return (step_dir / MANIFEST).is_file()
 
 
-def verify(step_dir: Path) -> bool:
-    """True when the step matches its manifest, False when it has none (a save cut short before
-    the manifest was written); raises ChecksumError naming the first file that differs."""
+def verify(step_dir: Path) -> None:
+    """Raises ChecksumError naming the first file that differs from the step's manifest, and
+    MissingManifest when the step has none (it cannot be verified, so it is not used)."""
     try:
         text = (step_dir / MANIFEST).read_text()
     except FileNotFoundError:
-        return False
+        why = "the save did not complete or the manifest was removed"
+        raise MissingManifest(f"no {MANIFEST}: {why}") from None
     try:
         entries = json.loads(text)
     except ValueError:
@@ -60,4 +67,3 @@ def verify(step_dir: Path) -> bool:
             raise ChecksumError(f"{name} has {path.stat().st_size} bytes, {size} were saved")
         if _digest(path) != digest:
             raise ChecksumError(f"{name} does not match its checksum")
-    return True

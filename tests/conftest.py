@@ -119,8 +119,11 @@ def corpus_dir(tmp_path):
     return write_corpus(tmp_path / "corpus")
 
 
-def corrupt_step(step_dir, how):
-    """Damages the largest file of a checkpoint step: flip 16 bytes, truncate, or delete it."""
+def corrupt_step(step_dir, how, drop_manifest=False):
+    """Damages the largest file of a checkpoint step: flip 16 bytes, truncate, or delete it;
+    `drop_manifest` also removes the step's checksum manifest (nothing left to catch it by)."""
+    if drop_manifest:
+        (step_dir / "checksums.json").unlink()
     f = max((p for p in (step_dir / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
     data = bytearray(f.read_bytes())
     if how == "flip":

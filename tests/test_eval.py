@@ -9,7 +9,7 @@ import shutil
 import jax
 import numpy as np
 import pytest
-from conftest import TINY_MLA, tiny_overrides
+from conftest import TINY_MLA, corrupt_step, tiny_overrides
 from flax import nnx
 
 from effattn_jax import checkpoint
@@ -165,6 +165,13 @@ def test_bad_runs_and_steps_fail_with_one_line(tmp_path, tiny_runs, capsys):
     assert "not a run directory" in capsys.readouterr().err
     assert eval_main(["downstream", "--run", str(tiny_runs / "mha_small"), "--step", "7"]) == 2
     assert "no checkpoint at step 7; kept steps: [2]" in capsys.readouterr().err
+    for how in ("flip", "truncate"):  # a step whose manifest is gone is never evaluated, however damaged
+        shutil.copytree(tiny_runs / "mha_small", tmp_path / how)
+        corrupt_step(tmp_path / how / "checkpoints" / "2", how, drop_manifest=True)
+        assert eval_main(["lm-loss", "--run", str(tmp_path / how)]) == 2
+        err = capsys.readouterr().err
+        assert "step 2 cannot be restored: MissingManifest: no checksums.json" in err, err
+        assert len(err.strip().splitlines()) == 1
     shutil.copytree(tiny_runs / "mha_small", tmp_path / "run")
     saved_config = tmp_path / "run" / "checkpoints" / "2" / "config" / "metadata"  # Orbax's JsonSave file
     saved = json.loads(saved_config.read_text())

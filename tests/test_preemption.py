@@ -9,6 +9,8 @@ import time
 import pytest
 from conftest import ROOT, tiny_overrides
 
+from effattn_jax import checksums
+
 pytestmark = pytest.mark.slow  # signals to a training process
 
 
@@ -39,8 +41,11 @@ def wait_for(pred, proc, timeout=120):
 
 
 def steps(run_dir):
+    """The complete steps: committed by Orbax and checksummed (a step without its manifest is set aside
+    on resume, so it does not count as saved)."""
     d = run_dir / "checkpoints"
-    return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.exists() else []
+    done = [p for p in d.iterdir() if p.name.isdigit() and checksums.has_manifest(p)] if d.exists() else []
+    return sorted(int(p.name) for p in done)
 
 
 def test_sigterm_and_kill9_resume(tmp_path, corpus_dir):

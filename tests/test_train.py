@@ -36,39 +36,41 @@ def test_tiny_run_learns_and_logs(tmp_path, corpus_dir):
 
 def test_resume_is_bitwise_identical_past_corrupt_steps(tmp_path, corpus_dir, capsys):
     """A run cut short resumes to the uninterrupted run's losses and state bitwise, also when its newest
-    step is corrupt each time it resumes (flipped, truncated, deleted file): the step is quarantined
-    (reported once), the run resumes from the step before and saves that step again. Catches: a step
-    restored without verifying its manifest, a quarantine that leaves the step listed, a data iterator
-    restored to the wrong position."""
-    full = run(tiny_cfg(corpus_dir, tmp_path / "full"))
+    step is corrupt each time it resumes (flipped, truncated, deleted file; flipped or truncated with the
+    manifest removed too): the step is set aside (reported once), the run resumes from the newest step
+    that verifies and saves that step again. Catches: a step restored without verifying its manifest, a
+    step without a manifest restored and re-approved, a quarantine that leaves the step listed, a data
+    iterator restored to the wrong position."""
+    steps = {"train.steps": 8}
+    full = run(tiny_cfg(corpus_dir, tmp_path / "full", **steps))
     cut = tmp_path / "cut"
     with pytest.raises(Preempted) as stopped:
-        run(tiny_cfg(corpus_dir, cut), stop_at=3)
+        run(tiny_cfg(corpus_dir, cut, **steps), stop_at=3)
     assert stopped.value.code == 143
     assert checkpoint.kept_steps(cut) == [2, 3]
     capsys.readouterr()
-    for how, newest, stop_at, kept in (
-        ("flip", 3, 4, [2, 4]),
-        ("truncate", 4, 5, [4, 5]),
-        ("delete", 5, None, [4, 6]),
+    for how, no_manifest, newest, stop_at, kept in (
+        ("flip", False, 3, 4, [2, 4]),
+        ("flip", True, 4, 5, [4, 5]),
+        ("truncate", True, 5, 6, [4, 6]),
+        ("truncate", False, 6, 7, [6, 7]),
+        ("delete", False, 7, None, [6, 8]),
     ):
-        corrupt_step(cut / "checkpoints" / str(newest), how)
+        corrupt_step(cut / "checkpoints" / str(newest), how, drop_manifest=no_manifest)
         if stop_at is None:
-            resumed = run(tiny_cfg(corpus_dir, cut))
+            resumed = run(tiny_cfg(corpus_dir, cut, **steps))
         else:
             with pytest.raises(Preempted):
-                run(tiny_cfg(corpus_dir, cut), stop_at=stop_at)
+                run(tiny_cfg(corpus_dir, cut, **steps), stop_at=stop_at)
         err = capsys.readouterr().err
-        assert err.count("is corrupt") == 1 and f"checkpoint step {newest} is corrupt" in err, err
-        assert "Traceback" not in err and "Event loop is closed" not in err
+        verdict = "cannot be verified (MissingManifest" if no_manifest else "is corrupt"
+        assert err.count(f"checkpoint step {newest} {verdict}") == 1, err
+        assert err.count("checkpoint step") == 1 and "Traceback" not in err
+        assert "Event loop is closed" not in err
         assert checkpoint.kept_steps(cut) == kept
-    assert sorted(p.name.split("-")[0] for p in (cut / "checkpoints" / "corrupt").iterdir()) == [
-        "3",
-        "4",
-        "5",
-    ]
+    assert sorted(int(p.name) for p in (cut / "checkpoints" / "corrupt").iterdir()) == [3, 4, 5, 6, 7]
     la, lb = read_scalars(tmp_path / "full")["loss"], read_scalars(cut)["loss"]
-    assert la[-1][0] == lb[-1][0] == 6 and la[-1][1] == lb[-1][1]
+    assert la[-1][0] == lb[-1][0] == 8 and la[-1][1] == lb[-1][1]
     assert resumed["val_loss"] == full["val_loss"]
     setup = make_setup(tiny_cfg(corpus_dir, tmp_path / "full"), make_mesh(1, 1, 1))
     states = [

@@ -4,15 +4,15 @@ iterator state and the resolved config, in `<run_dir>/checkpoints/<step>/`).
 Orbax writes each step to a temporary directory and renames it when complete, so a save cut
 short (even by kill -9) is never listed. A checksum manifest written after that
 (effattn_jax/checksums.py) is verified before a step is restored: a step that fails (flipped,
-truncated or missing files) is never loaded.
+truncated or missing files, or no manifest at all) is never loaded.
 """
 
 from __future__ import annotations
 
+import itertools
 import shutil
 import sys
 import threading
-import time
 from pathlib import Path
 
 import grain
@@ -31,7 +31,8 @@ class Checkpoints:
     Each save is completed by a checksum manifest (written by process 0 in a background thread
     once Orbax has committed the step). Older steps are deleted only after a newer one is complete
     and checksummed, so a run always keeps a good step. On resume each step is verified before it
-    is restored; a step that fails (on any process: they agree on each step) is moved to
+    is restored; a step that fails (on any process: they agree on each step), or has no manifest
+    (killed between Orbax's commit and the manifest, or the manifest removed), is moved to
     `checkpoints/corrupt/` (reported once) so the run can save that step again. The data
     iterator's state is saved as JSON (the same on every process), so a run may resume with
     another process count."""
@@ -57,11 +58,15 @@ class Checkpoints:
         why = why or "it failed on another process; see that process's log"
         dest = self.directory / "corrupt" / str(step)
         if jax.process_index() == 0:
-            if dest.exists():
-                dest = dest.with_name(f"{step}-{time.strftime('%Y%m%d-%H%M%S')}")
+            for again in itertools.count(1):  # the same step set aside before: <step>-<n>
+                if not dest.exists():
+                    break
+                dest = dest.with_name(f"{step}-{again}")
             dest.parent.mkdir(exist_ok=True)
             shutil.move(self._step_dir(step), dest)
-            print(f"checkpoint step {step} is corrupt ({why[:200]}); moved to {dest}", file=sys.stderr)
+            unverified = why.startswith(checksums.MissingManifest.__name__)
+            verdict = "cannot be verified" if unverified else "is corrupt"
+            print(f"checkpoint step {step} {verdict} ({why[:200]}); moved to {dest}", file=sys.stderr)
         sync(f"quarantine-{step}")
         self.mngr.reload()
 
@@ -69,9 +74,9 @@ class Checkpoints:
         """(step, state) of the newest step that verifies and restores, restoring `data_iter` in
         place; (None, None) when none does (a run with no checkpoint, or only corrupt ones)."""
         for step in sorted(self.mngr.all_steps(), reverse=True):
-            why, verified = None, False
+            why = None
             try:
-                verified = checksums.verify(self._step_dir(step))
+                checksums.verify(self._step_dir(step))
             except Exception as e:  # noqa: BLE001 - any failure means this step is unusable
                 why = _reason(e)
             if _everywhere(why is None):  # every process restores, or none
@@ -85,8 +90,6 @@ class Checkpoints:
                 continue
             if "data_state" in restored:
                 data_iter.set_state(restored["data_state"])
-            if not verified and jax.process_index() == 0:  # it restored: its files are whole
-                checksums.write_manifest(self._step_dir(step))
             return step, restored["state"]
         return None, None
 
