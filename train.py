@@ -4,13 +4,17 @@ Rerunning the same command resumes from the run directory's last checkpoint. Sev
 (a TPU pod slice, multi-GPU hosts, or `python -m effattn_jax.launch` here) join through
 jax.distributed: see effattn_jax/launch.py.
 Exit status: 0 done, 1 non-finite loss (train.nonfinite=stop) or a dry run that does not fit its
-chips, 2 bad config or data,
+chips, 2 bad config or data (or a run that cannot fit in memory), 3 a checkpoint that cannot be
+written (no space, no permission: fix the directory and rerun to resume from the last good step),
 143 preempted (SIGTERM/SIGINT).
 """
 
 from __future__ import annotations
 
+import os
 import sys
+
+SAVE_FAILED = 3
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
             return user_error(e)
         return 0 if report.get("fits", True) else 1
     from effattn_jax import launch
+    from effattn_jax.checkpoint import SaveError
     from effattn_jax.train.loop import NonFiniteError, final_line, run
 
     try:
@@ -51,6 +56,12 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteError as e:
         print(f"stopped: {e}", file=sys.stderr)
         return 1
+    except SaveError as e:
+        print(f"checkpoint error: {e}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        # Orbax's threads may still retry the failed write and would hold the exit for minutes;
+        # the run's lock, metrics and checkpoints are already closed, so nothing of theirs is wanted
+        os._exit(SAVE_FAILED)
     import jax
 
     if jax.process_index() == 0:

@@ -13,12 +13,14 @@ from effattn_jax.checkpoint.reader import (
     saved_config,
     select_steps,
 )
-from effattn_jax.checkpoint.store import CheckpointError, manager, sync
+from effattn_jax.checkpoint.store import CheckpointError, SaveError, check_writable, manager, sync
 from effattn_jax.checkpoint.writer import Checkpoints
 
 __all__ = [
     "CheckpointError",
     "Checkpoints",
+    "SaveError",
+    "check_writable",
     "kept_steps",
     "load_params",
     "load_run_config",

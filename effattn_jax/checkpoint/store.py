@@ -1,12 +1,17 @@
 """Where a run's checkpoints live and what both sides use: the Orbax manager of
-`<run_dir>/checkpoints`, the error every reader raises, and the barrier of all processes."""
+`<run_dir>/checkpoints`, the errors readers and the writer raise, and the barrier of all processes."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import os
+import re
 from pathlib import Path
 
 import jax
 import orbax.checkpoint as ocp
+from absl import logging as absl_logging
 from jax.experimental import multihost_utils
 
 
@@ -14,14 +19,62 @@ class CheckpointError(RuntimeError):
     pass
 
 
+class SaveError(CheckpointError):
+    """A checkpoint that cannot be written (no space, no permission, a read-only filesystem):
+    training stops with its own exit status (3), the last good step untouched."""
+
+
+# how the OS error number shows in the text of errors raised below Python (tensorstore, Orbax)
+_ERRNO_IN_TEXT = (re.compile(r"os_error_code='(\d+)'"), re.compile(r"\[Errno (\d+)\]"))
+
+
+def os_error_of(e: BaseException) -> str | None:
+    """'No space left on device (ENOSPC)' when `e` or an exception it chains from is an OS error
+    (also one that C++ code reports in its message); None otherwise."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        code = e.errno if isinstance(e, OSError) else None
+        for pattern in _ERRNO_IN_TEXT:
+            if code is None and (m := pattern.search(str(e))):
+                code = int(m.group(1))
+        if code:
+            return f"{os.strerror(code)} ({errno.errorcode.get(code, code)})"
+        e = e.__cause__ or e.__context__
+    return None
+
+
 def manager(
     run_dir: str | Path, *, async_save: bool = True, read_only: bool = False
 ) -> ocp.CheckpointManager:
     """The Orbax manager of `<run_dir>/checkpoints`; retention is `Checkpoints`', not Orbax's."""
-    options = ocp.CheckpointManagerOptions(
-        max_to_keep=None, enable_async_checkpointing=async_save, create=not read_only, read_only=read_only
-    )
-    return ocp.CheckpointManager(Path(run_dir).absolute() / "checkpoints", options=options)
+    with _quiet_if(read_only):  # Orbax warns that a read-only manager is read-only: what we asked for
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=None, enable_async_checkpointing=async_save, create=not read_only, read_only=read_only
+        )
+        return ocp.CheckpointManager(Path(run_dir).absolute() / "checkpoints", options=options)
+
+
+@contextlib.contextmanager
+def _quiet_if(quiet: bool):
+    level = absl_logging.get_verbosity()
+    if quiet:
+        absl_logging.set_verbosity(absl_logging.ERROR)
+    try:
+        yield
+    finally:
+        absl_logging.set_verbosity(level)
+
+
+def check_writable(directory: Path) -> None:
+    """SaveError when `directory` cannot be created or written (checked before training starts)."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / f".writable-{jax.process_index()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as e:
+        raise SaveError(f"{directory} cannot be written: {os_error_of(e)}") from None
 
 
 def sync(name: str) -> None:

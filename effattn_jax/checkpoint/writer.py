@@ -10,6 +10,7 @@ truncated or missing files, or no manifest at all) is never loaded.
 from __future__ import annotations
 
 import itertools
+import logging
 import shutil
 import sys
 import threading
@@ -22,7 +23,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from effattn_jax import checksums
-from effattn_jax.checkpoint.store import manager, sync
+from effattn_jax.checkpoint.store import SaveError, manager, os_error_of, sync
 
 
 class Checkpoints:
@@ -40,10 +41,16 @@ class Checkpoints:
     def __init__(
         self, run_dir: str | Path, *, keep_last: int = 2, keep_every: int = 0, async_save: bool = True
     ):
+        self.directory = Path(run_dir).absolute() / "checkpoints"
         self.mngr = manager(run_dir, async_save=async_save)
-        self.directory = Path(self.mngr.directory)
         self.keep_last, self.keep_every = keep_last, keep_every
         self._pending: tuple[int, threading.Thread] | None = None
+        self._error: BaseException | None = None  # of the pending save's background thread
+        self._failed = False
+        self._quiet = _FilesystemErrors()  # SaveError says it in one line
+        _ABSL.addFilter(self._quiet)
+        if jax.process_index() == 0:  # the run is locked: a temporary step is a save that died
+            self._remove_partial()
 
     def all_steps(self) -> list[int]:
         return sorted(self.mngr.all_steps())
@@ -94,20 +101,28 @@ class Checkpoints:
         return None, None
 
     def save(self, step: int, state, data_iter, config: dict) -> None:
-        """Starts saving `step` (async unless configured otherwise) after completing the previous save."""
+        """Starts saving `step` (async unless configured otherwise) after completing the previous
+        save; SaveError (nothing half-written left behind) when the step cannot be written."""
         self.finish()
+        self._check_room(step, state)
         items = {"state": ocp.args.StandardSave(state), "config": ocp.args.JsonSave(config)}
         if data_iter is not None:
             items["data_state"] = ocp.args.JsonSave(data_iter.get_state())
-        self.mngr.save(step, args=ocp.args.Composite(**items), force=True)
+        try:
+            self.mngr.save(step, args=ocp.args.Composite(**items), force=True)
+        except Exception as e:  # noqa: BLE001 - an OS error becomes SaveError, anything else is raised
+            self._fail(step, e)
         thread = threading.Thread(target=self._complete, args=(step,), daemon=True)
         thread.start()
         self._pending = (step, thread)
 
     def _complete(self, step: int) -> None:
-        self.mngr.wait_until_finished()
-        if jax.process_index() == 0:
-            checksums.write_manifest(self._step_dir(step))
+        try:
+            self.mngr.wait_until_finished()
+            if jax.process_index() == 0:
+                checksums.write_manifest(self._step_dir(step))
+        except Exception as e:  # noqa: BLE001 - finish() raises it in the training thread
+            self._error = e
 
     def finish(self) -> None:
         """Waits for the pending save and its manifest, then applies retention."""
@@ -116,7 +131,13 @@ class Checkpoints:
         step, thread = self._pending
         thread.join()
         self._pending = None
-        self.mngr.check_for_errors()
+        if self._error is None:
+            try:
+                self.mngr.check_for_errors()
+            except Exception as e:  # noqa: BLE001
+                self._error = e
+        if not _everywhere(self._error is None):  # one process's failed save fails it for all
+            self._fail(step, self._error)
         sync(f"checksummed-{step}")
         steps = self.all_steps()
         keep = set(steps[-self.keep_last :]) | {step}
@@ -125,9 +146,65 @@ class Checkpoints:
             if s < step and s not in keep:
                 self.mngr.delete(s)
 
+    def _check_room(self, step: int, state) -> None:
+        """SaveError before Orbax writes anything when the filesystem lacks room for the step
+        (its arrays' bytes and some slack), on any process."""
+        need = sum(leaf.nbytes for leaf in jax.tree.leaves(state)) * 1.05 + (1 << 20)
+        free = shutil.disk_usage(self.directory).free
+        if not _everywhere(free >= need):
+            self._failed = True
+            raise SaveError(
+                f"cannot save step {step} in {self.directory}: No space left on device (ENOSPC): "
+                f"{free / 2**20:,.1f} MiB free, the step needs {need / 2**20:,.1f} MiB; "
+                f"{self._last_good()}; free space and rerun to resume from it"
+            )
+
+    def _fail(self, step: int, error: BaseException | None) -> None:
+        """Removes what the failed save of `step` left and raises SaveError naming the OS error;
+        an error that is not the filesystem's is raised as it is."""
+        self._failed = True
+        if jax.process_index() == 0:
+            self._remove_partial(step)
+        why = os_error_of(error) if error is not None else "it failed on another process"
+        if why is None:
+            raise error
+        raise SaveError(
+            f"cannot save step {step} in {self.directory}: {why}; {self._last_good()}; "
+            "fix the directory (space, permissions) and rerun to resume from it"
+        ) from None
+
+    def _remove_partial(self, step: int | None = None) -> None:
+        """Deletes Orbax's temporary step directories (and `step`, if committed without its manifest)."""
+        for p in self.directory.iterdir():
+            unfinished = p.name == str(step) and not checksums.has_manifest(p)
+            if ".orbax-checkpoint-tmp" in p.name or unfinished:
+                shutil.rmtree(p, ignore_errors=True)
+
+    def _last_good(self) -> str:
+        good = [s for s in self.all_steps() if checksums.has_manifest(self._step_dir(s))]
+        return f"the last good step is {good[-1]}" if good else "no step was saved yet"
+
     def close(self) -> None:
-        self.finish()
-        self.mngr.close()
+        try:
+            if not self._failed:  # after a failed save Orbax's close would wait on it and report it again
+                self.finish()
+                self.mngr.close()
+        finally:
+            _ABSL.removeFilter(self._quiet)
+
+
+_ABSL = logging.getLogger("absl")
+
+
+class _FilesystemErrors(logging.Filter):
+    """Drops Orbax's log records (with tracebacks, from its background threads) of a write that
+    failed for a filesystem reason; the writer reports it as SaveError."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "orbax" not in record.pathname or record.levelno < logging.ERROR:
+            return True
+        error = record.exc_info[1] if record.exc_info else None
+        return not (os_error_of(error) if error else os_error_of(RuntimeError(record.getMessage())))
 
 
 def _reason(e: Exception) -> str:

@@ -196,6 +196,7 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict:
         probe.unlink()
     except OSError as e:
         raise ConfigError("train.run_dir", str(run_dir), f"cannot be written ({e.strerror})") from None
+    checkpoint.check_writable(run_dir / "checkpoints")
     with run_guard.exclusive(run_dir) if jax.process_index() == 0 else contextlib.nullcontext():
         if not cfg.train.resume and jax.process_index() == 0:
             run_guard.set_aside(run_dir)
