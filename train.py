@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if report.get("fits", True) else 1
     from effattn_jax import launch
     from effattn_jax.checkpoint import SaveError
+    from effattn_jax.memory import DoesNotFit
     from effattn_jax.train.loop import NonFiniteError, final_line, run
 
     try:
@@ -53,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
         result = run(cfg)
     except (ConfigError, DataError) as e:
         return user_error(e)
+    except DoesNotFit as e:
+        print(f"memory error: {e}", file=sys.stderr)
+        return 2
     except NonFiniteError as e:
         print(f"stopped: {e}", file=sys.stderr)
         return 1

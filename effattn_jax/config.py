@@ -36,7 +36,11 @@ class ConfigError(ValueError):
 
     def __init__(self, key: str, value: Any, allowed: str):
         self.key, self.value, self.allowed = key, value, allowed
-        super().__init__(f"config error: {key}={value!r}: {allowed}")
+        named = key if value is NO_VALUE else f"{key}={value!r}"
+        super().__init__(f"config error: {named}: {allowed}")
+
+
+NO_VALUE = object()  # a ConfigError about a key given without a value
 
 
 @dataclass
@@ -302,29 +306,38 @@ def _load_yaml(text: str):
     return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
 
 
-def read_yaml(path: str | Path, _seen: tuple = ()) -> dict:
-    """Reads a YAML config; a top-level `base: other.yaml` (relative to it) is merged under it."""
+def read_yaml(path: str | Path, _seen: tuple = (), _key: str = "--config") -> dict:
+    """Reads a YAML config (UTF-8); a top-level `base: other.yaml` (relative to it) is merged
+    under it. Any file that cannot be read as one is a ConfigError naming it (`_key`: the
+    argument or the `base:` that named it)."""
     path = Path(path).resolve()
     if path in _seen:
         raise ConfigError("base", str(path), "inheritance cycle")
     try:
-        raw = _load_yaml(path.read_text()) or {}
+        raw = _load_yaml(path.read_text(encoding="utf-8")) or {}
     except FileNotFoundError:
-        raise ConfigError("--config", str(path), "file does not exist") from None
+        raise ConfigError(_key, str(path), "file does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(_key, str(path), "is a directory, not a YAML file") from None
+    except UnicodeDecodeError as e:
+        bad = f"byte 0x{e.object[e.start]:02x} at offset {e.start}"
+        raise ConfigError(_key, str(path), f"not UTF-8 text ({bad}); save it as UTF-8") from None
+    except OSError as e:
+        raise ConfigError(_key, str(path), f"cannot be read ({e.strerror})") from None
     except yaml.YAMLError as e:
-        raise ConfigError("--config", str(path), f"not valid YAML ({e.__class__.__name__})") from None
+        raise ConfigError(_key, str(path), f"not valid YAML ({e.__class__.__name__})") from None
     if not isinstance(raw, dict):
-        raise ConfigError("--config", str(path), "must be a YAML mapping")
+        raise ConfigError(_key, str(path), "must be a YAML mapping")
     base = raw.pop("base", None)
     if base is None:
         return raw
-    return _deep_merge(read_yaml(path.parent / base, _seen + (path,)), raw)
+    return _deep_merge(read_yaml(path.parent / base, _seen + (path,), "base"), raw)
 
 
 def apply_override(tree: dict, dotted: str) -> dict:
     """`a.b=value` (value parsed as YAML) applied to a nested dict."""
     if "=" not in dotted:
-        raise ConfigError(dotted, None, "overrides look like key.sub=value")
+        raise ConfigError(dotted, NO_VALUE, f"'=value' is missing (overrides look like {dotted}=value)")
     key, text = dotted.split("=", 1)
     value = _load_yaml(text) if text.strip() else ""
     node = tree
@@ -632,9 +645,8 @@ def _validate_mesh(cfg: Config) -> None:
     for name, axes in mesh.rules.items():
         for axis in axes:
             _check(axis in MESH_AXES, f"mesh.rules.{name}", axes, f"mesh axes: {', '.join(MESH_AXES)}")
-    sizes = {axis: getattr(mesh, axis) for axis in MESH_AXES}
-    if all(sizes[axis] > 0 for axis in mesh.rules.get("batch", [])):  # else checked once the mesh is built
-        check_batch_divides(cfg, sizes)
+    # the batch's split over the mesh is checked once the mesh is built (make_setup), after the
+    # devices it needs are known to exist: a missing device is the first thing to report
 
 
 def check_batch_divides(cfg: Config, mesh_sizes: dict[str, int]) -> None:

@@ -27,6 +27,9 @@ def _files(tmp_path):
     (tmp_path / "a.yaml").write_text(f"base: {tmp_path}/b.yaml\n")
     (tmp_path / "b.yaml").write_text(f"base: {tmp_path}/a.yaml\n")
     (tmp_path / "a_file").write_text("x")
+    (tmp_path / "base_dir.yaml").write_text(f"base: {tmp_path}\n")
+    (tmp_path / "latin1.yaml").write_bytes("# caf\xe9\nmodel:\n  d_model: 32\n".encode("latin-1"))
+    (tmp_path / "utf16.yaml").write_text("model:\n  d_model: 32\n", encoding="utf-16")
 
 
 # (case, extra train.py overrides or ["--config", path], what the one line must say)
@@ -37,7 +40,13 @@ TRAIN_CASES = [
     ("missing YAML", ["--config", "{tmp}/missing.yaml"], "file does not exist"),
     ("malformed YAML", ["--config", "{tmp}/malformed.yaml"], "not valid YAML"),
     ("base: loop", ["--config", "{tmp}/a.yaml"], "inheritance cycle"),
-    ("more devices than exist", ["mesh.data=16", "data.batch_size=16"], "only 8 devices are available"),
+    ("more devices than exist", ["mesh.data=16"], "only 8 devices are available"),  # not the batch of 4
+    ("batch that does not split over the mesh", ["mesh.data=3"], "multiple of the batch's mesh shards"),
+    ("config path a directory", ["--config", "{tmp}"], "is a directory, not a YAML file"),
+    ("base: a directory", ["--config", "{tmp}/base_dir.yaml"], "config error: base="),
+    ("Latin-1 config", ["--config", "{tmp}/latin1.yaml"], "not UTF-8 text (byte 0xe9"),
+    ("UTF-16 config", ["--config", "{tmp}/utf16.yaml"], "not UTF-8 text (byte 0xff"),
+    ("override without =value", ["model.d_model"], "config error: model.d_model: '=value' is missing"),
     ("glob matching nothing", ["data.train_files=[{tmp}/nothing*.txt]"], "no files match"),
     ("empty file", ["data.train_files=[{tmp}/empty.txt]"], "empty file"),
     ("binary file", ["data.train_files=[{tmp}/binary.txt]"], "binary file"),
@@ -53,6 +62,7 @@ TRAIN_CASES = [
     ("batch larger than the corpus", ["data.batch_size=4096"], "fewer than one batch"),
     ("run_dir is a file", ["train.run_dir={tmp}/a_file"], "cannot be written"),
     ("sequences longer than the corpus", ["data.seq_len=100000"], "the corpus gives 0 training"),
+    ("a run that cannot fit in memory", ["model.mlp_dim=20000000"], "memory error: the train step needs"),
     (
         "multi-process settings incomplete",
         ["distributed.coordinator=127.0.0.1:1234"],

@@ -116,12 +116,14 @@ ALLOWED = {
     "attention": {"ops", "layers", "config", "sharding"},
     "model": BELOW_MODEL,
     "flops": {"config"},
+    "memory": set(),
     "data": {"config"},
     "checkpoint": {"config", "sharding", "checksums", "model"},
     "launch": {"config", "cli"},
-    "train": BELOW_MODEL | {"model", "flops", "data", "checkpoint", "checksums", "launch", "cli"},
-    "generate": BELOW_MODEL | {"model", "data", "checkpoint", "launch", "cli"},
-    "eval": BELOW_MODEL | {"model", "flops", "data", "checkpoint", "launch", "cli", "generate", "train"},
+    "train": BELOW_MODEL | {"model", "flops", "memory", "data", "checkpoint", "checksums", "launch", "cli"},
+    "generate": BELOW_MODEL | {"model", "memory", "data", "checkpoint", "launch", "cli"},
+    "eval": BELOW_MODEL
+    | {"model", "flops", "memory", "data", "checkpoint", "launch", "cli", "generate", "train"},
     "eval.bench": set(),  # on top: anything (filled in below)
 }
 ALLOWED["eval.bench"] = set(ALLOWED) - {"eval.bench"}

@@ -11,11 +11,11 @@ from __future__ import annotations
 import time
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
-from effattn_jax.config import Config, ConfigError
+from effattn_jax.config import MESH_AXES, Config, ConfigError, check_batch_divides
 from effattn_jax.flops import PFLOPS_DAY, pflops_days, train_flops_per_token
+from effattn_jax.memory import program_bytes
 from effattn_jax.model import Transformer, param_counts
 from effattn_jax.ops.platform import tracing_for
 from effattn_jax.sharding import make_mesh
@@ -46,25 +46,15 @@ def compile_for_topology(cfg: Config) -> dict:
     devices = _topology_devices(cfg.mesh.topology)
     mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=devices)
     setup = make_setup(cfg, mesh)
-    shape, batch_sharding = (cfg.data.batch_size, cfg.data.seq_len), setup.batch_sharding()
-    batch = {
-        name: jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding)
-        for name, dtype in [
-            ("inputs", jnp.int32),
-            ("targets", jnp.int32),
-            ("segment_ids", jnp.int32),
-            ("loss_mask", jnp.float32),
-        ]
-    }
     start = time.perf_counter()
     kind = devices[0].device_kind
     fit = {"chips": len(devices), "mesh": dict(mesh.shape), "device_kind": kind}
     fit["hbm_bytes"] = HBM_GIB[kind] * 2**30 if kind in HBM_GIB else None
     with tracing_for("tpu"):  # `auto` and `pallas` pick the real TPU kernels, not their interpretation
-        lowered = make_train_step(setup).lower(setup.abstract_state, batch)
+        lowered = make_train_step(setup).lower(setup.abstract_state, setup.abstract_batch())
     fit["tpu_kernels"] = lowered.as_text().count("tpu_custom_call")  # Pallas/Mosaic calls in the step
     try:
-        m = lowered.compile().memory_analysis()
+        compiled = lowered.compile()
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
@@ -75,8 +65,7 @@ def compile_for_topology(cfg: Config) -> dict:
             "fits": False,
             "refused": str(e),
         }
-    # donated state aliases its outputs: count it once
-    used = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+    used = program_bytes(compiled)
     fits = fit["hbm_bytes"] is None or used <= fit["hbm_bytes"]
     return fit | {"compile_seconds": time.perf_counter() - start, "bytes_per_chip": int(used), "fits": fits}
 
@@ -106,6 +95,11 @@ def dry_run(cfg: Config, *, compile: bool = True) -> dict:
         f"(6·N·D alone: {report['pflops_days_6nd']:,.1f})"
     )
     if not cfg.mesh.topology:
+        sizes = {axis: getattr(cfg.mesh, axis) for axis in MESH_AXES}
+        if (
+            min(sizes.values()) > 0
+        ):  # no devices to build a mesh of: the configured sizes must split the batch
+            check_batch_divides(cfg, sizes)
         print("no mesh.topology: the ahead-of-time compile was skipped (e.g. mesh.topology=v5p:4x4x4)")
     elif compile:
         fit = compile_for_topology(cfg)

@@ -28,6 +28,7 @@ from effattn_jax import checkpoint
 from effattn_jax.config import Config, ConfigError, to_yaml
 from effattn_jax.data.pipeline import build_corpus, train_iterator, unigram_loss, val_batches
 from effattn_jax.flops import train_flops_per_token
+from effattn_jax.memory import DoesNotFit, check_fits
 from effattn_jax.model import param_counts
 from effattn_jax.sharding import make_mesh
 from effattn_jax.train import run_dir as run_guard
@@ -154,11 +155,9 @@ class _Phase:
     flops_per_token: float
 
 
-def _phase_schedule(cfg: Config, setup, non_embedding_params: int) -> Callable[[int], _Phase]:
+def _phase_schedule(cfg: Config, setup, train_step, non_embedding_params: int) -> Callable[[int], _Phase]:
     """step -> the phase that runs it (one phase unless `moba.full_attention_from_*` is set)."""
-    configured = _Phase(
-        make_train_step(setup), make_eval_step(setup), train_flops_per_token(cfg, non_embedding_params)
-    )
+    configured = _Phase(train_step, make_eval_step(setup), train_flops_per_token(cfg, non_embedding_params))
     switch_at = cfg.full_attention_from_step
     if not switch_at:
         return lambda step: configured
@@ -189,6 +188,7 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict:
     except ValueError as e:
         raise ConfigError("mesh", f"{cfg.mesh.data}x{cfg.mesh.fsdp}x{cfg.mesh.tensor}", str(e)) from None
     setup = make_setup(cfg, mesh)
+    train_step = compile_train_step(setup)  # DoesNotFit before the run directory is touched
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         probe = run_dir / f".writable-{jax.process_index()}"
@@ -205,10 +205,31 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict:
         if jax.process_index() == 0:
             record_provenance(run_dir, cfg)
         checkpoint.sync("run directory ready")
-        return _train(cfg, corpus, setup, run_dir, stop_at)
+        return _train(cfg, corpus, setup, train_step, run_dir, stop_at)
 
 
-def _train(cfg: Config, corpus, setup, run_dir: Path, stop_at: int | None) -> dict:
+def compile_train_step(setup) -> Callable:
+    """The configured train step, compiled ahead of time and checked against the memory of its
+    devices (DoesNotFit, one line naming the knobs, when it cannot fit)."""
+    cfg = setup.cfg
+    knobs = (
+        f"a smaller data.batch_size ({cfg.data.batch_size}; train.grad_accum keeps the global batch) or "
+        f"data.seq_len ({cfg.data.seq_len}), model.remat=true, or more devices in mesh.fsdp / mesh.tensor"
+    )
+    try:
+        compiled = make_train_step(setup).lower(setup.abstract_state, setup.abstract_batch()).compile()
+    except jax.errors.JaxRuntimeError as e:  # an accelerator's compiler may refuse it outright
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        raise DoesNotFit(
+            f"the train step does not fit: {str(e).splitlines()[0][:200]}; to fit: {knobs}"
+        ) from None
+    local = [d for d in setup.mesh.devices.flat if d.process_index == jax.process_index()]
+    check_fits(compiled, local, "the train step", knobs)
+    return compiled
+
+
+def _train(cfg: Config, corpus, setup, train_step, run_dir: Path, stop_at: int | None) -> dict:
     train_cfg, data_cfg, ckpt_cfg = cfg.train, cfg.data, cfg.checkpoint
     mesh = setup.mesh
 
@@ -226,7 +247,7 @@ def _train(cfg: Config, corpus, setup, run_dir: Path, stop_at: int | None) -> di
         step, state = 0, init_state(setup)
 
     counts = param_counts(setup.model(state["params"]))
-    phase_at = _phase_schedule(cfg, setup, counts["non_embedding"])
+    phase_at = _phase_schedule(cfg, setup, train_step, counts["non_embedding"])
     tokens_per_step = data_cfg.batch_size * data_cfg.seq_len
     lead = jax.process_index() == 0  # logs, progress and TensorBoard come from process 0 only
     log = (lambda msg: print(msg, file=sys.stderr)) if lead else (lambda msg: None)

@@ -1,0 +1,72 @@
+"""Will it fit? A compiled program's memory (XLA's memory analysis: arguments, outputs and
+temporaries, less the donated buffers its outputs reuse) against what a device has, checked
+before anything runs, so a program too large for the machine ends in one line instead of an
+allocator failure (or the kernel's OOM killer) part-way through."""
+
+from __future__ import annotations
+
+import os
+
+
+class DoesNotFit(ValueError):
+    """A program whose compiled memory exceeds what its device has; the message is one line."""
+
+
+def program_bytes(compiled) -> int | None:
+    """Bytes one device needs to run `compiled` (a jax `Compiled`); None when the backend gives
+    no memory analysis."""
+    try:
+        m = compiled.memory_analysis()
+    except (NotImplementedError, RuntimeError):
+        return None
+    if m is None:
+        return None
+    # donated inputs alias their outputs: counted once
+    used = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+    return int(used - m.alias_size_in_bytes)
+
+
+def _available_ram() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def device_capacity(device, sharing: int = 1) -> tuple[int, str] | None:
+    """(bytes a program may use on `device`, where they come from): the allocator's limit on an
+    accelerator; on the CPU the host's available memory, split among the `sharing` CPU devices
+    that run the program at once. None when neither is known."""
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"]), f"{device.device_kind} memory"
+    ram = _available_ram() if device.platform == "cpu" else None
+    if ram is None:
+        return None
+    return ram // sharing, "available RAM" + (f" / {sharing} CPU devices" if sharing > 1 else "")
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:,.2f} GiB"
+
+
+def check_fits(compiled, devices, what: str, knobs: str) -> int | None:
+    """Raises DoesNotFit (naming `what`, the estimate, the capacity and the `knobs` that would
+    shrink it) when `compiled` needs more than this process's `devices` have (each runs its
+    share); returns the estimate in bytes."""
+    need = program_bytes(compiled)
+    capacity = device_capacity(devices[0], sharing=len(devices))
+    if need is None or capacity is None:
+        return need
+    have, source = capacity
+    if need > have:
+        raise DoesNotFit(
+            f"{what} needs {gib(need)} per device, more than the {gib(have)} of {source}; to fit: {knobs}"
+        )
+    return need
