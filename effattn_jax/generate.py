@@ -27,6 +27,7 @@ import numpy as np
 from flax import nnx
 
 from effattn_jax.cli import ArgumentParser, non_negative_float, positive_int, probability
+from effattn_jax.memory import fit_checked
 from effattn_jax.model import Transformer, init_cache
 from effattn_jax.ops.cache import cache_length
 
@@ -55,7 +56,12 @@ class Generator:
             model = nnx.merge(self.graphdef, params)
             return model.decode(tokens, positions, caches, absorb=absorb, prefill=prefill)
 
-        self._decode = jax.jit(decode, donate_argnums=3, static_argnames="prefill")
+        self._decode = fit_checked(
+            jax.jit(decode, donate_argnums=3, static_argnames="prefill"),
+            "the decode step",
+            "fewer or shorter prompts, or fewer --max-new-tokens",
+            static_argnames=("prefill",),
+        )
 
     def generate(
         self,
@@ -127,6 +133,8 @@ def main(argv=None) -> int:
     except (CheckpointError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from effattn_jax.memory import DoesNotFit
+
     tok, _, _ = load_tokenizer(cfg.data.tokenizer)
     prompts = [tok.encode(t, add_special_tokens=False).ids for t in args.prompt]
     longest = max(len(ids) for ids in prompts)
@@ -137,9 +145,13 @@ def main(argv=None) -> int:
             f"--max-new-tokens={args.max_new_tokens}: the longest prompt ({longest} tokens) plus the new "
             f"tokens must fit the model's context of {cfg.data.seq_len} tokens (its data.seq_len)"
         )
-    outs = Generator(model, absorb=not args.naive).generate(
-        prompts, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
-    )
+    try:
+        outs = Generator(model, absorb=not args.naive).generate(
+            prompts, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
+        )
+    except DoesNotFit as e:
+        print(f"memory error: {e}", file=sys.stderr)
+        return 2
     if jax.process_index() == 0:
         for text, ids in zip(args.prompt, outs, strict=True):
             print(f"{text}{tok.decode(ids)}")

@@ -70,3 +70,44 @@ def check_fits(compiled, devices, what: str, knobs: str) -> int | None:
             f"{what} needs {gib(need)} per device, more than the {gib(have)} of {source}; to fit: {knobs}"
         )
     return need
+
+
+def _program_devices(compiled) -> list:
+    """This process's devices that `compiled` runs on (from its input shardings)."""
+    import jax
+
+    devices = set()
+    for sharding in jax.tree.leaves(compiled.input_shardings):
+        devices |= set(sharding.device_set)
+    local = [d for d in devices if d.process_index == jax.process_index()]
+    return local or jax.local_devices()[:1]
+
+
+def fit_checked(fn, what: str, knobs: str, static_argnums: tuple[int, ...] = (), static_argnames=()):
+    """`fn` (a jax.jit function) compiled ahead for each new input signature and checked to fit
+    (DoesNotFit) before it first runs; later calls with the same shapes reuse the executable."""
+    import jax
+
+    compiled = {}
+
+    def signature(x):
+        if isinstance(x, jax.Array):
+            return (x.shape, x.dtype, x.sharding)
+        return (getattr(x, "shape", None), getattr(x, "dtype", type(x)))
+
+    def call(*args, **kwargs):
+        dynamic = [a for i, a in enumerate(args) if i not in static_argnums]
+        dynamic_kw = {k: v for k, v in kwargs.items() if k not in static_argnames}
+        static = (
+            tuple(args[i] for i in static_argnums),
+            tuple(sorted(set(kwargs.items()) - set(dynamic_kw.items()))),
+        )
+        leaves, tree = jax.tree.flatten((dynamic, dynamic_kw))
+        key = (tree, static, tuple(map(signature, leaves)))
+        if key not in compiled:
+            c = fn.lower(*args, **kwargs).compile()
+            check_fits(c, _program_devices(c), what, knobs)
+            compiled[key] = c
+        return compiled[key](*dynamic, **dynamic_kw)
+
+    return call

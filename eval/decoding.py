@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from effattn_jax.config import load_config
+from effattn_jax.memory import check_fits, fit_checked
 from effattn_jax.model import Transformer, init_cache, param_counts
 from effattn_jax.ops.moba_decode import prefill_block_means
 
@@ -54,7 +55,9 @@ def compiled_decode_step(cfg, context: int, *, absorb: bool):
     )
     caches = synthetic_caches(model, 1, context + 1, jnp.dtype(cfg.model.dtype), seed=context)
     args = (params, jnp.ones((1, 1), jnp.int32), jnp.full((1, 1), context, jnp.int32), caches)
-    return step.lower(*args).compile(), args
+    compiled = step.lower(*args).compile()
+    check_fits(compiled, jax.local_devices()[:1], f"decoding at context {context}", "a shorter context")
+    return compiled, args
 
 
 def synthetic_caches(model, batch: int, length: int, dtype=jnp.float32, *, seed: int = 0) -> list[dict]:
@@ -124,7 +127,7 @@ def moba_vs_dense_decode(
         model = Transformer(cfg, rngs=nnx.Rngs(0))  # same seed: the same parameters for both
         graphdef, params = nnx.split(model)
         step = jax.jit(lambda p, t, pos, c, g=graphdef: nnx.merge(g, p).decode(t, pos, c), donate_argnums=3)
-        steps[core] = functools.partial(step, params)
+        steps[core] = functools.partial(fit_checked(step, f"{core} decoding", "a shorter context"), params)
         if caches is None:  # the MoBA model's cache: K/V plus block means
             caches = _synthetic_moba_caches(model, batch, context + 1, cfg.moba.block_size)
     tokens = jnp.ones((batch, 1), jnp.int32)
@@ -170,7 +173,7 @@ def latent_decode(
         model = Transformer(cfg, rngs=nnx.Rngs(0))
         graphdef, params = nnx.split(model)
         step = jax.jit(lambda p, t, pos, c, g=graphdef: nnx.merge(g, p).decode(t, pos, c), donate_argnums=3)
-        steps[label] = functools.partial(step, params)
+        steps[label] = functools.partial(fit_checked(step, f"{label} decoding", "a shorter context"), params)
         caches[label] = synthetic_caches(model, batch, context + 1, seed=context)
         read[label] = sum(x.nbytes for c in caches[label] for x in c.values())
     tokens, pos = jnp.ones((batch, 1), jnp.int32), jnp.full((batch, 1), context, jnp.int32)

@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from effattn_jax.data.pipeline import corpus_manifest
+from effattn_jax.memory import fit_checked
 from effattn_jax.sharding import logical_to_spec, sharding_rules
 from eval.processes import share, total, writes
 
@@ -101,13 +102,13 @@ def make_nll_fn(cfg, graphdef, params, mesh, batch_size: int, seq_len: int):
     spec = logical_to_spec(("batch", "length"), (batch_size, seq_len), mesh.shape, rules)
     rows = NamedSharding(mesh, spec)
 
-    @jax.jit
     def nll(params, inputs, targets):
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
             logits = nnx.merge(graphdef, params)(inputs)
         lp = jax.nn.log_softmax(logits, axis=-1)
         return -jnp.take_along_axis(lp, targets[..., None], axis=-1)[..., 0]
 
+    nll = fit_checked(jax.jit(nll), "the loss of a batch", "a smaller --seq-len, or more devices (--mesh)")
     replicated = NamedSharding(mesh, PartitionSpec())
     place = lambda x: jax.device_put(x, rows)
     return lambda inputs, targets: jax.device_put(nll(params, place(inputs), place(targets)), replicated)

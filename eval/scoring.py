@@ -29,6 +29,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from effattn_jax.memory import fit_checked
 from effattn_jax.model import init_cache
 from eval.processes import share, total
 
@@ -141,7 +142,6 @@ def _pack(batch, requests, lc, tc, p, r):
     return (ctx, ctx_len, cont, prefix), order
 
 
-@functools.partial(jax.jit, static_argnums=0)
 def _hidden(graphdef, params, ctx, ctx_len, cont, prefix):
     """Hidden states [R, Tc, d] that predict each continuation token. ctx [P, Lc] and cont
     [R, Tc] int32 token rows; prefix [R] the context row of each continuation."""
@@ -170,7 +170,6 @@ def _vocab_tile(vocab: int) -> int:
     return tile if tile >= 256 else vocab
 
 
-@functools.partial(jax.jit, static_argnums=0)
 def _head(graphdef, params, h, targets):
     """(log p(target), target is the argmax) per row of h [HEAD_ROWS, d]: HEAD_CHUNK rows at a
     time, the vocabulary in tiles with a running max and sum of exponentials (an online
@@ -198,6 +197,12 @@ def _head(graphdef, params, h, targets):
 
     lp, greedy = jax.lax.map(chunk, (h.reshape(-1, HEAD_CHUNK, h.shape[-1]), targets.reshape(-1, HEAD_CHUNK)))
     return lp.reshape(-1), greedy.reshape(-1)
+
+
+# compiled for each batch shape and checked to fit the device before it first runs
+_KNOBS = "a smaller TOKEN_BUDGET (eval/scoring.py: tokens per batch) or a device with more memory"
+_hidden = fit_checked(jax.jit(_hidden, static_argnums=0), "scoring a batch", _KNOBS, static_argnums=(0,))
+_head = fit_checked(jax.jit(_head, static_argnums=0), "the output head", _KNOBS, static_argnums=(0,))
 
 
 class _HeadQueue:

@@ -172,6 +172,10 @@ def test_bad_runs_and_steps_fail_with_one_line(tmp_path, tiny_runs, capsys):
         err = capsys.readouterr().err
         assert "step 2 cannot be restored: MissingManifest: no checksums.json" in err, err
         assert len(err.strip().splitlines()) == 1
+    # a context too long for this machine is refused before it runs, in one line
+    assert eval_main(["lm-loss", "--run", str(tiny_runs / "mha_small"), "--seq-len", "300000"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after the progress bar
+    assert err.startswith("error: the loss of a batch needs") and "a smaller --seq-len" in err, err
     shutil.copytree(tiny_runs / "mha_small", tmp_path / "run")
     saved_config = tmp_path / "run" / "checkpoints" / "2" / "config" / "metadata"  # Orbax's JsonSave file
     saved = json.loads(saved_config.read_text())

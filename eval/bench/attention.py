@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from effattn_jax.memory import DoesNotFit, check_fits, fit_checked
 from effattn_jax.ops.moba import moba_attention
 from eval.bench.common import compiled_bytes, time_once
 
@@ -68,9 +69,8 @@ def gpu_main(args):
     dtype = jnp.bfloat16
 
     def loss(attn):
-        return jax.jit(
-            jax.value_and_grad(lambda q, k, v: jnp.sum(attn(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2))
-        )
+        fn = jax.value_and_grad(lambda q, k, v: jnp.sum(attn(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2))
+        return fit_checked(jax.jit(fn), "the case", "a shorter --seqs")
 
     moba = lambda impl: loss(
         lambda q, k, v: moba_attention(q, k, v, block_size=args.block_size, top_k=args.top_k, impl=impl)
@@ -102,7 +102,12 @@ def gpu_main(args):
                 if name == "xla" and seq > 32768:
                     continue  # gathers per tile: too slow/large at 128K, and not the GPU path
                 start = time.perf_counter()
-                fn(*x)  # compile for this shape
+                try:
+                    fn(*x)  # compile for this shape, checked to fit first
+                except DoesNotFit as e:
+                    print(f"skipped: {e}", flush=True)
+                    ms[name] = float("nan")
+                    continue
                 times = []
                 while len(times) < args.repeats and time.perf_counter() - start < args.case_timeout:
                     times.append(time_once(fn, x))
@@ -155,9 +160,14 @@ def main(argv=None):
     print("|---|---|---|---|---|---|---|")
     for seq in [int(s) for s in args.seqs.split(",")]:
         x = inputs(seq, args.heads, args.head_dim, jnp.dtype(args.dtype))
-        compiled = {
-            name: fn.lower(*x).compile() for name, fn in fns.items()
-        }  # compiled once, measured and run
+        compiled = {}  # compiled once, measured and run; dense first: the larger
+        try:  # both run in this process, one after the other: each must fit on its own
+            for name in sorted(fns, key=lambda n: n != "dense"):
+                compiled[name] = fns[name].lower(*x).compile()
+                check_fits(compiled[name], jax.local_devices()[:1], f"{name} at {seq}", "a shorter --seqs")
+        except DoesNotFit as e:
+            print(f"| {seq} | skipped: {e} |||||", flush=True)
+            continue
         mem = {name: compiled_bytes(c) for name, c in compiled.items()}
         for c in compiled.values():
             time_once(c, x)  # warm up

@@ -53,6 +53,7 @@ import jax  # noqa: E402
 
 from effattn_jax.cli import ArgumentParser, positive_int, positive_int_list  # noqa: E402
 from effattn_jax.config import ConfigError, load_config  # noqa: E402
+from effattn_jax.memory import DoesNotFit, check_fits  # noqa: E402
 from effattn_jax.sharding import make_mesh  # noqa: E402
 from effattn_jax.train.state import init_state, make_setup  # noqa: E402
 from effattn_jax.train.step import make_train_step  # noqa: E402
@@ -90,6 +91,7 @@ def train_cost(cfg, steps: int = 3) -> dict:
     b, s = cfg.data.batch_size, cfg.data.seq_len
     batch = jax.device_put(synthetic_batch(b, s), setup.batch_sharding())
     step = make_train_step(setup).lower(state, batch).compile()  # compiled once: measured and run
+    check_fits(step, jax.local_devices()[:1], "the train step", "a smaller batch or sequence")
     state, m = step(state, batch)
     jax.block_until_ready(m)
     times = []
@@ -143,6 +145,9 @@ def main(argv=None) -> int:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
         print(e, file=sys.stderr)
+        return 2
+    except DoesNotFit as e:
+        print(f"memory error: {e}", file=sys.stderr)
         return 2
     r = kv_cache_report(cfg)
     if args.json:

@@ -1,0 +1,63 @@
+"""The fit check: a compiled program's memory against what its device has, before it runs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from effattn_jax.memory import DoesNotFit, check_fits, device_capacity, fit_checked, program_bytes
+from eval.bench import attention as bench_attention
+
+
+def _outer_sorted(x):
+    return jnp.sort(jnp.outer(x, x).ravel())  # materialises [n, n]
+
+
+def test_capacity_and_estimate_on_cpu():
+    """Catches: a capacity that ignores the CPU devices sharing the host's memory, an estimate that
+    misses the temporaries."""
+    device = jax.local_devices()[0]
+    one, _ = device_capacity(device)
+    four, where = device_capacity(device, sharing=4)
+    assert 0 < four <= one // 4 * 1.1 and "4 CPU devices" in where
+    small = jax.jit(_outer_sorted).lower(jnp.ones(1000)).compile()
+    assert program_bytes(small) >= 1000 * 1000 * 4
+
+
+def test_a_program_larger_than_memory_is_refused_before_it_runs():
+    """[200k, 200k] float32 (160 GB) cannot fit this machine: DoesNotFit names the program, the
+    estimate, the capacity and the knobs; nothing is allocated. Catches: a check that only runs after
+    the allocation fails."""
+    big = jax.jit(_outer_sorted).lower(jax.ShapeDtypeStruct((200_000,), jnp.float32)).compile()
+    with pytest.raises(
+        DoesNotFit, match=r"the sort needs [\d,.]+ GiB per device, more than the .* to fit: less"
+    ):
+        check_fits(big, jax.local_devices()[:1], "the sort", "less")
+    checked = fit_checked(jax.jit(_outer_sorted), "the sort", "less")
+    np.testing.assert_array_equal(checked(jnp.arange(3.0)), _outer_sorted(jnp.arange(3.0)))
+    with pytest.raises(DoesNotFit):
+        checked(jnp.ones(200_000))
+
+
+@pytest.mark.slow  # compiles MoBA at 128K
+def test_bench_attention_skips_a_case_that_cannot_fit(capsys):
+    """The case is reported as skipped and the rest of the table prints. Catches: the kernel's OOM
+    killer ending the benchmark (dense attention at 128K tokens needs 64 GiB of logits alone)."""
+    args = [
+        "--seqs",
+        "131072,256",
+        "--heads",
+        "1",
+        "--head-dim",
+        "8",
+        "--block-size",
+        "64",
+        "--repeats",
+        "1",
+    ]
+    bench_attention.main(args)
+    rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| ")]
+    assert (
+        rows[-2].startswith("| 131072 | skipped: dense at 131072 needs") and "a shorter --seqs" in rows[-2]
+    )
+    assert rows[-1].startswith("| 256 | ") and "skipped" not in rows[-1]
