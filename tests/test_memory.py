@@ -57,7 +57,5 @@ def test_bench_attention_skips_a_case_that_cannot_fit(capsys):
     ]
     bench_attention.main(args)
     rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| ")]
-    assert (
-        rows[-2].startswith("| 131072 | skipped: dense at 131072 needs") and "a shorter --seqs" in rows[-2]
-    )
+    assert rows[-2].startswith("| 131072 | skipped: dense at 131072 needs") and "a shorter --seqs" in rows[-2]
     assert rows[-1].startswith("| 256 | ") and "skipped" not in rows[-1]
