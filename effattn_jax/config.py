@@ -139,6 +139,9 @@ class DataConfig:
     seq_len: int = 256
     batch_size: int = 16  # global, across all processes
     seed: int = 0
+    # a prepared record that fails its checksum: stop (one line naming the shard and record, exit 2)
+    # or skip (its rows train nothing; logged and counted as skipped_records in TensorBoard)
+    on_corrupt: str = "stop"
 
 
 @dataclass
@@ -613,6 +616,7 @@ def _validate_data_and_train(cfg: Config) -> None:
     )
     _check(0.0 < data.val_fraction < 1.0, "data.val_fraction", data.val_fraction, "must be in (0, 1)")
     _positive(data, "data", ["seq_len", "batch_size"])
+    _check(data.on_corrupt in ("stop", "skip"), "data.on_corrupt", data.on_corrupt, "allowed: stop, skip")
 
     _positive(train, "train", ["steps", "lr", "grad_accum", "log_every"])
     _check(train.nonfinite in ("stop", "skip"), "train.nonfinite", train.nonfinite, "allowed: stop, skip")

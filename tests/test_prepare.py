@@ -1,5 +1,6 @@
 """`python -m effattn_jax.data.prepare`: tokenized shards on disk, their manifest, resume and bad input."""
 
+import importlib.util
 import json
 
 import numpy as np
@@ -7,7 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import zstandard
-from conftest import WORDS, tiny_overrides
+from conftest import ROOT, WORDS, tiny_overrides
 
 from effattn_jax.config import load_config
 from effattn_jax.data import prepare as prep
@@ -16,6 +17,8 @@ from effattn_jax.data.pipeline import build_corpus
 from effattn_jax.data.shards import Manifest
 from effattn_jax.data.small_bpe import train_small_bpe
 from effattn_jax.data.tokenizer import load_tokenizer
+from effattn_jax.train.loop import Preempted, run
+from effattn_jax.train.metrics import read_scalars
 
 SMALL = {"tokenizer": "gpt-neox-olmo", "chunk_tokens": 16, "shard_tokens": 120, "progress": False}
 
@@ -208,3 +211,41 @@ def test_training_reads_a_prepared_corpus_and_checks_its_tokenizer(tmp_path, cor
         build_corpus(other.data)
     with pytest.raises(DataError, match="no manifest.json"):
         build_corpus(load_config(None, [*files, "data.source=prepared", f"data.path={tmp_path}"]).data)
+
+
+@pytest.mark.slow  # training runs
+def test_a_corrupt_shard_stops_in_one_line_or_is_skipped(tmp_path, corpus_dir, capsys):
+    """Flipped bytes in the prepared shards: training stops with one line naming the shard file and the
+    record (exit status 2), or with data.on_corrupt=skip trains past them, reports each record once,
+    counts them in TensorBoard, and a preempted run resumes to the uninterrupted run's result. Catches:
+    the reader's bare RuntimeError mid-training, a skip that changes the iterator's order."""
+    spec = importlib.util.spec_from_file_location("train_cli", ROOT / "train.py")
+    train_cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_cli)
+    inputs = Inputs.of(
+        sorted((corpus_dir / "train").glob("*.txt")), sorted((corpus_dir / "val").glob("*.txt")), 0.0, "text"
+    )
+    prep.prepare(inputs, tmp_path / "p", **SMALL)
+    for shard in sorted((tmp_path / "p").glob("train-*.arrayrecord")):  # every shard: some row reads one
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2 : len(data) // 2 + 8] = bytes(
+            b ^ 0xFF for b in data[len(data) // 2 : len(data) // 2 + 8]
+        )
+        shard.write_bytes(bytes(data))
+    prepared = ["data.source=prepared", f"data.path={tmp_path / 'p'}"]
+
+    assert train_cli.main(tiny_overrides(corpus_dir, tmp_path / "stopped") + prepared) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"data error: {tmp_path / 'p'}/train-") and ": record " in err, err
+    assert "is corrupt" in err and "data.on_corrupt=skip" in err
+
+    skip = [*prepared, "data.on_corrupt=skip"]
+    full = run(load_config(None, tiny_overrides(corpus_dir, tmp_path / "full") + skip))
+    err = capsys.readouterr().err
+    reported = [line for line in err.splitlines() if line.startswith("data: ")]
+    assert reported and len(reported) == len(set(reported)) and "Traceback" not in err
+    assert read_scalars(tmp_path / "full")["skipped_records"][-1][1] == len(reported)
+    with pytest.raises(Preempted):
+        run(load_config(None, tiny_overrides(corpus_dir, tmp_path / "cut") + skip), stop_at=3)
+    resumed = run(load_config(None, tiny_overrides(corpus_dir, tmp_path / "cut") + skip))
+    assert resumed["val_loss"] == full["val_loss"]

@@ -75,7 +75,10 @@ def build_corpus(data_cfg) -> Corpus:
             f"the corpus splits into {docs['train']} training and {docs['val']} validation documents; "
             "set data.val_files (prepare: --val-input), change data.val_fraction or add documents"
         )
-    train, val = (PackedRows(manifest.stream(split), data_cfg.seq_len) for split in ("train", "val"))
+    train, val = (
+        PackedRows(manifest.stream(split), data_cfg.seq_len, on_corrupt=data_cfg.on_corrupt)
+        for split in ("train", "val")
+    )
     if len(train) == 0 or len(val) == 0:
         raise DataError(
             f"data.seq_len={data_cfg.seq_len}: the corpus gives {len(train)} training and {len(val)} "

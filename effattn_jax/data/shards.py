@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -162,6 +163,10 @@ class Manifest:
                     raise DataError(f"{self.root / s['file']}: checksum differs from the manifest; corrupt")
 
 
+class CorruptRecord(DataError):
+    """A record of a prepared shard that fails the reader's checksum."""
+
+
 class TokenStream:
     """Random access to one split's token stream; reads only the records a span covers."""
 
@@ -194,9 +199,7 @@ class TokenStream:
         while pos < end:
             shard = int(np.searchsorted(self.shard_start, pos, side="right")) - 1
             local = pos - int(self.shard_start[shard])
-            rec_ids, rec_starts = decode_record(
-                self.source[int(self.record_start[shard]) + local // self.chunk], self.dtype
-            )
+            rec_ids, rec_starts = decode_record(self._record(shard, local // self.chunk), self.dtype)
             first = local % self.chunk
             take = rec_ids[first : first + end - pos]
             at = rec_starts[(rec_starts >= first) & (rec_starts < first + len(take))] - first + (pos - start)
@@ -204,6 +207,15 @@ class TokenStream:
             ids.append(take)
             pos += len(take)
         return np.concatenate(ids), starts
+
+    def _record(self, shard: int, record: int) -> bytes:
+        try:
+            return self.source[int(self.record_start[shard]) + record]
+        except RuntimeError as e:  # the reader's own words: "Corrupted Riegeli/records file: ..."
+            raise CorruptRecord(
+                f"{self._paths[shard]}: record {record} is corrupt ({str(e).splitlines()[0][:120]}); "
+                "prepare the corpus again, or set data.on_corrupt=skip to train past it"
+            ) from None
 
     def documents(self) -> list[np.ndarray]:
         """Every document's ids (int32, ending with EOS), in order; for the small validation split."""
@@ -214,10 +226,13 @@ class TokenStream:
 class PackedRows:
     """Random-access source of packed training examples cut from a token stream: row i holds
     tokens i·L .. i·L + L (L + 1 tokens, so consecutive rows overlap by one), with segment ids
-    numbering its documents from 1."""
+    numbering its documents from 1. A row over a corrupt record raises CorruptRecord, or with
+    `on_corrupt="skip"` comes back with a zero loss mask (it trains nothing; the batch keeps its
+    shape and the iterator its order), reported once per record and counted in `skipped`."""
 
-    def __init__(self, stream: TokenStream, seq_len: int):
-        self.stream, self.seq_len = stream, seq_len
+    def __init__(self, stream: TokenStream, seq_len: int, on_corrupt: str = "stop"):
+        self.stream, self.seq_len, self.on_corrupt = stream, seq_len, on_corrupt
+        self.skipped: set[str] = set()  # the corrupt records met so far (grain's threads add to it)
 
     def __len__(self) -> int:
         return max(self.stream.tokens - 1, 0) // self.seq_len
@@ -225,9 +240,22 @@ class PackedRows:
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
         if not 0 <= i < len(self):
             raise IndexError(i)
-        ids, starts = self.stream.span(i * self.seq_len, self.seq_len + 1)
+        try:
+            ids, starts = self.stream.span(i * self.seq_len, self.seq_len + 1)
+        except CorruptRecord as e:
+            if self.on_corrupt != "skip":
+                raise
+            return self._skipped(str(e).split(" is corrupt")[0])
         starts[0] = True
         return row_to_example(ids, np.cumsum(starts, dtype=np.int32))
+
+    def _skipped(self, record: str) -> dict[str, np.ndarray]:
+        if record not in self.skipped:
+            self.skipped.add(record)
+            print(f"data: {record} is corrupt; its rows are skipped (data.on_corrupt=skip)", file=sys.stderr)
+        example = row_to_example(np.zeros(self.seq_len + 1, np.int32), np.ones(self.seq_len + 1, np.int32))
+        example["loss_mask"][:] = 0.0
+        return example
 
 
 def row_to_example(tokens: np.ndarray, segments: np.ndarray) -> dict[str, np.ndarray]:

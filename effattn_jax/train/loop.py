@@ -321,6 +321,7 @@ def _train(cfg: Config, corpus, setup, train_step, run_dir: Path, stop_at: int |
                         "tokens_seen": step * tokens_per_step,
                         "model_flops_per_sec": tokens_per_sec * phase.flops_per_token,
                         "nonfinite_steps": nonfinite_steps,
+                        "skipped_records": len(corpus.train.skipped | corpus.val.skipped),
                     },
                 )
                 bar.set_postfix(loss=f"{logged['loss']:.3f}", tok_s=f"{tokens_per_sec:,.0f}")

@@ -24,6 +24,7 @@ RESUMABLE = (
     "train.resume",
     "train.run_dir",
     "model.loss_chunk_tokens",  # memory and speed of the loss, not the model
+    "data.on_corrupt",  # how to go on past a corrupt record, once one is found
 )
 RESUMABLE_SECTIONS = ("checkpoint", "eval", "mesh", "distributed")
 
