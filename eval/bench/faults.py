@@ -1,10 +1,17 @@
-"""Kill test: `python -m eval.bench.faults --kills 5 [--seed 0] [--steps 120]`.
+"""Fault test: `python -m eval.bench.faults [--kills 5] [--seed 0] [--steps 120] [--cases-only]`.
 
-Trains a tiny model on the built-in corpus through train.py, `kill -9`s it at random moments
-(the first kill lands while an async checkpoint is being written), reruns the same command
-after each kill, and checks that the run, once finished, ends bitwise where an uninterrupted
-run of the same config ends (final val_loss and last training loss). Prints one line per kill
-and then `kills survived: K/N`; exit status 0 only when all survived.
+First the kill test: trains a tiny model on the built-in corpus through train.py, `kill -9`s it
+at random moments (the first kill lands while an async checkpoint is being written), reruns the
+same command after each kill, and checks that the run, once finished, ends bitwise where an
+uninterrupted run of the same config ends (final val_loss and last training loss); one line per
+kill and then `kills survived: K/N`.
+
+Then the bad-input cases, each a fresh process: a step whose manifest is gone (and whose files are
+flipped or cut short) in training and in eval, a full and a read-only checkpoint directory (a
+tmpfs, where this machine lets the script mount one), a run too large for memory, a config that
+is not UTF-8, and a corrupt prepared shard. A table (case, expected, observed, pass) and then
+`faults passed: P/Q` (a case that cannot run here counts as neither and says why). Exit status 0
+only when every kill survived and every case passed.
 """
 
 from __future__ import annotations
@@ -21,8 +28,9 @@ import time
 from pathlib import Path
 
 from effattn_jax.cli import ArgumentParser, positive_int
+from eval.bench.fault_cases import Cases, run_cases
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = [
     "model.d_model=32",
     "model.num_layers=2",
@@ -132,16 +140,31 @@ def run_faults(kills: int, steps: int, seed: int, workdir: Path) -> int:
     return 0 if survived == kills else 1
 
 
+def run_bad_input_cases(workdir: Path) -> int:
+    """The table of bad-input cases and `faults passed: P/Q`; 0 when every case that ran passed."""
+    finished = workdir / "finished"
+    code, _ = _Training(_command(finished, 20)).finish()  # saves steps 10 and 20
+    if code != 0:
+        print(f"the tiny run the cases start from failed (exit {code})", file=sys.stderr)
+        return 1
+    train = lambda run_dir, steps, *extra: [*_command(run_dir, steps), "train.progress=false", *extra]
+    passed, ran = run_cases(Cases(train, finished, workdir, ROOT))
+    print(f"faults passed: {passed}/{ran}")
+    return 0 if passed == ran else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     p = ArgumentParser(prog="python -m eval.bench.faults", description=__doc__)
     p.add_argument("--kills", type=positive_int, default=5)
+    p.add_argument("--cases-only", action="store_true", help="skip the kill test")
     p.add_argument("--steps", type=positive_int, default=120, help="training steps of the tiny run")
     p.add_argument("--seed", type=int, default=0, help="chooses the kill moments")
     p.add_argument("--workdir", help="where the two runs go (default: a new temp dir)")
     args = p.parse_args(argv)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="effattn-faults-"))
     print(f"runs in {workdir}", flush=True)
-    return run_faults(args.kills, args.steps, args.seed, workdir)
+    kills = 0 if args.cases_only else run_faults(args.kills, args.steps, args.seed, workdir)
+    return max(kills, run_bad_input_cases(workdir))
 
 
 if __name__ == "__main__":
