@@ -66,15 +66,23 @@ def _quiet_if(quiet: bool):
         absl_logging.set_verbosity(level)
 
 
-def check_writable(directory: Path) -> None:
-    """SaveError when `directory` cannot be created or written (checked before training starts)."""
+def unwritable(directory: Path) -> str | None:
+    """Why `directory` cannot be created or a file written in it ('Read-only file system
+    (EROFS)'); None when it can."""
     try:
         directory.mkdir(parents=True, exist_ok=True)
         probe = directory / f".writable-{jax.process_index()}"
         probe.touch()
         probe.unlink()
     except OSError as e:
-        raise SaveError(f"{directory} cannot be written: {os_error_of(e)}") from None
+        return os_error_of(e)
+    return None
+
+
+def check_writable(directory: Path) -> None:
+    """SaveError when the checkpoint directory cannot be written (checked before training starts)."""
+    if why := unwritable(directory):
+        raise SaveError(f"{directory} cannot be written: {why}")
 
 
 def sync(name: str) -> None:

@@ -25,6 +25,7 @@ from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from effattn_jax import checkpoint
+from effattn_jax.checkpoint.store import unwritable
 from effattn_jax.config import Config, ConfigError, to_yaml
 from effattn_jax.data.pipeline import build_corpus, train_iterator, unigram_loss, val_batches
 from effattn_jax.flops import train_flops_per_token
@@ -189,13 +190,8 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict:
         raise ConfigError("mesh", f"{cfg.mesh.data}x{cfg.mesh.fsdp}x{cfg.mesh.tensor}", str(e)) from None
     setup = make_setup(cfg, mesh)
     train_step = compile_train_step(setup)  # DoesNotFit before the run directory is touched
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / f".writable-{jax.process_index()}"
-        probe.touch()
-        probe.unlink()
-    except OSError as e:
-        raise ConfigError("train.run_dir", str(run_dir), f"cannot be written ({e.strerror})") from None
+    if why := unwritable(run_dir):
+        raise ConfigError("train.run_dir", str(run_dir), f"cannot be written ({why})")
     checkpoint.check_writable(run_dir / "checkpoints")
     with run_guard.exclusive(run_dir) if jax.process_index() == 0 else contextlib.nullcontext():
         if not cfg.train.resume and jax.process_index() == 0:
