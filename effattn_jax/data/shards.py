@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -164,7 +165,12 @@ class Manifest:
 
 
 class CorruptRecord(DataError):
-    """A record of a prepared shard that fails the reader's checksum."""
+    """A record of a prepared shard that fails the reader's checksum; `where` names it."""
+
+    def __init__(self, where: str, why: str):
+        self.where = where
+        fix = "prepare the corpus again, or set data.on_corrupt=skip to train past it"
+        super().__init__(f"{where} is corrupt ({why}); {fix}")
 
 
 class TokenStream:
@@ -213,8 +219,7 @@ class TokenStream:
             return self.source[int(self.record_start[shard]) + record]
         except RuntimeError as e:  # the reader's own words: "Corrupted Riegeli/records file: ..."
             raise CorruptRecord(
-                f"{self._paths[shard]}: record {record} is corrupt ({str(e).splitlines()[0][:120]}); "
-                "prepare the corpus again, or set data.on_corrupt=skip to train past it"
+                f"{self._paths[shard]}: record {record}", str(e).splitlines()[0][:120]
             ) from None
 
     def documents(self) -> list[np.ndarray]:
@@ -233,6 +238,7 @@ class PackedRows:
     def __init__(self, stream: TokenStream, seq_len: int, on_corrupt: str = "stop"):
         self.stream, self.seq_len, self.on_corrupt = stream, seq_len, on_corrupt
         self.skipped: set[str] = set()  # the corrupt records met so far (grain's threads add to it)
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return max(self.stream.tokens - 1, 0) // self.seq_len
@@ -245,13 +251,15 @@ class PackedRows:
         except CorruptRecord as e:
             if self.on_corrupt != "skip":
                 raise
-            return self._skipped(str(e).split(" is corrupt")[0])
+            return self._skipped(e.where)
         starts[0] = True
         return row_to_example(ids, np.cumsum(starts, dtype=np.int32))
 
     def _skipped(self, record: str) -> dict[str, np.ndarray]:
-        if record not in self.skipped:
+        with self._lock:
+            first = record not in self.skipped
             self.skipped.add(record)
+        if first:
             print(f"data: {record} is corrupt; its rows are skipped (data.on_corrupt=skip)", file=sys.stderr)
         example = row_to_example(np.zeros(self.seq_len + 1, np.int32), np.ones(self.seq_len + 1, np.int32))
         example["loss_mask"][:] = 0.0
