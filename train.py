@@ -61,11 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"stopped: {e}", file=sys.stderr)
         return 1
     except SaveError as e:
-        print(f"checkpoint error: {e}", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        # Orbax's threads may still retry the failed write and would hold the exit for minutes;
-        # the run's lock, metrics and checkpoints are already closed, so nothing of theirs is wanted
-        os._exit(SAVE_FAILED)
+        print(f"checkpoint error: {e}", file=sys.stderr)
+        return SAVE_FAILED
     import jax
 
     if jax.process_index() == 0:
@@ -74,4 +71,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    if status == SAVE_FAILED:
+        # Orbax's threads may still retry the failed write and would hold the exit for minutes;
+        # the run's lock, metrics and checkpoints are already closed, so nothing of theirs is wanted
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    sys.exit(status)
