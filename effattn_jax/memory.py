@@ -84,30 +84,23 @@ def _program_devices(compiled) -> list:
 
 
 def fit_checked(fn, what: str, knobs: str, static_argnums: tuple[int, ...] = (), static_argnames=()):
-    """`fn` (a jax.jit function) compiled ahead for each new input signature and checked to fit
-    (DoesNotFit) before it first runs; later calls with the same shapes reuse the executable."""
+    """`fn` (a jax.jit function) checked to fit (DoesNotFit) before it first runs for each new
+    input shape: the check compiles it ahead, and jit's own cache then reuses that executable.
+    A known shape costs one pass over the argument leaves, then jit's fast path."""
     import jax
 
-    compiled = {}
-
-    def signature(x):
-        if isinstance(x, jax.Array):
-            return (x.shape, x.dtype, x.sharding)
-        return (getattr(x, "shape", None), getattr(x, "dtype", type(x)))
+    checked = set()
 
     def call(*args, **kwargs):
         dynamic = [a for i, a in enumerate(args) if i not in static_argnums]
         dynamic_kw = {k: v for k, v in kwargs.items() if k not in static_argnames}
-        static = (
-            tuple(args[i] for i in static_argnums),
-            tuple(sorted(set(kwargs.items()) - set(dynamic_kw.items()))),
-        )
+        static = tuple(args[i] for i in static_argnums), tuple(sorted(kwargs.items() - dynamic_kw.items()))
         leaves, tree = jax.tree.flatten((dynamic, dynamic_kw))
-        key = (tree, static, tuple(map(signature, leaves)))
-        if key not in compiled:
-            c = fn.lower(*args, **kwargs).compile()
-            check_fits(c, _program_devices(c), what, knobs)
-            compiled[key] = c
-        return compiled[key](*dynamic, **dynamic_kw)
+        key = (tree, static, tuple(getattr(x, "shape", None) for x in leaves))
+        if key not in checked:
+            compiled = fn.lower(*args, **kwargs).compile()
+            check_fits(compiled, _program_devices(compiled), what, knobs)
+            checked.add(key)
+        return fn(*args, **kwargs)
 
     return call

@@ -96,9 +96,8 @@ def dry_run(cfg: Config, *, compile: bool = True) -> dict:
     )
     if not cfg.mesh.topology:
         sizes = {axis: getattr(cfg.mesh, axis) for axis in MESH_AXES}
-        if (
-            min(sizes.values()) > 0
-        ):  # no devices to build a mesh of: the configured sizes must split the batch
+        # no devices to build a mesh of: the configured sizes (no -1) must split the batch
+        if min(sizes.values()) > 0:
             check_batch_divides(cfg, sizes)
         print("no mesh.topology: the ahead-of-time compile was skipped (e.g. mesh.topology=v5p:4x4x4)")
     elif compile:

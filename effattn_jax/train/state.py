@@ -57,8 +57,12 @@ class TrainSetup:
     def abstract_batch(self) -> dict:
         """The shapes, dtypes and sharding of one global batch, for ahead-of-time compiles."""
         shape, sharding = (self.cfg.data.batch_size, self.cfg.data.seq_len), self.batch_sharding()
-        dtypes = {"inputs": jnp.int32, "targets": jnp.int32, "segment_ids": jnp.int32}
-        dtypes["loss_mask"] = jnp.float32
+        dtypes = {
+            "inputs": jnp.int32,
+            "targets": jnp.int32,
+            "segment_ids": jnp.int32,
+            "loss_mask": jnp.float32,
+        }
         return {k: jax.ShapeDtypeStruct(shape, d, sharding=sharding) for k, d in dtypes.items()}
 
     def model(self, params) -> Transformer:
