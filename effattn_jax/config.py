@@ -169,13 +169,15 @@ class TrainConfig:
     dry_run: bool = False
 
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "context", "tensor")  # the order of the device grid: tensor innermost
 
 
 @dataclass
 class MeshConfig:
     data: int = -1  # -1 = all devices not used by the other axes
     fsdp: int = 1
+    # context parallelism: one sequence split over this many devices (docs/context_parallel.md)
+    context: int = 1
     tensor: int = 1
     # a TPU slice for train.dry_run's ahead-of-time compile (e.g. v5e:2x2, v5p:4x4x4; needs libtpu)
     topology: str = ""
@@ -184,7 +186,7 @@ class MeshConfig:
     rules: dict[str, list[str]] = field(
         default_factory=lambda: {
             "batch": ["data", "fsdp"],
-            "length": [],
+            "length": ["context"],
             "embed": ["fsdp"],
             "vocab": ["tensor"],
             "heads": ["tensor"],
@@ -645,7 +647,8 @@ def _validate_mesh(cfg: Config) -> None:
     for axis in MESH_AXES:
         size = getattr(mesh, axis)
         _check(size == -1 or size > 0, f"mesh.{axis}", size, "must be a positive size or -1 (fill)")
-    _check([mesh.data, mesh.fsdp, mesh.tensor].count(-1) <= 1, "mesh", "-1", "at most one axis may be -1")
+    sizes = [getattr(mesh, axis) for axis in MESH_AXES]
+    _check(sizes.count(-1) <= 1, "mesh", "-1", "at most one axis may be -1")
     for name, axes in mesh.rules.items():
         for axis in axes:
             _check(axis in MESH_AXES, f"mesh.rules.{name}", axes, f"mesh axes: {', '.join(MESH_AXES)}")
@@ -667,6 +670,37 @@ def check_batch_divides(cfg: Config, mesh_sizes: dict[str, int]) -> None:
         f"{what} = {micro} must be a multiple of the batch's mesh shards "
         f"({' * '.join(f'mesh.{a}' for a in axes)} = {shards})",
     )
+
+
+def check_context_split(cfg: Config, mesh_sizes: dict[str, int]) -> None:
+    """With mesh.context = N > 1 every sequence is cut into 2N equal chunks (the causally
+    balanced layout), each a whole number of MoBA blocks where a layer uses the MoBA core; and
+    the cores run their XLA paths there (the Pallas kernels and splash/cuDNN take whole
+    sequences)."""
+    n = mesh_sizes.get("context", 1)
+    if n == 1:
+        return
+    from effattn_jax.ops.context_parallel import context_split_error
+
+    cores = {cfg.layer_spec(i)[1] for i in range(cfg.model.num_layers)}
+    block = cfg.moba.block_size if "moba" in cores else None
+    if why := context_split_error(cfg.data.seq_len, n, block):
+        raise ConfigError("data.seq_len", cfg.data.seq_len, f"with mesh.context={n} it {why}")
+    if "moba" in cores:
+        _check(
+            cfg.moba.impl in ("auto", "xla", "reference"),
+            "moba.impl",
+            cfg.moba.impl,
+            f"with mesh.context={n}: auto or xla (the Pallas kernels do not run over a context axis yet)",
+        )
+    if "dense" in cores:
+        impl = cfg.attention.dense_impl
+        _check(
+            impl in ("auto", "xla"),
+            "attention.dense_impl",
+            impl,
+            f"with mesh.context={n}: auto or xla (splash and cuDNN do not run over a context axis yet)",
+        )
 
 
 def to_yaml(cfg: Config) -> str:

@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from effattn_jax.attention import CORES, KINDS
 from effattn_jax.config import Config
 from effattn_jax.layers import RMSNorm, SwiGLU, param
+from effattn_jax.ops.context_parallel import context_shards
 from effattn_jax.ops.moba import SCHEDULE_NAME
 from effattn_jax.ops.segments import segment_positions
 from effattn_jax.sharding import constrain, logical_to_spec, sharding_rules
@@ -135,18 +136,27 @@ class Transformer(nnx.Module):
         self.loss_chunk_tokens = m.loss_chunk_tokens
         self.rules = sharding_rules(cfg)
 
-    def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+    def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None, positions=None) -> jax.Array:
         """tokens, segment_ids: [B, S] int -> float32 logits [B, S, vocab]."""
         return constrain(
-            self.logits(self.features(tokens, segment_ids)), ("batch", "length", "vocab"), self.rules
+            self.logits(self.features(tokens, segment_ids, positions)), ("batch", "length", "vocab"), self.rules
         )
 
-    def features(self, tokens: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+    def features(self, tokens: jax.Array, segment_ids: jax.Array | None = None, positions=None) -> jax.Array:
         """tokens, segment_ids: [B, S] int -> the last block's output [B, S, d_model] (before the
-        final norm): what the output head reads (`logits`, or the chunked training loss)."""
+        final norm): what the output head reads (`logits`, or the chunked training loss).
+        `positions` [B, S]: in-document positions (default: from the segment ids); over a
+        `context` mesh axis the batch is in the balanced layout and must bring them
+        (`ops.context_parallel.balanced_batch`)."""
         if segment_ids is None:
             segment_ids = jnp.ones_like(tokens)
-        positions = segment_positions(segment_ids)
+        if positions is None:
+            if context_shards() > 1:
+                raise ValueError(
+                    "over a context mesh axis the model needs the batch's positions: "
+                    "lay it out with effattn_jax.ops.context_parallel.balanced_batch"
+                )
+            positions = segment_positions(segment_ids)
         x = jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype)
         x = constrain(x, ("batch", "length", "embed"), self.rules)
 

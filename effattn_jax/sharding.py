@@ -28,10 +28,11 @@ def sharding_rules(cfg) -> Rules:
     return tuple((name, tuple(axes)) for name, axes in cfg.mesh.rules.items())
 
 
-def make_mesh(data: int, fsdp: int, tensor: int, devices=None) -> Mesh:
-    """Mesh with axes (data, fsdp, tensor); one size may be -1 to take the remaining devices."""
+def make_mesh(data: int, fsdp: int, tensor: int, devices=None, *, context: int = 1) -> Mesh:
+    """Mesh with axes MESH_AXES (data, fsdp, context, tensor); one size may be -1 to take the
+    remaining devices."""
     devices = list(devices if devices is not None else jax.devices())
-    sizes = [data, fsdp, tensor]
+    sizes = [data, fsdp, context, tensor]
     known = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
         if len(devices) % known:
@@ -39,8 +40,14 @@ def make_mesh(data: int, fsdp: int, tensor: int, devices=None) -> Mesh:
         sizes[sizes.index(-1)] = len(devices) // known
     n = math.prod(sizes)
     if n > len(devices):
-        raise ValueError(f"mesh: data*fsdp*tensor={n} but only {len(devices)} devices are available")
+        raise ValueError(f"mesh: data*fsdp*context*tensor={n} but only {len(devices)} devices are available")
     return Mesh(np.array(devices[:n]).reshape(sizes), MESH_AXES)
+
+
+def config_mesh(mesh_cfg, devices=None) -> Mesh:
+    """The mesh of a config's `mesh` section."""
+    m = mesh_cfg
+    return make_mesh(m.data, m.fsdp, m.tensor, devices, context=m.context)
 
 
 def logical_to_spec(
@@ -87,6 +94,16 @@ def constrain(x: jax.Array, axes: Sequence[str | None], rules: Rules | None) -> 
     return jax.lax.with_sharding_constraint(x, logical_to_spec(axes, x.shape, mesh.shape, rules))
 
 
+def batch_head_specs(q, k, rules: Rules, mesh) -> tuple[PartitionSpec, PartitionSpec]:
+    """PartitionSpecs of q [B, S, Hq, D] and k/v [B, S, Hkv, D] split over batch and heads only;
+    heads only where q and kv heads split alike (else GQA groups would be cut)."""
+    q_spec = logical_to_spec(("batch", None, "heads", None), q.shape, mesh.shape, rules)
+    kv_spec = logical_to_spec(("batch", None, "kv_heads", None), k.shape, mesh.shape, rules)
+    if q_spec[2] != kv_spec[2]:
+        return PartitionSpec(q_spec[0], None, None, None), PartitionSpec(kv_spec[0], None, None, None)
+    return q_spec, kv_spec
+
+
 def shard_over_batch_heads(fn, q, k, v, segment_ids, rules: Rules | None):
     """Runs fn(q, k, v, segment_ids) per shard of the batch and head axes (shard_map).
 
@@ -98,11 +115,7 @@ def shard_over_batch_heads(fn, q, k, v, segment_ids, rules: Rules | None):
     mesh = context_mesh()
     if mesh is None or rules is None:
         return fn(q, k, v, segment_ids)
-    q_spec = logical_to_spec(("batch", None, "heads", None), q.shape, mesh.shape, rules)
-    kv_spec = logical_to_spec(("batch", None, "kv_heads", None), k.shape, mesh.shape, rules)
-    if q_spec[2] != kv_spec[2]:
-        q_spec = PartitionSpec(q_spec[0], None, None, None)
-        kv_spec = PartitionSpec(kv_spec[0], None, None, None)
+    q_spec, kv_spec = batch_head_specs(q, k, rules, mesh)
     if segment_ids is None:
         segment_ids = jax.numpy.ones(q.shape[:2], jax.numpy.int32)
     return jax.shard_map(

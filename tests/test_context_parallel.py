@@ -1,13 +1,26 @@
-"""Context parallelism, dense core: one sequence over 4 context shards equals one device."""
+"""Context parallelism: one sequence over 4 context shards equals one device, for both cores and
+every attention kind, and training moves between context degrees (docs/context_parallel.md)."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from conftest import TINY_MLA, tiny_overrides
 
-from effattn_jax.ops.context_parallel import balanced_order, context_dense_attention, context_split_error
-from effattn_jax.ops.dense import dense_attention
+from effattn_jax.config import ConfigError, check_context_split, load_config
+from effattn_jax.ops.context_parallel import balanced_order, context_split_error
+from effattn_jax.sharding import make_mesh
+from effattn_jax.train.loop import Preempted, run
+from effattn_jax.train.metrics import read_scalars
+from effattn_jax.train.state import init_state, make_setup
+from effattn_jax.train.step import loss_sums
+
+def packed_segments(b: int, s: int) -> np.ndarray:
+    """Document boundaries inside a chunk (of s / 8 tokens), on a chunk boundary and across one."""
+    seg = np.ones((b, s), np.int32)
+    seg[0, 13:] = 2
+    seg[0, 40:] = 3
+    seg[1, 30:] = 2
+    return seg
 
 
 def test_balanced_order_gives_every_shard_equal_causal_work():
@@ -24,40 +37,73 @@ def test_balanced_order_gives_every_shard_equal_causal_work():
         balanced_order(60, 4)
 
 
-def test_dense_attention_over_context_shards_matches_one_device():
-    """Mesh (data=2, context=4), packed documents whose boundaries fall inside and across chunks:
-    output and the gradients of q, k, v equal plain dense attention. Catches: a mask built from the
-    shard-local index instead of the true positions, a missing reduce-scatter of dK/dV."""
-    b, s, hq, hkv, d = 2, 64, 4, 2, 8
-    rng = np.random.default_rng(0)
-    q, k, v = (jnp.asarray(rng.standard_normal((b, s, h, d)), jnp.float32) for h in (hq, hkv, hkv))
-    segments = np.ones((b, s), np.int32)
-    segments[0, 13:] = 2  # inside the first chunk (of 8 tokens)
-    segments[0, 40:] = 3  # on a chunk boundary
-    segments[1, 30:] = 2
-    segments = jnp.asarray(segments)
-    weights = jnp.asarray(rng.standard_normal((b, s, hq, d)), jnp.float32)
+def test_start_up_check_rejects_chunks_that_split_a_block():
+    cfg = load_config(None, ["attention.core=moba", "moba.block_size=16", "data.seq_len=96"])
+    with pytest.raises(ConfigError, match=r"data.seq_len.*chunks of 12 tokens.*moba.block_size=16"):
+        check_context_split(cfg, {"context": 4})
+    with pytest.raises(ConfigError, match="a multiple of 8"):
+        check_context_split(load_config(None, ["data.seq_len=100"]), {"context": 4})
+    with pytest.raises(ConfigError, match="moba.impl"):
+        check_context_split(load_config(None, ["attention.core=moba", "moba.block_size=16", "moba.impl=pallas"]), {"context": 2})
+    check_context_split(cfg, {"context": 1})  # one shard: anything goes
 
-    def reference(q, k, v):
-        return jnp.sum(dense_attention(q, k, v, segment_ids=segments) * weights)
 
-    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "context"))
-    order = balanced_order(s, 4)
-    inverse = np.argsort(order)
-    put = lambda x: jax.device_put(
-        x, NamedSharding(mesh, PartitionSpec("data", "context", *[None] * (x.ndim - 2)))
-    )
-    positions = put(jnp.broadcast_to(jnp.asarray(order, jnp.int32), (b, s)))
-    seg = put(segments[:, order])
+def test_model_loss_and_gradients_over_context_shards():
+    """The loss and every parameter's gradient with mesh (data=2, context=4) equal (data=2) for a
+    hybrid of every attention kind, GQA (4 query heads, 2 KV) and MoBA over per-head keys, dense
+    MLA, MoBA EG-MLA over its latent (MoBA's XLA path; the dense core over per-head keys is the
+    training test's), with packed documents whose boundaries
+    fall inside and across chunks. Catches: a mask or block built from the shard-local index
+    instead of the true position, a chunk put back in the wrong order, dK/dV not summed over
+    the shards, RoPE positions of the shard instead of the document, MLA's latent or EG-MLA's
+    token ids not gathered whole."""
+    sizes = ["model.num_layers=3", "model.num_kv_heads=2", "data.seq_len=64", "data.batch_size=2"]
+    layers = ["attention.layers=[mha:moba,mla:dense,eg_mla:moba]", "moba.block_size=4", "moba.top_k=3"]
+    cfg = load_config(None, TINY_MLA + layers + sizes)
+    rng = np.random.default_rng(1)
+    batch = {
+        "inputs": rng.integers(0, 128, (2, 64), dtype=np.int32),
+        "targets": rng.integers(0, 128, (2, 64), dtype=np.int32),
+        "segment_ids": packed_segments(2, 64),
+        "loss_mask": (rng.random((2, 64)) < 0.9).astype(np.float32),
+    }
+    results = []
+    for context in (1, 4):
+        setup = make_setup(cfg, make_mesh(2, 1, 1, context=context))
+        params = init_state(setup)["params"]
 
-    def parallel(q, k, v):
-        out = context_dense_attention(
-            put(q[:, order]), put(k[:, order]), put(v[:, order]), positions, seg, mesh=mesh, batch_axis="data"
-        )
-        return jnp.sum(out[:, inverse] * weights)
+        def loss_and_grads(params, batch, setup=setup):
+            with jax.sharding.use_abstract_mesh(setup.mesh.abstract_mesh):
+                grad = jax.value_and_grad(lambda p: loss_sums(setup.model(p), batch), has_aux=True)
+                (total, count), grads = grad(params)
+            return total / count, grads
 
-    want, want_grads = jax.value_and_grad(reference, argnums=(0, 1, 2))(q, k, v)
-    got, got_grads = jax.jit(jax.value_and_grad(parallel, argnums=(0, 1, 2)))(q, k, v)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
-    for g, w in zip(got_grads, want_grads, strict=True):
+        results.append(jax.jit(loss_and_grads)(params, jax.device_put(batch, setup.batch_sharding())))
+    (want, want_grads), (got, got_grads) = results
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+
+
+
+@pytest.mark.slow
+def test_training_over_context_shards_matches_and_resumes_across_degrees(tmp_path, corpus_dir):
+    """10 dense GQA steps with mesh.context=4 log the losses of mesh.context=1; a run saved at
+    context 4 resumes at context 1 and again at 4 on the same losses."""
+    common = {
+        "data.seq_len": 64, "data.batch_size": 2, "mesh.data": 2, "train.steps": 10,
+        "checkpoint.every_steps": 4, "eval.every_steps": 100,
+    }  # fmt: skip
+    config = lambda run_dir, context: load_config(
+        None, tiny_overrides(corpus_dir, run_dir, **common, **{"mesh.context": context})
+    )
+    losses = lambda run_dir: [v for _, v in read_scalars(run_dir)["loss"]]
+    run(config(tmp_path / "one", 1))
+    with pytest.raises(Preempted):
+        run(config(tmp_path / "moved", 4), stop_at=4)
+    with pytest.raises(Preempted):
+        run(config(tmp_path / "moved", 1), stop_at=8)
+    run(config(tmp_path / "moved", 4))
+    want, got = losses(tmp_path / "one"), losses(tmp_path / "moved")
+    assert len(want) == len(got) == 10
+    np.testing.assert_allclose(got, want, rtol=2e-5)

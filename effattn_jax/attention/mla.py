@@ -112,6 +112,10 @@ class MLA(nnx.Module):
     def __call__(self, x, *, positions, segment_ids, token_ids=None):
         q_nope, q_rope = self.query(x, positions)
         c, kr = self.latent(x, positions)
+        # over a context axis what is all-gathered is the latent, the RoPE key (and EG-MLA's
+        # token ids), not per-head K/V: each shard expands the whole sequence's from them
+        whole = lambda a, axes: None if a is None else constrain(a, ("batch", None, *axes), self.rules)
+        c, kr, token_ids = whole(c, ("kv_lora",)), whole(kr, ("head_dim",)), whole(token_ids, ())
         k_nope, v = self.kv_heads(c, token_ids)
         q = constrain(
             jnp.concatenate([q_nope, q_rope], axis=-1), ("batch", "length", "heads", "head_dim"), self.rules

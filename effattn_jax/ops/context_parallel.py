@@ -1,23 +1,28 @@
-"""Context parallelism for dense causal attention: one sequence split over the `context` mesh
-axis (docs/context_parallel.md).
+"""Context parallelism: one sequence split over the `context` mesh axis (docs/context_parallel.md).
 
 The sequence is laid out in the causally balanced order of `balanced_order`: with N shards it is
 cut into 2N chunks and shard i holds chunks i and 2N-1-i, so every shard has the same share of
-the causal attention work. Positions and segment ids travel with the tokens, so the mask is
-built from them and nothing needs undoing. Inside a `shard_map` over the axis, K/V (with their
-positions and segment ids) are all-gathered and the local queries attend to every key with the
-mask of their true positions; the backward of the all-gather is a reduce-scatter of dK/dV.
+the causal attention work. `balanced_batch` lays a batch out once, where it enters the step;
+positions and segment ids travel with the tokens, so nothing needs undoing. Everything
+position-wise then runs on its shard unchanged; attention runs through `context_attention`: in
+a `shard_map` over the axis the keys and values arrive whole (the all-gather is the reshard into
+the map, its backward a reduce-scatter of dK/dV), are put back in sequence order, and the local
+queries attend to them at their true positions.
 """
 
 from __future__ import annotations
 
-import math
+from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import PartitionSpec
 
-from effattn_jax.ops.dense import masked_attention
+from effattn_jax.ops.segments import segment_positions
+from effattn_jax.sharding import Rules, batch_head_specs, context_mesh
+
+AXIS = "context"
 
 
 def context_split_error(seq_len: int, shards: int, block_size: int | None = None) -> str | None:
@@ -44,22 +49,75 @@ def balanced_order(seq_len: int, shards: int) -> np.ndarray:
     return np.concatenate([np.concatenate([chunks[i], chunks[2 * shards - 1 - i]]) for i in range(shards)])
 
 
-def context_dense_attention(
-    q, k, v, positions, segment_ids, *, mesh: Mesh, axis: str = "context", batch_axis=None, scale=None
-):
-    """q [B, S, Hq, D], k [B, S, Hkv, D], v [B, S, Hkv, Dv], positions / segment_ids [B, S] int, all
-    in the balanced order with S sharded over `axis` (B over `batch_axis`) -> [B, S, Hq, Dv], the
-    dense causal attention of every query over the earlier keys of its document."""
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+def context_shards() -> int:
+    """The context axis's size under jax's current mesh (1 outside one or without the axis)."""
+    mesh = context_mesh()
+    return 1 if mesh is None else dict(mesh.shape).get(AXIS, 1)
 
-    def local(q, k, v, pos, seg):  # this shard's queries; every shard's keys
-        gather = lambda x: jax.lax.all_gather(x, axis, axis=1, tiled=True)
-        k_all, v_all, pos_all, seg_all = gather(k), gather(v), gather(pos), gather(seg)
-        causal = pos_all[:, None, None, :] <= pos[:, None, :, None]
-        same = seg_all[:, None, None, :] == seg[:, None, :, None]
-        return masked_attention(q, k_all, v_all, causal & same, scale)
 
-    rows, tokens = PartitionSpec(batch_axis, axis, None, None), PartitionSpec(batch_axis, axis)
+def balanced_batch(batch: dict) -> dict:
+    """A batch of [B, S] arrays in sequence order -> the same in the balanced order, with the
+    tokens' in-document `positions` (RoPE) added, computed before the layout (a shard alone
+    cannot). Identity (positions added) with one context shard."""
+    out = dict(batch, positions=segment_positions(batch["segment_ids"]))
+    n = context_shards()
+    if n == 1:
+        return out
+    order = jnp.asarray(balanced_order(batch["segment_ids"].shape[1], n))
+    return {name: jnp.take(x, order, axis=1) for name, x in out.items()}
+
+
+def sequence_order(x: jax.Array) -> jax.Array:
+    """[B, S, ...] in the balanced order (of the current context axis) -> in sequence order."""
+    n = context_shards()
+    return x if n == 1 else _to_sequence_order(x, n)
+
+
+def _to_sequence_order(x, n: int):
+    """The balanced layout's inverse as a reshape: shard i's two chunks are i and 2N-1-i."""
+    b, s = x.shape[:2]
+    x = x.reshape(b, n, 2, s // (2 * n), *x.shape[2:])
+    return jnp.concatenate([x[:, :, 0], x[:, ::-1, 1]], axis=1).reshape(b, s, *x.shape[4:])
+
+
+LocalAttention = Callable  # (q, k, v, q_segments, k_segments, firsts) -> out
+
+
+def context_attention(local: LocalAttention, q, k, v, segment_ids, rules: Rules | None):
+    """Attention over the context axis. q [B, S, Hq, D], k [B, S, Hkv, D], v [B, S, Hkv, Dv] and
+    segment_ids [B, S] (or None) in the balanced order -> [B, S, Hq, Dv].
+
+    Per shard, `local(q, k, v, q_segments, k_segments, firsts)` gets its queries [B, 2C, Hq', D]
+    (C = S / 2N: two runs of C positions starting at `firsts`, traced), every key and value in
+    sequence order [B, S, Hkv', ...] and the segment ids of both (None without). Batch and
+    heads split as the rules say (heads only where q and kv heads split alike)."""
+    mesh = context_mesh()
+    n = dict(mesh.shape)[AXIS]
+    q_spec, kv_spec = batch_head_specs(q, k, rules, mesh)
+    rows = PartitionSpec(q_spec[0], AXIS, q_spec[2], None)
+    has_segments = segment_ids is not None
+    if not has_segments:
+        segment_ids = jnp.ones(q.shape[:2], jnp.int32)
+
+    def body(q, k, v, q_seg, k_seg):
+        chunk = k.shape[1] // (2 * n)
+        i = jax.lax.axis_index(AXIS)
+        firsts = (i * chunk, (2 * n - 1 - i) * chunk)
+        k, v, k_seg = (_to_sequence_order(x, n) for x in (k, v, k_seg))
+        if not has_segments:
+            q_seg = k_seg = None
+        return local(q, k, v, q_seg, k_seg, firsts)
+
     return jax.shard_map(
-        local, mesh=mesh, in_specs=(rows, rows, rows, tokens, tokens), out_specs=rows, check_vma=False
-    )(q, k, v, positions, segment_ids)
+        body,
+        mesh=mesh,
+        in_specs=(rows, kv_spec, kv_spec, PartitionSpec(q_spec[0], AXIS), PartitionSpec(q_spec[0], None)),
+        out_specs=rows,
+        check_vma=False,
+    )(q, k, v, segment_ids, segment_ids)
+
+
+def query_positions(firsts, run: int, batch: int) -> jax.Array:
+    """[B, len(firsts) * run] the sequence positions of a shard's queries."""
+    idx = jnp.concatenate([first + jnp.arange(run, dtype=jnp.int32) for first in firsts])
+    return jnp.broadcast_to(idx, (batch, idx.shape[0]))

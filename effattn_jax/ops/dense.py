@@ -8,12 +8,14 @@ implementation="cudnn")`) on GPU where cuDNN takes the shapes, and XLA elsewhere
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 
 from effattn_jax.config import DENSE_IMPLS
+from effattn_jax.ops.context_parallel import context_attention, context_shards, query_positions
 from effattn_jax.ops.platform import target_backend
 from effattn_jax.sharding import Rules, shard_over_batch_heads
 
@@ -47,6 +49,17 @@ def masked_attention(q, k, v, mask, scale, *, heads_first: bool = False):
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, hq, v.shape[-1]).astype(q.dtype)
 
 
+def _local_attention(q, k, v, q_segments, k_segments, firsts, *, scale):
+    """A context shard's queries [B, T, Hq, D] (runs starting at `firsts`) over every key [B, S]:
+    causal by sequence position, within the document."""
+    b, s = k.shape[:2]
+    q_pos = query_positions(firsts, q.shape[1] // len(firsts), b)
+    mask = jnp.arange(s)[None, None, :] <= q_pos[:, :, None]  # [B, T, S]
+    if q_segments is not None:
+        mask &= k_segments[:, None, :] == q_segments[:, :, None]
+    return masked_attention(q, k, v, mask[:, None], scale)
+
+
 def resolve_dense_impl(impl: str, q, v, backend: str | None = None) -> str:
     """The path for an impl name (auto | xla | splash | cudnn) on a JAX backend.
 
@@ -67,9 +80,14 @@ def dense_attention(q, k, v, *, segment_ids=None, scale=None, impl: str = "xla",
 
     Softmax over every earlier key of the same document. impl: see `resolve_dense_impl`
     (default xla: the plain path every other impl is tested against). `rules`: logical
-    sharding rules; under a context mesh the splash kernel runs per (batch, head) shard.
+    sharding rules; under a context mesh the splash kernel runs per (batch, head) shard. Over a
+    `context` axis (q, k, v in the balanced layout) the XLA path runs per shard (auto: xla).
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if context_shards() > 1:
+        if impl not in ("auto", "xla"):
+            raise ValueError(f"dense attention impl={impl!r} does not run over a context axis; use xla")
+        return context_attention(functools.partial(_local_attention, scale=scale), q, k, v, segment_ids, rules)
     path = resolve_dense_impl(impl, q, v)
     if path not in DENSE_IMPLS[1:]:
         raise ValueError(f"dense attention impl={impl!r}: expected one of {', '.join(DENSE_IMPLS)}")

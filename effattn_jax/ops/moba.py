@@ -14,8 +14,9 @@ import jax
 import jax.numpy as jnp
 
 from effattn_jax.config import MOBA_IMPLS
+from effattn_jax.ops.context_parallel import context_attention, context_shards, query_positions
 from effattn_jax.ops.dense import masked_attention
-from effattn_jax.ops.moba_xla import moba_xla
+from effattn_jax.ops.moba_xla import moba_xla, moba_xla_local
 from effattn_jax.ops.platform import resolve_impl
 from effattn_jax.ops.routing import Routing, moba_routing
 from effattn_jax.ops.segments import block_starts
@@ -82,11 +83,28 @@ def moba_attention(
     `resolve_impl`), "auto". `block_sizes`: tile sizes of the kernels (all
     fields) and of the XLA path (past_q_tile). `routing_chunk`: queries per chunk of
     gate scores. `rules`: logical sharding rules; under a context mesh the
-    kernels run per (batch, head) shard through shard_map.
+    kernels run per (batch, head) shard through shard_map. Over a `context` axis (q, k, v in
+    the balanced layout) the XLA path runs per shard (auto: xla).
     """
     check_args(q, k, v, block_size, top_k, segment_ids, impl)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     block_sizes = block_sizes or BlockSizes()
+    if context_shards() > 1:
+        if impl not in ("auto", "xla"):
+            raise ValueError(f"moba impl={impl!r} does not run over a context axis; use xla")
+
+        def local(q, k, v, q_seg, k_seg, firsts):  # a shard's queries, every block's keys
+            q_index = query_positions(firsts, q.shape[1] // len(firsts), q.shape[0])
+            r = moba_routing(
+                q, k, block_size=block_size, top_k=top_k, segment_ids=k_seg,
+                query_chunk=routing_chunk, q_index=q_index,
+            )  # fmt: skip
+            return moba_xla_local(
+                q, k, v, r, firsts=firsts, block_size=block_size, segment_ids=k_seg, scale=scale,
+                q_tile=block_sizes.past_q_tile,
+            )  # fmt: skip
+
+        return context_attention(local, q, k, v, segment_ids, rules)
     route = lambda q, k, seg: moba_routing(
         q, k, block_size=block_size, top_k=top_k, segment_ids=seg, query_chunk=routing_chunk
     )

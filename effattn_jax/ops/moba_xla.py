@@ -39,8 +39,14 @@ def own_row_parts(block_size: int) -> int:
     return parts
 
 
-def _own_block_part(q, k, v, routing: Routing, *, block_size, segment_ids, scale):
-    """(m, l, o) of the causal own-block softmax: [B, S, Hq], [B, S, Hq], [B, S, Hq, Dv]."""
+def _own_block_part(q, k, v, own_start, key_starts, first, *, block_size, scale, before=None):
+    """(m, l, o) of the causal own-block softmax: [B, T, Hq], [B, T, Hq], [B, T, Hq, Dv].
+
+    q, k, v [B, T, ...]: the positions first .. first + T - 1 (`first` a multiple of the block,
+    may be traced); own_start [B, T] the queries' own blocks, key_starts [B, T] the keys' block
+    starts (absolute positions). `before`: (k, v, block starts) of the c keys before `first`
+    (a block that starts in them can hold a query's own block: packed documents), or None when
+    no own block starts before its query's chunk (one document per row)."""
     b, s, hq, d = q.shape
     hkv, dv, c = k.shape[2], v.shape[3], block_size
     g = hq // hkv
@@ -49,18 +55,18 @@ def _own_block_part(q, k, v, routing: Routing, *, block_size, segment_ids, scale
     padt = lambda x: jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
     qc = padt(q).reshape(b, n, c, hkv, g, d)
     kc, vc = padt(k).reshape(b, n, c, hkv, d), padt(v).reshape(b, n, c, hkv, dv)
-    bs = padt(block_starts(segment_ids, b, s, c)).reshape(b, n, c)
-    idx = jnp.arange(s + pad).reshape(n, c)
-    with_prev = segment_ids is not None
-    if with_prev:  # keys: previous chunk ++ this chunk
-        shift = lambda x, fill: jnp.concatenate([jnp.full_like(x[:, :1], fill), x[:, :-1]], axis=1)
-        kc = jnp.concatenate([shift(kc, 0), kc], axis=2)
-        vc = jnp.concatenate([shift(vc, 0), vc], axis=2)
-        kbs = jnp.concatenate([shift(bs, -1), bs], axis=2)
-        kidx = jnp.concatenate([jnp.concatenate([jnp.full((1, c), -1), idx[:-1]]), idx], axis=1)
+    bs = padt(key_starts).reshape(b, n, c)
+    idx = first + jnp.arange(s + pad).reshape(n, c)
+    if before is not None:  # keys: previous chunk ++ this chunk
+        k0, v0, bs0 = before
+        shift = lambda x, x0: jnp.concatenate([x0[:, None].astype(x.dtype), x[:, :-1]], axis=1)
+        kc = jnp.concatenate([shift(kc, k0), kc], axis=2)
+        vc = jnp.concatenate([shift(vc, v0), vc], axis=2)
+        kbs = jnp.concatenate([shift(bs, bs0), bs], axis=2)
+        kidx = jnp.concatenate([idx - c, idx], axis=1)  # below 0 before the first chunk: masked
     else:
         kbs, kidx = bs, idx
-    own = padt(routing.own_start).reshape(b, n, c)
+    own = padt(own_start).reshape(b, n, c)
     mask = (kbs[:, :, None, :] == own[:, :, :, None]) & (kidx[None, :, None, :] <= idx[None, :, :, None])
     mask &= (kidx >= 0)[None, :, None, :]
     parts = own_row_parts(c)
@@ -86,15 +92,16 @@ def _own_block_part(q, k, v, routing: Routing, *, block_size, segment_ids, scale
 
 
 def _past_blocks_part(q, k, v, routing: Routing, *, block_size, scale, q_tile):
-    """(m, l, o) per (query, head, selected block): [B, S, Hq, K'], ..., [B, S, Hq, K', Dv]."""
+    """(m, l, o) per (query, head, selected block): [B, T, Hq, K'], ..., [B, T, Hq, K', Dv].
+    q [B, T, ...] against k, v [B, S, ...] (T < S: a context shard's queries)."""
     b, s, hq, d = q.shape
-    hkv, dv, c = k.shape[2], v.shape[3], block_size
-    sched = past_tiles(routing.past_start, num_kv_heads=hkv, block_size=c, q_tile=q_tile)
+    hkv, dv, c, keys = k.shape[2], v.shape[3], block_size, k.shape[1]
+    sched = past_tiles(routing.past_start, num_kv_heads=hkv, block_size=c, q_tile=q_tile, key_len=keys)
     t = sched.tiles
     qt = q.reshape(-1, d)[jnp.maximum(t.rows, 0)]  # [T, Qt, D]
     kpos = t.key_start[:, None] + jnp.arange(c)[None]  # [T, C]
-    kt = jnp.moveaxis(k, 2, 1).reshape(b * hkv, s, d)[t.kv_row[:, None], kpos]  # [T, C, D]
-    vt = jnp.moveaxis(v, 2, 1).reshape(b * hkv, s, dv)[t.kv_row[:, None], kpos]
+    kt = jnp.moveaxis(k, 2, 1).reshape(b * hkv, keys, d)[t.kv_row[:, None], kpos]  # [T, C, D]
+    vt = jnp.moveaxis(v, 2, 1).reshape(b * hkv, keys, dv)[t.kv_row[:, None], kpos]
     logits = jnp.einsum("tqd,tcd->tqc", qt, kt, preferred_element_type=jnp.float32) * scale
     m = jnp.max(logits, axis=-1)
     p = jnp.exp(logits - m[..., None])
@@ -110,13 +117,52 @@ def _past_blocks_part(q, k, v, routing: Routing, *, block_size, scale, q_tile):
 
 
 def moba_xla(q, k, v, routing: Routing, *, block_size: int, segment_ids=None, scale: float, q_tile: int):
-    m0, l0, o0 = _own_block_part(
-        q, k, v, routing, block_size=block_size, segment_ids=segment_ids, scale=scale
+    b, s = q.shape[:2]
+    before = None
+    if segment_ids is not None:  # nothing before the first chunk: its keys are masked
+        zeros = lambda x: jnp.zeros((b, block_size, *x.shape[2:]), x.dtype)
+        before = (zeros(k), zeros(v), jnp.full((b, block_size), -1, jnp.int32))
+    key_starts = block_starts(segment_ids, b, s, block_size)
+    own = _own_block_part(
+        q, k, v, routing.own_start, key_starts, 0, block_size=block_size, scale=scale, before=before
     )
+    return _merge(own, q, k, v, routing, block_size=block_size, scale=scale, q_tile=q_tile)
+
+
+def moba_xla_local(
+    q, k, v, routing: Routing, *, firsts, block_size: int, segment_ids=None, scale: float, q_tile: int
+):
+    """A context shard's queries: q [B, T, Hq, D], runs of T / len(firsts) positions starting at
+    `firsts` (multiples of the block, traced), against the whole sequence's k, v [B, S, ...] and
+    segment ids [B, S]; `routing` from `moba_routing(..., q_index=...)` of those positions."""
+    b, s = k.shape[:2]
+    run = q.shape[1] // len(firsts)
+    key_starts = block_starts(segment_ids, b, s, block_size)
+    at = lambda x, start, size: jax.lax.dynamic_slice_in_dim(x, start, size, axis=1)
+    parts = []
+    for i, first in enumerate(firsts):
+        rows = slice(i * run, (i + 1) * run)
+        before = None
+        if segment_ids is not None:  # clamped to 0 for the first run: masked there (kidx < 0)
+            prev = jnp.maximum(first - block_size, 0)
+            before = tuple(at(x, prev, block_size) for x in (k, v, key_starts))
+        parts.append(
+            _own_block_part(
+                q[:, rows], at(k, first, run), at(v, first, run), routing.own_start[:, rows],
+                at(key_starts, first, run), first, block_size=block_size, scale=scale, before=before,
+            )  # fmt: skip
+        )
+    own = tuple(jnp.concatenate(x, axis=1) for x in zip(*parts, strict=True))
+    return _merge(own, q, k, v, routing, block_size=block_size, scale=scale, q_tile=q_tile)
+
+
+def _merge(own, q, k, v, routing, *, block_size, scale, q_tile):
+    """The own block's (m, l, o) and the selected blocks' merged by log-sum-exp -> [B, T, Hq, Dv]."""
+    m0, l0, o0 = own
     if routing.past_start.shape[-1] == 0:
         return (o0 / l0[..., None]).astype(q.dtype)
     m1, l1, o1 = _past_blocks_part(q, k, v, routing, block_size=block_size, scale=scale, q_tile=q_tile)
-    m = jnp.maximum(m0, jnp.max(m1, axis=-1))  # [B, S, Hq]
+    m = jnp.maximum(m0, jnp.max(m1, axis=-1))  # [B, T, Hq]
     m = jax.lax.stop_gradient(m)
     w0, w1 = jnp.exp(m0 - m), jnp.exp(m1 - m[..., None])
     l = l0 * w0 + jnp.sum(l1 * w1, axis=-1)

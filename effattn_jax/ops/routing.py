@@ -26,9 +26,12 @@ class Routing(NamedTuple):
     past_start: jax.Array  # first positions of its selected earlier (full) blocks
 
 
-def moba_routing(q, k, *, block_size: int, top_k: int, segment_ids=None, query_chunk: int = 512) -> Routing:
-    """The one MoBA gate. q [B, S, Hq, D], k [B, S, Hkv, D]; blocks follow `segment_ids`; no
-    gradient flows through it. (Decoding gates against cached block means with the same
+def moba_routing(
+    q, k, *, block_size: int, top_k: int, segment_ids=None, query_chunk: int = 512, q_index=None
+) -> Routing:
+    """The one MoBA gate. q [B, T, Hq, D], k [B, S, Hkv, D]; blocks follow `segment_ids` [B, S];
+    the queries are the keys' positions `q_index` [B, T] (default: T = S, all of them in order;
+    context parallelism gives a shard's queries); no gradient flows through it. (Decoding gates against cached block means with the same
     selection: ops/moba_decode.py.)
     Cost: T * blocks * D per head (the gate): block means computed once (S * D), then each
     query chunk against all of them as one matmul, masked and reduced to its top k' within the
@@ -44,6 +47,8 @@ def moba_routing(q, k, *, block_size: int, top_k: int, segment_ids=None, query_c
     doc_start = jnp.arange(s, dtype=jnp.int32)[None] - pos  # [B, S]
     own_block = pos // c  # index of the own block inside the document
     own_start = doc_start + own_block * c
+    if q_index is not None:  # the queries' rows of the keys' tables
+        doc_start, own_start = (jnp.take_along_axis(x, q_index, axis=1) for x in (doc_start, own_start))
     if kk <= 0:
         return Routing(own_start, jnp.zeros((b, t, hq, 0), jnp.int32))
 

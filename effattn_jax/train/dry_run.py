@@ -13,12 +13,12 @@ import time
 import jax
 from flax import nnx
 
-from effattn_jax.config import MESH_AXES, Config, ConfigError, check_batch_divides
+from effattn_jax.config import MESH_AXES, Config, ConfigError, check_batch_divides, check_context_split
 from effattn_jax.flops import PFLOPS_DAY, pflops_days, train_flops_per_token
 from effattn_jax.memory import program_bytes
 from effattn_jax.model import Transformer, param_counts
 from effattn_jax.ops.platform import tracing_for
-from effattn_jax.sharding import make_mesh
+from effattn_jax.sharding import config_mesh
 
 # HBM per chip by libtpu's device_kind (GiB)
 HBM_GIB = {"TPU v4": 32, "TPU v5 lite": 16, "TPU v5": 95, "TPU v6 lite": 32}
@@ -44,7 +44,7 @@ def compile_for_topology(cfg: Config) -> dict:
     from effattn_jax.train.step import make_train_step
 
     devices = _topology_devices(cfg.mesh.topology)
-    mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=devices)
+    mesh = config_mesh(cfg.mesh, devices)
     setup = make_setup(cfg, mesh)
     start = time.perf_counter()
     kind = devices[0].device_kind
@@ -99,6 +99,7 @@ def dry_run(cfg: Config, *, compile: bool = True) -> dict:
         # no devices to build a mesh of: the configured sizes (no -1) must split the batch
         if min(sizes.values()) > 0:
             check_batch_divides(cfg, sizes)
+            check_context_split(cfg, sizes)
         print("no mesh.topology: the ahead-of-time compile was skipped (e.g. mesh.topology=v5p:4x4x4)")
     elif compile:
         fit = compile_for_topology(cfg)

@@ -26,12 +26,12 @@ from tqdm import tqdm
 
 from effattn_jax import checkpoint
 from effattn_jax.checkpoint.store import unwritable
-from effattn_jax.config import Config, ConfigError, to_yaml
+from effattn_jax.config import MESH_AXES, Config, ConfigError, to_yaml
 from effattn_jax.data.pipeline import build_corpus, train_iterator, unigram_loss, val_batches
 from effattn_jax.flops import train_flops_per_token
 from effattn_jax.memory import DoesNotFit, check_fits
 from effattn_jax.model import param_counts
-from effattn_jax.sharding import make_mesh
+from effattn_jax.sharding import config_mesh
 from effattn_jax.train import run_dir as run_guard
 from effattn_jax.train.metrics import ScalarWriter
 from effattn_jax.train.state import init_state, make_setup
@@ -185,9 +185,10 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict:
             "model.vocab_size", cfg.model.vocab_size, f"must be >= the tokenizer's {corpus.vocab_size} tokens"
         )
     try:
-        mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+        mesh = config_mesh(cfg.mesh)
     except ValueError as e:
-        raise ConfigError("mesh", f"{cfg.mesh.data}x{cfg.mesh.fsdp}x{cfg.mesh.tensor}", str(e)) from None
+        sizes = "x".join(str(getattr(cfg.mesh, axis)) for axis in MESH_AXES)
+        raise ConfigError(f"mesh ({'x'.join(MESH_AXES)})", sizes, str(e)) from None
     setup = make_setup(cfg, mesh)
     train_step = compile_train_step(setup)  # DoesNotFit before the run directory is touched
     if why := unwritable(run_dir):

@@ -16,7 +16,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from effattn_jax.config import Config, check_batch_divides
+from effattn_jax.config import Config, check_batch_divides, check_context_split
 from effattn_jax.model import Transformer, new_model, param_specs
 from effattn_jax.sharding import logical_to_spec, sharding_rules
 
@@ -70,8 +70,10 @@ class TrainSetup:
 
 
 def make_setup(cfg: Config, mesh: Mesh) -> TrainSetup:
-    """Raises ConfigError (before anything compiles) when the batch does not split over the mesh."""
+    """Raises ConfigError (before anything compiles) when the batch does not split over the mesh
+    (rows over the batch axes, each sequence over the context axis)."""
     check_batch_divides(cfg, dict(mesh.shape))
+    check_context_split(cfg, dict(mesh.shape))
     graphdef, pspecs = param_specs(cfg, mesh)
     tx, schedule = make_optimizer(cfg)
     params_shape = jax.eval_shape(lambda: nnx.to_pure_dict(nnx.split(new_model(cfg))[1]))

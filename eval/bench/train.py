@@ -27,7 +27,7 @@ from effattn_jax.config import load_config
 from effattn_jax.flops import train_flops_per_token
 from effattn_jax.model import param_counts
 from effattn_jax.ops.cross_entropy import chunk_len, chunked_cross_entropy
-from effattn_jax.sharding import make_mesh
+from effattn_jax.sharding import config_mesh
 from effattn_jax.train.state import init_state, make_setup
 from effattn_jax.train.step import make_train_step
 from eval.bench.common import synthetic_batch, time_once
@@ -132,7 +132,7 @@ def main(argv=None):
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
-    mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    mesh = config_mesh(cfg.mesh)
     setup = make_setup(cfg, mesh)
     state = init_state(setup)
     step = make_train_step(setup)

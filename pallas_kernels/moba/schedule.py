@@ -167,19 +167,24 @@ def _sort_pairs_by_block(pairs: _Pairs, *, seq_len: int, num_q_heads: int, num_k
     return _SortedPairs(order, key, group, rank, real)
 
 
-def past_tiles(past_start: jax.Array, *, num_kv_heads: int, block_size: int, q_tile: int) -> PastTiles:
-    """Schedule for the selected earlier blocks. past_start [B, S, Hq, K'] (-1 = unused).
+def past_tiles(
+    past_start: jax.Array, *, num_kv_heads: int, block_size: int, q_tile: int, key_len: int | None = None
+) -> PastTiles:
+    """Schedule for the selected earlier blocks. past_start [B, S, Hq, K'] (-1 = unused);
+    `key_len`: the keys' length where it is not the queries' S (context parallelism: a shard's
+    queries against the whole sequence's keys).
 
     Every group gets ceil(size / q_tile) consecutive tiles, its pairs in sorted order. The
     tables come from the one sort by scatters and by scans over the groups and tiles (no
     pair-to-tile table, inverse permutation or searchsorted): libtpu takes seconds to
     compile each pair-long gather or scatter."""
     b, s, hq, kp = past_start.shape
+    keys = key_len or s
     pairs = _flat_pairs(past_start)
     num_pairs = pairs.block_start.shape[0]
-    max_groups = max(b * num_kv_heads * (s // block_size), 1)  # (batch, KV head, full block) groups
+    max_groups = max(b * num_kv_heads * (keys // block_size), 1)  # (batch, KV head, full block) groups
     num_tiles = -(-num_pairs // q_tile) + max_groups  # static bound: each group wastes < 1 tile
-    sp = _sort_pairs_by_block(pairs, seq_len=s, num_q_heads=hq, num_kv_heads=num_kv_heads)
+    sp = _sort_pairs_by_block(pairs, seq_len=keys, num_q_heads=hq, num_kv_heads=num_kv_heads)
 
     # Groups: sizes, tiles, first tile, and (KV row, block start) from the group's first pair.
     group_size = jax.ops.segment_sum(
@@ -189,8 +194,8 @@ def past_tiles(past_start: jax.Array, *, num_kv_heads: int, block_size: int, q_t
     used = group_tiles > 0
     first_tile = prefix_scan(group_tiles, jnp.add, 0) - group_tiles
     first_key = sp.key[jnp.minimum(prefix_scan(group_size, jnp.add, 0) - group_size, num_pairs - 1)]
-    group_kv_row = jnp.where(used, first_key // s, 0)
-    group_start = jnp.where(used, first_key % s, 0)
+    group_kv_row = jnp.where(used, first_key // keys, 0)
+    group_start = jnp.where(used, first_key % keys, 0)
 
     # Each sorted pair's tile row; unused pairs go one past the last row (dropped, or clipped).
     dest = first_tile[jnp.clip(sp.group, 0, max_groups - 1)] * q_tile + sp.rank
