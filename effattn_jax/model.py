@@ -139,7 +139,9 @@ class Transformer(nnx.Module):
     def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None, positions=None) -> jax.Array:
         """tokens, segment_ids: [B, S] int -> float32 logits [B, S, vocab]."""
         return constrain(
-            self.logits(self.features(tokens, segment_ids, positions)), ("batch", "length", "vocab"), self.rules
+            self.logits(self.features(tokens, segment_ids, positions)),
+            ("batch", "length", "vocab"),
+            self.rules,
         )
 
     def features(self, tokens: jax.Array, segment_ids: jax.Array | None = None, positions=None) -> jax.Array:

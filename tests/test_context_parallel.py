@@ -14,6 +14,7 @@ from effattn_jax.train.metrics import read_scalars
 from effattn_jax.train.state import init_state, make_setup
 from effattn_jax.train.step import loss_sums
 
+
 def packed_segments(b: int, s: int) -> np.ndarray:
     """Document boundaries inside a chunk (of s / 8 tokens), on a chunk boundary and across one."""
     seg = np.ones((b, s), np.int32)
@@ -44,7 +45,10 @@ def test_start_up_check_rejects_chunks_that_split_a_block():
     with pytest.raises(ConfigError, match="a multiple of 8"):
         check_context_split(load_config(None, ["data.seq_len=100"]), {"context": 4})
     with pytest.raises(ConfigError, match="moba.impl"):
-        check_context_split(load_config(None, ["attention.core=moba", "moba.block_size=16", "moba.impl=pallas"]), {"context": 2})
+        check_context_split(
+            load_config(None, ["attention.core=moba", "moba.block_size=16", "moba.impl=pallas"]),
+            {"context": 2},
+        )
     check_context_split(cfg, {"context": 1})  # one shard: anything goes
 
 
@@ -83,7 +87,6 @@ def test_model_loss_and_gradients_over_context_shards():
     np.testing.assert_allclose(got, want, rtol=1e-5)
     for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
-
 
 
 @pytest.mark.slow

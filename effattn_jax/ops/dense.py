@@ -87,7 +87,9 @@ def dense_attention(q, k, v, *, segment_ids=None, scale=None, impl: str = "xla",
     if context_shards() > 1:
         if impl not in ("auto", "xla"):
             raise ValueError(f"dense attention impl={impl!r} does not run over a context axis; use xla")
-        return context_attention(functools.partial(_local_attention, scale=scale), q, k, v, segment_ids, rules)
+        return context_attention(
+            functools.partial(_local_attention, scale=scale), q, k, v, segment_ids, rules
+        )
     path = resolve_dense_impl(impl, q, v)
     if path not in DENSE_IMPLS[1:]:
         raise ValueError(f"dense attention impl={impl!r}: expected one of {', '.join(DENSE_IMPLS)}")

@@ -148,8 +148,15 @@ def moba_xla_local(
             before = tuple(at(x, prev, block_size) for x in (k, v, key_starts))
         parts.append(
             _own_block_part(
-                q[:, rows], at(k, first, run), at(v, first, run), routing.own_start[:, rows],
-                at(key_starts, first, run), first, block_size=block_size, scale=scale, before=before,
+                q[:, rows],
+                at(k, first, run),
+                at(v, first, run),
+                routing.own_start[:, rows],
+                at(key_starts, first, run),
+                first,
+                block_size=block_size,
+                scale=scale,
+                before=before,
             )  # fmt: skip
         )
     own = tuple(jnp.concatenate(x, axis=1) for x in zip(*parts, strict=True))

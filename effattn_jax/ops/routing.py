@@ -31,8 +31,8 @@ def moba_routing(
 ) -> Routing:
     """The one MoBA gate. q [B, T, Hq, D], k [B, S, Hkv, D]; blocks follow `segment_ids` [B, S];
     the queries are the keys' positions `q_index` [B, T] (default: T = S, all of them in order;
-    context parallelism gives a shard's queries); no gradient flows through it. (Decoding gates against cached block means with the same
-    selection: ops/moba_decode.py.)
+    context parallelism gives a shard's queries); no gradient flows through it. (Decoding gates
+    against cached block means with the same selection: ops/moba_decode.py.)
     Cost: T * blocks * D per head (the gate): block means computed once (S * D), then each
     query chunk against all of them as one matmul, masked and reduced to its top k' within the
     chunk; no [T, S] array, no per-query copy of the means, no [T, blocks] scores at once.
