@@ -52,6 +52,7 @@ def test_start_up_check_rejects_chunks_that_split_a_block():
     check_context_split(cfg, {"context": 1})  # one shard: anything goes
 
 
+@pytest.mark.slow
 def test_model_loss_and_gradients_over_context_shards():
     """The loss and every parameter's gradient with mesh (data=2, context=4) equal (data=2) for a
     hybrid of every attention kind, GQA (4 query heads, 2 KV) and MoBA over per-head keys, dense
