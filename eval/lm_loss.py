@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from effattn_jax.data.pipeline import corpus_manifest
 from effattn_jax.memory import fit_checked
+from effattn_jax.ops.context_parallel import balanced_batch, context_split_error, sequence_order
 from effattn_jax.sharding import logical_to_spec, sharding_rules
 from eval.processes import share, total, writes
 
@@ -103,10 +104,13 @@ def make_nll_fn(cfg, graphdef, params, mesh, batch_size: int, seq_len: int):
     rows = NamedSharding(mesh, spec)
 
     def nll(params, inputs, targets):
-        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-            logits = nnx.merge(graphdef, params)(inputs)
-        lp = jax.nn.log_softmax(logits, axis=-1)
-        return -jnp.take_along_axis(lp, targets[..., None], axis=-1)[..., 0]
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # a context axis: balanced layout
+            batch = balanced_batch(
+                {"inputs": inputs, "targets": targets, "segment_ids": jnp.ones_like(inputs)}
+            )
+            logits = nnx.merge(graphdef, params)(batch["inputs"], batch["segment_ids"], batch["positions"])
+            lp = jax.nn.log_softmax(logits, axis=-1)
+            return sequence_order(-jnp.take_along_axis(lp, batch["targets"][..., None], axis=-1)[..., 0])
 
     nll = fit_checked(jax.jit(nll), "the loss of a batch", "a smaller --seq-len, or more devices (--mesh)")
     replicated = NamedSharding(mesh, PartitionSpec())
@@ -118,11 +122,21 @@ def lm_loss(cfg, graphdef, params, mesh, *, seq_len: int, bucket: int, progress:
     """The position report of one checkpoint on the run's validation documents."""
     docs = validation_documents(cfg)
     tokens, counts = document_rows(docs, seq_len)
-    batch = max(1, LOGITS_BUDGET // (seq_len * cfg.model.vocab_size))
-    batch = -(-batch // mesh.devices.size) * mesh.devices.size
+    context = dict(mesh.shape).get("context", 1)
+    if why := context_split_error(seq_len, context, _moba_block(cfg)):
+        raise ValueError(f"--seq-len={seq_len} over {context} context shards: {why}")
+    rows = mesh.devices.size // context  # a batch row is split over the context axis
+    batch = max(1, LOGITS_BUDGET * context // (seq_len * cfg.model.vocab_size))
+    batch = -(-batch // rows) * rows
     nll_fn = make_nll_fn(cfg, graphdef, params, mesh, batch, seq_len)
     nll, mask = token_nll(nll_fn, tokens, counts, batch, progress)
     return position_report(nll, mask, bucket)
+
+
+def _moba_block(cfg) -> int | None:
+    """MoBA's block size where a layer uses the MoBA core (a context chunk must hold whole blocks)."""
+    cores = {cfg.layer_spec(i)[1] for i in range(cfg.model.num_layers)}
+    return cfg.moba.block_size if "moba" in cores else None
 
 
 def add_arguments(p) -> None:
@@ -133,7 +147,10 @@ def add_arguments(p) -> None:
         "--seq-len", type=int, default=None, help="context length (default: the run's data.seq_len)"
     )
     p.add_argument(
-        "--mesh", default="1,1,1", help="data,fsdp,tensor mesh to evaluate on (default one device)"
+        "--mesh",
+        default="1,1,1",
+        help="data,fsdp,tensor[,context] mesh to evaluate on (default one device); context > 1 "
+        "splits each document over that many devices (docs/context_parallel.md)",
     )
     p.add_argument("--json", default=None, help="write every figure to this file")
 
@@ -145,9 +162,10 @@ def parse_mesh(spec: str):
         sizes = [int(x) for x in spec.split(",")]
     except ValueError:
         sizes = []
-    if len(sizes) != 3:
-        raise ValueError(f"--mesh={spec!r}: expected data,fsdp,tensor sizes, e.g. 1,1,1")
-    return make_mesh(*sizes, devices=jax.local_devices())  # each process evaluates on its own
+    if len(sizes) not in (3, 4) or min(sizes) < 1:
+        raise ValueError(f"--mesh={spec!r}: expected data,fsdp,tensor[,context] sizes, e.g. 1,1,1 or 1,1,1,4")
+    data, fsdp, tensor, context = [*sizes, 1][:4]
+    return make_mesh(data, fsdp, tensor, jax.local_devices(), context=context)  # each process on its own
 
 
 def checkpoint_lm_loss(run_dir, step: int, *, seq_len: int, bucket: int) -> dict:

@@ -15,11 +15,10 @@ from flax import nnx
 from effattn_jax import checkpoint
 from effattn_jax.config import load_config
 from effattn_jax.model import Transformer
-from effattn_jax.sharding import make_mesh
 from effattn_jax.train.loop import run
 from eval.__main__ import main as eval_main
 from eval.downstream import average_accuracy, choice_metrics
-from eval.lm_loss import lm_loss, position_report, token_nll
+from eval.lm_loss import lm_loss, parse_mesh, position_report, token_nll
 from eval.scaling import fit_power_law
 from eval.scoring import direct_loglikelihood, score_requests
 
@@ -133,13 +132,19 @@ def test_run_saved_on_eight_devices_evaluates_the_same_on_one(tmp_path, corpus_d
     run_dir = tmp_path / "run"
     _train(corpus_dir, run_dir, **{"train.steps": 2, "mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2})
     losses = {}
-    for sizes in ((2, 2, 2), (1, 1, 1)):
-        mesh = make_mesh(*sizes)
+    for sizes in ("2,2,2", "1,1,1", "2,1,1,4"):  # the last splits each document over 4 devices
+        mesh = parse_mesh(sizes)
         cfg, graphdef, params = checkpoint.load_params(run_dir, 2, mesh)
         assert {d for leaf in jax.tree.leaves(params) for d in leaf.devices()} == set(mesh.devices.flat)
-        losses[sizes] = lm_loss(cfg, graphdef, params, mesh, seq_len=32, bucket=16, progress=False)
-    assert losses[(1, 1, 1)]["loss"] == pytest.approx(losses[(2, 2, 2)]["loss"], rel=1e-5)
-    assert losses[(1, 1, 1)]["tokens"] == losses[(2, 2, 2)]["tokens"] > 0
+        losses[sizes] = lm_loss(cfg, graphdef, params, mesh, seq_len=32, bucket=8, progress=False)
+    one = losses["1,1,1"]
+    for sizes in ("2,2,2", "2,1,1,4"):
+        assert losses[sizes]["loss"] == pytest.approx(one["loss"], rel=1e-5)
+        assert losses[sizes]["tokens"] == one["tokens"] > 0
+        for got, want in zip(losses[sizes]["buckets"], one["buckets"], strict=True):  # positions in order
+            assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+    with pytest.raises(ValueError, match="data,fsdp,tensor"):
+        parse_mesh("2,1")
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,9 @@ Every kind is constructed as `KINDS[kind](cfg, core=CORES[core](cfg), rngs=rngs)
 and called as `module(x, *, positions, segment_ids, token_ids)` for training and
 `module.decode(x, *, positions, token_ids, cache)` -> `(output, cache)` for
 generation, with the cache from `module.init_cache`. A core (`Core`) holds the
-training attention `attend(q, k, v, *, segment_ids, scale=None)` (q [B, S, Hq, D],
-k/v [B, S, Hkv, D]) and its decoding over a cache (with any cache entries of its own,
+training attention `attend(q, k, v, *, segment_ids, scale=None, kv_whole=False)`
+(q [B, S, Hq, D], k/v [B, S, Hkv, D]; `kv_whole`: k/v are already whole over a context
+axis, as MLA's are) and its decoding over a cache (with any cache entries of its own,
 such as MoBA's block means); cores have no parameters, so switching the core never
 changes the parameter tree.
 
@@ -41,7 +42,7 @@ KINDS = {"mha": MHA, "mla": MLA, "eg_mla": EGMLA}
 
 @dataclasses.dataclass(frozen=True)
 class Core:
-    """An attention pattern. `attend(q, k, v, *, segment_ids, scale=None)` for training;
+    """An attention pattern. `attend(q, k, v, *, segment_ids, scale=None, kv_whole=False)` for training;
     `decode(view, cache, positions, *, scale, prefill)` -> (out, cache entries) for decoding:
     the view's queries (a `CacheView`: what the kind's cache offers, after these tokens were
     written) at absolute `positions` [B, T] of one document per row. `prefill`: the tokens

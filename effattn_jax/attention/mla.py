@@ -120,9 +120,8 @@ class MLA(nnx.Module):
         q = constrain(
             jnp.concatenate([q_nope, q_rope], axis=-1), ("batch", "length", "heads", "head_dim"), self.rules
         )
-        return self.o(
-            self.core.attend(q, self.full_keys(k_nope, kr), v, segment_ids=segment_ids, scale=self.scale)
-        )
+        keys = self.full_keys(k_nope, kr)
+        return self.o(self.core.attend(q, keys, v, segment_ids=segment_ids, scale=self.scale, kv_whole=True))
 
     def full_keys(self, k_nope, kr):
         """Per-head keys [k_nope ; k^R] with the shared RoPE key broadcast to every head."""

@@ -5,9 +5,9 @@ cut into 2N chunks and shard i holds chunks i and 2N-1-i, so every shard has the
 the causal attention work. `balanced_batch` lays a batch out once, where it enters the step;
 positions and segment ids travel with the tokens, so nothing needs undoing. Everything
 position-wise then runs on its shard unchanged; attention runs through `context_attention`: in
-a `shard_map` over the axis the keys and values arrive whole (the all-gather is the reshard into
-the map, its backward a reduce-scatter of dK/dV), are put back in sequence order, and the local
-queries attend to them at their true positions.
+a `shard_map` over the axis the keys and values are all-gathered (the backward reduce-scatters
+dK/dV), put back in sequence order, and the local queries attend to them at their true
+positions.
 """
 
 from __future__ import annotations
@@ -83,9 +83,13 @@ def _to_sequence_order(x, n: int):
 LocalAttention = Callable  # (q, k, v, q_segments, k_segments, firsts) -> out
 
 
-def context_attention(local: LocalAttention, q, k, v, segment_ids, rules: Rules | None):
+def context_attention(local: LocalAttention, q, k, v, segment_ids, rules: Rules | None, kv_whole=False):
     """Attention over the context axis. q [B, S, Hq, D], k [B, S, Hkv, D], v [B, S, Hkv, Dv] and
     segment_ids [B, S] (or None) in the balanced order -> [B, S, Hq, Dv].
+
+    K and V are all-gathered inside the map, so the backward reduce-scatters dK/dV; `kv_whole`:
+    they are already whole on every shard (MLA expands them from its gathered latent) and enter
+    as they are (their gradient is then summed over the shards by an all-reduce).
 
     Per shard, `local(q, k, v, q_segments, k_segments, firsts)` gets its queries [B, 2C, Hq', D]
     (C = S / 2N: two runs of C positions starting at `firsts`, traced), every key and value in
@@ -100,6 +104,8 @@ def context_attention(local: LocalAttention, q, k, v, segment_ids, rules: Rules 
         segment_ids = jnp.ones(q.shape[:2], jnp.int32)
 
     def body(q, k, v, q_seg, k_seg):
+        if not kv_whole:  # the all-gather whose transpose is a reduce-scatter
+            k, v = (jax.lax.all_gather(x, AXIS, axis=1, tiled=True) for x in (k, v))
         chunk = k.shape[1] // (2 * n)
         i = jax.lax.axis_index(AXIS)
         firsts = (i * chunk, (2 * n - 1 - i) * chunk)
@@ -108,6 +114,8 @@ def context_attention(local: LocalAttention, q, k, v, segment_ids, rules: Rules 
             q_seg = k_seg = None
         return local(q, k, v, q_seg, k_seg, firsts)
 
+    if not kv_whole:
+        kv_spec = PartitionSpec(kv_spec[0], AXIS, *kv_spec[2:])
     return jax.shard_map(
         body,
         mesh=mesh,

@@ -75,13 +75,16 @@ def resolve_dense_impl(impl: str, q, v, backend: str | None = None) -> str:
     return "cudnn" if backend in ("gpu", "cuda", "rocm") and fits else "xla"
 
 
-def dense_attention(q, k, v, *, segment_ids=None, scale=None, impl: str = "xla", rules: Rules | None = None):
+def dense_attention(
+    q, k, v, *, segment_ids=None, scale=None, impl: str = "xla", rules: Rules | None = None, kv_whole=False
+):
     """q: [B, S, Hq, D], k: [B, S, Hkv, D], v: [B, S, Hkv, Dv] (Hkv divides Hq) -> [B, S, Hq, Dv].
 
     Softmax over every earlier key of the same document. impl: see `resolve_dense_impl`
     (default xla: the plain path every other impl is tested against). `rules`: logical
     sharding rules; under a context mesh the splash kernel runs per (batch, head) shard. Over a
-    `context` axis (q, k, v in the balanced layout) the XLA path runs per shard (auto: xla).
+    `context` axis (q, k, v in the balanced layout) the XLA path runs per shard (auto: xla);
+    `kv_whole`: see `context_attention`.
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if context_shards() > 1:

@@ -75,6 +75,7 @@ def moba_attention(
     block_sizes: BlockSizes | None = None,
     routing_chunk: int = 512,
     rules: Rules | None = None,
+    kv_whole: bool = False,
 ):
     """MoBA attention. q [B, S, Hq, D], k [B, S, Hkv, D], v [B, S, Hkv, Dv] -> [B, S, Hq, Dv] in q's dtype.
 
@@ -84,7 +85,8 @@ def moba_attention(
     fields) and of the XLA path (past_q_tile). `routing_chunk`: queries per chunk of
     gate scores. `rules`: logical sharding rules; under a context mesh the
     kernels run per (batch, head) shard through shard_map. Over a `context` axis (q, k, v in
-    the balanced layout) the XLA path runs per shard (auto: xla).
+    the balanced layout) the XLA path runs per shard (auto: xla); `kv_whole`: see
+    `context_attention`.
     """
     check_args(q, k, v, block_size, top_k, segment_ids, impl)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
@@ -104,7 +106,7 @@ def moba_attention(
                 q_tile=block_sizes.past_q_tile,
             )  # fmt: skip
 
-        return context_attention(local, q, k, v, segment_ids, rules)
+        return context_attention(local, q, k, v, segment_ids, rules, kv_whole)
     route = lambda q, k, seg: moba_routing(
         q, k, block_size=block_size, top_k=top_k, segment_ids=seg, query_chunk=routing_chunk
     )

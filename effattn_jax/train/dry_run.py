@@ -11,8 +11,10 @@ from __future__ import annotations
 import time
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
+from effattn_jax.collectives import collective_bytes
 from effattn_jax.config import MESH_AXES, Config, ConfigError, check_batch_divides, check_context_split
 from effattn_jax.flops import PFLOPS_DAY, pflops_days, train_flops_per_token
 from effattn_jax.memory import program_bytes
@@ -67,7 +69,31 @@ def compile_for_topology(cfg: Config) -> dict:
         }
     used = program_bytes(compiled)
     fits = fit["hbm_bytes"] is None or used <= fit["hbm_bytes"]
-    return fit | {"compile_seconds": time.perf_counter() - start, "bytes_per_chip": int(used), "fits": fits}
+    return fit | {
+        "compile_seconds": time.perf_counter() - start,
+        "bytes_per_chip": int(used),
+        "fits": fits,
+        "collective_bytes": collective_bytes(compiled.as_text()),
+        "context_gather_bytes": context_gather_bytes(cfg, dict(mesh.shape)),
+    }
+
+
+def context_gather_bytes(cfg: Config, mesh_sizes: dict[str, int]) -> int:
+    """The analytic all-gather volume over the context axis, per chip and forward pass: what each
+    attention layer gathers from the other N - 1 shards for its rows (per-head K and V; MLA's
+    latent and RoPE key, and EG-MLA's token ids)."""
+    n = mesh_sizes.get("context", 1)
+    if n == 1:
+        return 0
+    m, a = cfg.model, cfg.mla
+    rows = cfg.data.batch_size // (mesh_sizes["data"] * mesh_sizes["fsdp"])
+    width = {  # bytes per token
+        "mha": cfg.num_kv_heads * 2 * cfg.head_dim * jnp.dtype(m.dtype).itemsize,
+        "mla": (a.kv_lora_rank + a.qk_rope_head_dim) * jnp.dtype(m.dtype).itemsize,
+    }
+    width["eg_mla"] = width["mla"] + 4
+    per_token = sum(width[cfg.layer_spec(i)[0]] for i in range(m.num_layers))
+    return rows * cfg.data.seq_len * (n - 1) // n * per_token
 
 
 def dry_run(cfg: Config, *, compile: bool = True) -> dict:
@@ -117,4 +143,11 @@ def dry_run(cfg: Config, *, compile: bool = True) -> dict:
                 f"{where} in {fit['compile_seconds']:.0f} s ({fit['tpu_kernels']} kernel calls): "
                 f"{used / 2**30:.2f} GiB per chip of {of}:{verdict}"
             )
+            moved = ", ".join(f"{k} {v / 2**20:,.1f}" for k, v in sorted(fit["collective_bytes"].items()))
+            print(f"collectives per step and chip (MiB): {moved or 'none'}")
+            if fit["context_gather_bytes"]:
+                print(
+                    f"analytic context all-gather per forward pass and chip: "
+                    f"{fit['context_gather_bytes'] / 2**20:,.1f} MiB"
+                )
     return report
