@@ -675,8 +675,7 @@ def check_batch_divides(cfg: Config, mesh_sizes: dict[str, int]) -> None:
 def check_context_split(cfg: Config, mesh_sizes: dict[str, int]) -> None:
     """With mesh.context = N > 1 every sequence is cut into 2N equal chunks (the causally
     balanced layout), each a whole number of MoBA blocks where a layer uses the MoBA core; and
-    the cores run their XLA paths there (the Pallas kernels and splash/cuDNN take whole
-    sequences)."""
+    the cores' paths must run over the axis (not cuDNN, not yet the MoBA Pallas kernels)."""
     n = mesh_sizes.get("context", 1)
     if n == 1:
         return
@@ -696,10 +695,10 @@ def check_context_split(cfg: Config, mesh_sizes: dict[str, int]) -> None:
     if "dense" in cores:
         impl = cfg.attention.dense_impl
         _check(
-            impl in ("auto", "xla"),
+            impl in ("auto", "xla", "splash"),
             "attention.dense_impl",
             impl,
-            f"with mesh.context={n}: auto or xla (splash and cuDNN do not run over a context axis yet)",
+            f"with mesh.context={n}: auto, xla or splash (cuDNN takes whole sequences only)",
         )
 
 

@@ -60,6 +60,40 @@ def _local_attention(q, k, v, q_segments, k_segments, firsts, *, scale):
     return masked_attention(q, k, v, mask[:, None], scale)
 
 
+def _local_splash(q, k, v, q_segments, k_segments, firsts, *, scale, interpret):
+    """`_local_attention` through splash: the shard's first run of C queries (at i C) sees keys
+    [0, (i + 1) C), its second (at (2N - 1 - i) C) keys [0, (2N - i) C). Each goes to the kernel
+    as a window of static length ending at its last query (N C and 2N C keys: the causal mask
+    of each is static), the keys before position 0 padded under a segment id no query has.
+    Splash skips the masked blocks; the windows cost 1.5x the balanced work at most."""
+    b, s = k.shape[:2]
+    run = q.shape[1] // 2
+    n = s // (2 * run)
+    if q_segments is None:
+        q_segments, k_segments = jnp.ones((b, 2 * run), jnp.int32), jnp.ones((b, s), jnp.int32)
+    pad = (n - 1) * run
+    front = lambda x, fill=0: jnp.pad(x, ((0, 0), (pad, 0)) + ((0, 0),) * (x.ndim - 2), constant_values=fill)
+    kp, vp, segp = front(k), front(v), front(k_segments, jnp.iinfo(jnp.int32).min)
+    outs = []
+    for j, (first, length) in enumerate(zip(firsts, (n * run, 2 * n * run), strict=True)):
+        window = lambda x, first=first, length=length: jax.lax.dynamic_slice_in_dim(
+            x, first + run + pad - length, length, axis=1
+        )
+        rows = slice(j * run, (j + 1) * run)
+        outs.append(
+            splash_attention(
+                q[:, rows],
+                window(kp),
+                window(vp),
+                segment_ids=q_segments[:, rows],
+                kv_segment_ids=window(segp),
+                scale=scale,
+                interpret=interpret,
+            )  # fmt: skip
+        )
+    return jnp.concatenate(outs, axis=1)
+
+
 def resolve_dense_impl(impl: str, q, v, backend: str | None = None) -> str:
     """The path for an impl name (auto | xla | splash | cudnn) on a JAX backend.
 
@@ -87,15 +121,17 @@ def dense_attention(
     `kv_whole`: see `context_attention`.
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    if context_shards() > 1:
-        if impl not in ("auto", "xla"):
-            raise ValueError(f"dense attention impl={impl!r} does not run over a context axis; use xla")
-        return context_attention(
-            functools.partial(_local_attention, scale=scale), q, k, v, segment_ids, rules
-        )
     path = resolve_dense_impl(impl, q, v)
     if path not in DENSE_IMPLS[1:]:
         raise ValueError(f"dense attention impl={impl!r}: expected one of {', '.join(DENSE_IMPLS)}")
+    if context_shards() > 1:
+        if path == "splash":  # interpreted off TPU (tests)
+            local = functools.partial(_local_splash, scale=scale, interpret=target_backend() != "tpu")
+        elif path == "xla" or impl == "auto":  # auto on GPU: cuDNN takes whole sequences only
+            local = functools.partial(_local_attention, scale=scale)
+        else:
+            raise ValueError(f"dense attention impl={impl!r} does not run over a context axis; use xla")
+        return context_attention(local, q, k, v, segment_ids, rules, kv_whole)
     if path == "splash":
         run = lambda q, k, v, seg: splash_attention(q, k, v, segment_ids=seg, scale=scale)
         return shard_over_batch_heads(run, q, k, v, segment_ids, rules)
@@ -110,18 +146,23 @@ def dense_attention(
     return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation="xla").astype(q.dtype)
 
 
-def splash_attention(q, k, v, *, segment_ids=None, scale: float, block: int = 512, interpret: bool = False):
+def splash_attention(
+    q, k, v, *, segment_ids=None, kv_segment_ids=None, scale: float, block: int = 512, interpret: bool = False
+):
     """Causal attention through jax's splash kernel (TPU; `interpret` runs it on CPU). Shapes as
     `dense_attention`; S must be a multiple of min(block, S). Splash applies no scale: q is
-    scaled first. GQA and a different v width go to the kernel as they are."""
+    scaled first. GQA and a different v width go to the kernel as they are. With more keys L than
+    queries T the queries are the last T positions (the causal mask ends at the keys' end), and
+    `kv_segment_ids` [B, L] are the keys' (default: `segment_ids`)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
-    _, s, hq, _ = q.shape
-    bs = min(block, s)
-    if s % bs:
+    _, t, hq, _ = q.shape
+    length = k.shape[1]
+    bs = min(block, t)
+    if t % bs or length % bs:
         raise ValueError(
-            f"splash attention: sequence length {s} is not a multiple of its block {bs}; "
+            f"splash attention: sequence length {t} (keys {length}) is not a multiple of its block {bs}; "
             "pad the sequence or set attention.dense_impl=xla"
         )
     sizes = splash.BlockSizes(
@@ -129,7 +170,7 @@ def splash_attention(q, k, v, *, segment_ids=None, scale: float, block: int = 51
         block_kv_dkv_compute=bs, block_q_dq=bs, block_kv_dq=bs,
     )  # fmt: skip
     kernel = splash.make_splash_mha(
-        masks.MultiHeadMask([masks.CausalMask((s, s))] * hq),
+        masks.MultiHeadMask([masks.CausalMask((t, length), offset=length - t)] * hq),
         block_sizes=sizes,
         head_shards=1,
         q_seq_shards=1,
@@ -141,7 +182,8 @@ def splash_attention(q, k, v, *, segment_ids=None, scale: float, block: int = 51
     if segment_ids is None:
         out = jax.vmap(kernel)(q, k, v)
     else:
-        out = jax.vmap(lambda q, k, v, seg: kernel(q, k, v, segment_ids=splash.SegmentIds(seg, seg)))(
-            q, k, v, segment_ids
-        )
+        kv_segment_ids = segment_ids if kv_segment_ids is None else kv_segment_ids
+        out = jax.vmap(
+            lambda q, k, v, seg, kv_seg: kernel(q, k, v, segment_ids=splash.SegmentIds(seg, kv_seg))
+        )(q, k, v, segment_ids, kv_segment_ids)
     return heads_first(out).astype(q.dtype)
