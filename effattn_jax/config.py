@@ -675,7 +675,7 @@ def check_batch_divides(cfg: Config, mesh_sizes: dict[str, int]) -> None:
 def check_context_split(cfg: Config, mesh_sizes: dict[str, int]) -> None:
     """With mesh.context = N > 1 every sequence is cut into 2N equal chunks (the causally
     balanced layout), each a whole number of MoBA blocks where a layer uses the MoBA core; and
-    the cores' paths must run over the axis (not cuDNN, not yet the MoBA Pallas kernels)."""
+    the cores' paths must run over the axis (not cuDNN, not yet the MoBA GPU kernels)."""
     n = mesh_sizes.get("context", 1)
     if n == 1:
         return
@@ -687,10 +687,11 @@ def check_context_split(cfg: Config, mesh_sizes: dict[str, int]) -> None:
         raise ConfigError("data.seq_len", cfg.data.seq_len, f"with mesh.context={n} it {why}")
     if "moba" in cores:
         _check(
-            cfg.moba.impl in ("auto", "xla", "reference"),
+            cfg.moba.impl in ("auto", "xla", "pallas", "pallas_tpu"),
             "moba.impl",
             cfg.moba.impl,
-            f"with mesh.context={n}: auto or xla (the Pallas kernels do not run over a context axis yet)",
+            f"with mesh.context={n}: auto, xla, pallas or pallas_tpu (the GPU kernels do not run "
+            "over a context axis yet)",
         )
     if "dense" in cores:
         impl = cfg.attention.dense_impl

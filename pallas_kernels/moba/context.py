@@ -1,0 +1,183 @@
+"""MoBA's TPU kernels for a context shard's queries (effattn_jax/ops/context_parallel.py): the
+shard holds runs of C queries (C a whole number of blocks) at sequence positions `firsts`,
+and every key of the sequence.
+
+The selected earlier blocks need nothing new: the whole-block kernel gathers its tiles' query
+rows from the shard's queries and reads their blocks from the whole sequence's keys (the
+schedule is built with the keys' length). The own block lies in the run's keys or in the block
+before them (packed documents), so each run goes to the own-block kernel as a window of its own:
+one block of dummy queries (zeros, dO = 0 in the backward: they add nothing) over the c keys
+before the run, then the run; the kernel computes c / C more rows than the run has. The parts
+are merged by log-sum-exp as in attention.py, whose backward this mirrors: the windows' dK/dV
+are added into the whole sequence's, and the selected blocks' kernel adds its own in place.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from pallas_kernels.moba.attention import (
+    _by_positions,
+    _gather_rows,
+    _kernels,
+    _layout,
+    _own_tpu_bwd,
+    _own_tpu_fwd,
+    _slots,
+    _tpu_past_bwd,
+)
+from pallas_kernels.moba.schedule import SCHEDULE_NAME, BlockSizes, past_tiles
+
+
+def moba_pallas_local(q, k, v, own_start, past_start, firsts, block_size, scale, interpret, block_sizes):
+    """q [B, T, Hq, D]: runs of T / len(firsts) positions starting at `firsts` (traced ints,
+    multiples of the block); k, v [B, S, Hkv, D|Dv] the whole sequence; own_start [B, T] and
+    past_start [B, T, Hq, K'] absolute positions (moba_routing with q_index) -> [B, T, Hq, Dv]."""
+    past = None
+    if past_start.shape[-1]:
+        past = past_tiles(
+            past_start, num_kv_heads=k.shape[2], block_size=block_size, q_tile=block_sizes.past_q_tile,
+            key_len=k.shape[1],
+        )  # fmt: skip
+    own_start, past = checkpoint_name((own_start, past), SCHEDULE_NAME)
+    firsts = jnp.stack([jnp.asarray(f, jnp.int32) for f in firsts])
+    return _local(q, k, v, own_start, past, firsts, block_size, scale, interpret, block_sizes)
+
+
+def _window(x, first, size: int, c: int):
+    """Positions [first - c, first - c + size) of x [B, S, ...], zeros before position 0."""
+    padded = jnp.pad(x, ((0, 0), (c, 0)) + ((0, 0),) * (x.ndim - 2))
+    return jax.lax.dynamic_slice_in_dim(padded, first, size, axis=1)
+
+
+def _with_dummies(x, c: int, fill=0):
+    """x [B, C, ...] after c dummy rows of `fill`."""
+    return jnp.pad(x, ((0, 0), (c, 0)) + ((0, 0),) * (x.ndim - 2), constant_values=fill)
+
+
+def _runs(q, own_start, firsts, c):
+    """Per run: (rows of q, first position, the window's own_start: dummies at 0, the run's
+    relative to the window's first key)."""
+    run = q.shape[1] // firsts.shape[0]
+    for j in range(firsts.shape[0]):
+        rows = slice(j * run, (j + 1) * run)
+        own = _with_dummies(own_start[:, rows] - (firsts[j] - c), c)
+        yield rows, firsts[j], own
+
+
+def _own_parts(q, k, v, own_start, firsts, *, c, scale, interpret, block_sizes):
+    """The own block's (o float32 [B, T, Hq, Dv], lse [B, T, Hq]), window by window."""
+    b, _, hq, _ = q.shape
+    outs, lses = [], []
+    for rows, first, own in _runs(q, own_start, firsts, c):
+        size = c + rows.stop - rows.start
+        qw, kw, vw = _with_dummies(q[:, rows], c), _window(k, first, size, c), _window(v, first, size, c)
+        _, lay = _layout(qw, kw, vw, block_sizes, c, "tpu")
+        o, lse = _own_tpu_fwd(qw, lay, own, block_size=c, scale=scale, interpret=interpret)
+        outs.append(lay.back(o, b, size, hq)[:, c:])
+        lses.append(lse[:, c:])
+    return jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=1)
+
+
+def _add_at(acc, g, first):
+    """acc [B, c + S, ...] float32 with g [B, size, ...] added at rows [first, first + size)."""
+    now = jax.lax.dynamic_slice_in_dim(acc, first, g.shape[1], axis=1)
+    return jax.lax.dynamic_update_slice_in_dim(acc, now + g.astype(jnp.float32), first, axis=1)
+
+
+def _keys_layout(k, v, block_sizes, c):
+    """The whole sequence's K/V in the kernels' layout (k stands in for q: only its shape counts)."""
+    return _layout(k, k, v, block_sizes, c, "tpu")[1]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _local(q, k, v, own_start, past, firsts, block_size, scale, interpret, block_sizes):
+    return _fwd(q, k, v, own_start, past, firsts, block_size, scale, interpret, block_sizes)[0]
+
+
+def _fwd(q, k, v, own_start, past, firsts, block_size, scale, interpret, block_sizes: BlockSizes):
+    if not interpret:
+        block_sizes.check_backend("tpu", block_size)
+    b, t, hq, d = q.shape
+    kw = dict(c=block_size, scale=scale, interpret=interpret, block_sizes=block_sizes)
+    o_own, lse_own = _own_parts(q, k, v, own_start, firsts, **kw)
+    if past is None:
+        out, lse = o_own.astype(q.dtype), lse_own
+    else:
+        lay = _keys_layout(k, v, block_sizes, block_size)
+        tiles = past.tiles
+        o_p, lse_p = _kernels("tpu", "_blocks").block_attention_fwd(
+            _gather_rows(q.reshape(-1, d), tiles.rows), lay.k, lay.v, tiles.kv_row, tiles.key_start,
+            past.tile_group, scale=scale, block_size=block_size, block_sizes=block_sizes,
+            num_groups=past.group_tiles.shape[0], interpret=interpret, **lay.kv_heads,
+        )  # fmt: skip
+        o_rows, l_rows = o_p.reshape(-1, o_p.shape[-1]), lse_p.reshape(-1)
+
+        def merge(start, size):
+            l_parts = [jax.lax.dynamic_slice_in_dim(lse_own, start, size, axis=1)]
+            o_parts = [jax.lax.dynamic_slice_in_dim(o_own, start, size, axis=1)]
+            for row, valid in _slots(past, start, size, (b, t, hq)):
+                l_parts.append(jnp.where(valid, l_rows[row], -jnp.inf))
+                o_parts.append(jnp.where(valid[..., None], o_rows[row], 0.0))
+            lse = jax.nn.logsumexp(jnp.stack(l_parts), axis=0)
+            out = sum(jnp.exp(l - lse)[..., None] * o for l, o in zip(l_parts, o_parts, strict=True))
+            return out.astype(q.dtype), lse
+
+        out, lse = _by_positions(merge, t, b * hq)
+    return out, (q, k, v, own_start, past, firsts, out, lse)
+
+
+def _bwd(block_size, scale, interpret, block_sizes, res, d_out):
+    q, k, v, own_start, past, firsts, out, lse = res
+    b, t, hq, d = q.shape
+    s, hkv, c = k.shape[1], k.shape[2], block_size
+    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, T, Hq]
+    dq_parts = []
+    dk = jnp.zeros((b, s + c, hkv, k.shape[3]), jnp.float32)  # c rows before position 0
+    dv = jnp.zeros((b, s + c, hkv, v.shape[3]), jnp.float32)
+    for rows, first, own in _runs(q, own_start, firsts, c):
+        size = c + rows.stop - rows.start
+        qw, kw, vw = _with_dummies(q[:, rows], c), _window(k, first, size, c), _window(v, first, size, c)
+        _, lay = _layout(qw, kw, vw, block_sizes, c, "tpu")
+        dq_w, dk_w, dv_w = _own_tpu_bwd(
+            qw, lay, own, _with_dummies(d_out[:, rows], c), _with_dummies(lse[:, rows], c, jnp.inf),
+            _with_dummies(delta[:, rows], c).reshape(-1), block_size=c, scale=scale, interpret=interpret,
+        )  # fmt: skip
+        dq_parts.append(lay.back(dq_w, b, size, hq)[:, c:])
+        dk, dv = (
+            _add_at(dk, lay.back(dk_w, b, size, hkv), first),
+            _add_at(dv, lay.back(dv_w, b, size, hkv), first),
+        )
+    dq = jnp.concatenate(dq_parts, axis=1)
+    dk, dv = dk[:, c:].astype(k.dtype), dv[:, c:].astype(v.dtype)
+    if past is not None:
+        lay = _keys_layout(k, v, block_sizes, c)
+        flat = (
+            q.reshape(-1, d),
+            d_out.reshape(-1, d_out.shape[-1]).astype(lay.v.dtype),
+            lse.reshape(-1),
+            delta.reshape(-1),
+        )
+        dq_t, dk_l, dv_l = _tpu_past_bwd(
+            _kernels("tpu", "_blocks"), flat, lay, past, lay.to(dk), lay.to(dv), scale=scale,
+            block_size=c, block_sizes=block_sizes, num_groups=past.group_tiles.shape[0],
+            interpret=interpret, **lay.kv_heads,
+        )  # fmt: skip
+        dk, dv = lay.back(dk_l, b, s, hkv), lay.back(dv_l, b, s, hkv)
+        dq_rows, dq_own = dq_t.reshape(-1, d), dq
+
+        def combine(start, size):
+            dq = jax.lax.dynamic_slice_in_dim(dq_own, start, size, axis=1).astype(jnp.float32)
+            for row, valid in _slots(past, start, size, (b, t, hq)):
+                dq = dq + jnp.where(valid[..., None], dq_rows[row], 0.0)
+            return (dq.astype(q.dtype),)
+
+        (dq,) = _by_positions(combine, t, b * hq)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
+
+
+_local.defvjp(_fwd, _bwd)
