@@ -672,6 +672,26 @@ def check_batch_divides(cfg: Config, mesh_sizes: dict[str, int]) -> None:
     )
 
 
+def context_split_error(seq_len: int, shards: int, block_size: int | None = None) -> str | None:
+    """Why `seq_len` cannot be laid out over `shards` context shards (2N equal chunks, each a
+    whole number of MoBA blocks when `block_size` is given); None when it can."""
+    if seq_len % (2 * shards):
+        return f"must split into 2 x {shards} equal chunks (a multiple of {2 * shards})"
+    chunk = seq_len // (2 * shards)
+    if block_size and chunk % block_size:
+        return (
+            f"its {2 * shards} chunks of {chunk} tokens "
+            f"must each be a multiple of moba.block_size={block_size}"
+        )
+    return None
+
+
+def moba_block_size(cfg: Config) -> int | None:
+    """moba.block_size where a layer uses the MoBA core, else None."""
+    uses = any(cfg.layer_spec(i)[1] == "moba" for i in range(cfg.model.num_layers))
+    return cfg.moba.block_size if uses else None
+
+
 def check_context_split(cfg: Config, mesh_sizes: dict[str, int]) -> None:
     """With mesh.context = N > 1 every sequence is cut into 2N equal chunks (the causally
     balanced layout), each a whole number of MoBA blocks where a layer uses the MoBA core; and
@@ -679,11 +699,8 @@ def check_context_split(cfg: Config, mesh_sizes: dict[str, int]) -> None:
     n = mesh_sizes.get("context", 1)
     if n == 1:
         return
-    from effattn_jax.ops.context_parallel import context_split_error
-
     cores = {cfg.layer_spec(i)[1] for i in range(cfg.model.num_layers)}
-    block = cfg.moba.block_size if "moba" in cores else None
-    if why := context_split_error(cfg.data.seq_len, n, block):
+    if why := context_split_error(cfg.data.seq_len, n, moba_block_size(cfg)):
         raise ConfigError("data.seq_len", cfg.data.seq_len, f"with mesh.context={n} it {why}")
     if "moba" in cores:
         _check(

@@ -18,9 +18,10 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
+from effattn_jax.config import context_split_error, moba_block_size
 from effattn_jax.data.pipeline import corpus_manifest
 from effattn_jax.memory import fit_checked
-from effattn_jax.ops.context_parallel import balanced_batch, context_split_error, sequence_order
+from effattn_jax.ops.context_parallel import balanced_batch, sequence_order
 from effattn_jax.sharding import logical_to_spec, sharding_rules
 from eval.processes import share, total, writes
 
@@ -123,7 +124,7 @@ def lm_loss(cfg, graphdef, params, mesh, *, seq_len: int, bucket: int, progress:
     docs = validation_documents(cfg)
     tokens, counts = document_rows(docs, seq_len)
     context = dict(mesh.shape).get("context", 1)
-    if why := context_split_error(seq_len, context, _moba_block(cfg)):
+    if why := context_split_error(seq_len, context, moba_block_size(cfg)):
         raise ValueError(f"--seq-len={seq_len} over {context} context shards: {why}")
     rows = mesh.devices.size // context  # a batch row is split over the context axis
     batch = max(1, LOGITS_BUDGET * context // (seq_len * cfg.model.vocab_size))
@@ -131,12 +132,6 @@ def lm_loss(cfg, graphdef, params, mesh, *, seq_len: int, bucket: int, progress:
     nll_fn = make_nll_fn(cfg, graphdef, params, mesh, batch, seq_len)
     nll, mask = token_nll(nll_fn, tokens, counts, batch, progress)
     return position_report(nll, mask, bucket)
-
-
-def _moba_block(cfg) -> int | None:
-    """MoBA's block size where a layer uses the MoBA core (a context chunk must hold whole blocks)."""
-    cores = {cfg.layer_spec(i)[1] for i in range(cfg.model.num_layers)}
-    return cfg.moba.block_size if "moba" in cores else None
 
 
 def add_arguments(p) -> None:

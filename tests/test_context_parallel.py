@@ -8,8 +8,8 @@ import pytest
 from conftest import TINY_MLA, tiny_overrides
 from jax.sharding import NamedSharding, PartitionSpec
 
-from effattn_jax.config import ConfigError, check_context_split, load_config
-from effattn_jax.ops.context_parallel import balanced_order, context_split_error
+from effattn_jax.config import ConfigError, check_context_split, context_split_error, load_config
+from effattn_jax.ops.context_parallel import balanced_order
 from effattn_jax.ops.dense import dense_attention
 from effattn_jax.ops.moba import moba_attention
 from effattn_jax.sharding import make_mesh
@@ -90,8 +90,9 @@ def test_splash_over_context_shards_matches_one_device():
 def test_moba_kernels_over_context_shards_match_one_device():
     """MoBA through the TPU kernels (interpreted) over mesh (data=2, context=4): each run's own
     block in a window of its own, the selected blocks from the gathered keys. Output and dq, dk,
-    dv equal the XLA path on one device, GQA (2 query heads on 1 KV head), packed documents. Catches: a window off by a
-    block, a dummy query's gradient leaking into dK/dV, a run's dK/dV added at the wrong place."""
+    dv equal the XLA path on one device, GQA (2 query heads on 1 KV head), packed documents.
+    Catches: a window off by a block, a dummy query's gradient leaking into dK/dV, a run's dK/dV
+    added at the wrong place."""
     b, s, hq, hkv, d = 2, 64, 2, 1, 8
     rng = np.random.default_rng(2)
     q, k, v, w = (jnp.asarray(rng.standard_normal((b, s, h, d)), jnp.float32) for h in (hq, hkv, hkv, hq))

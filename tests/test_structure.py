@@ -117,10 +117,12 @@ ALLOWED = {
     "model": BELOW_MODEL,
     "flops": {"config"},
     "memory": set(),
+    "collectives": set(),
     "data": {"config"},
     "checkpoint": {"config", "sharding", "checksums", "model"},
     "launch": {"config", "cli"},
-    "train": BELOW_MODEL | {"model", "flops", "memory", "data", "checkpoint", "checksums", "launch", "cli"},
+    "train": BELOW_MODEL
+    | {"model", "flops", "memory", "collectives", "data", "checkpoint", "checksums", "launch", "cli"},
     "generate": BELOW_MODEL | {"model", "memory", "data", "checkpoint", "launch", "cli"},
     "eval": BELOW_MODEL
     | {"model", "flops", "memory", "data", "checkpoint", "launch", "cli", "generate", "train"},

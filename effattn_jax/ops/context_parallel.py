@@ -19,24 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from effattn_jax.config import context_split_error
 from effattn_jax.ops.segments import segment_positions
 from effattn_jax.sharding import Rules, batch_head_specs, context_mesh
 
 AXIS = "context"
-
-
-def context_split_error(seq_len: int, shards: int, block_size: int | None = None) -> str | None:
-    """Why `seq_len` cannot be laid out over `shards` context shards (2N equal chunks, each a
-    whole number of MoBA blocks when `block_size` is given); None when it can."""
-    if seq_len % (2 * shards):
-        return f"must split into 2 x {shards} equal chunks (a multiple of {2 * shards})"
-    chunk = seq_len // (2 * shards)
-    if block_size and chunk % block_size:
-        return (
-            f"its {2 * shards} chunks of {chunk} tokens "
-            f"must each be a multiple of moba.block_size={block_size}"
-        )
-    return None
 
 
 def balanced_order(seq_len: int, shards: int) -> np.ndarray:
