@@ -3,8 +3,9 @@
 A compiled SPMD module is one device's program, so each collective's result shape is what that
 device receives (all-gather), keeps (reduce-scatter) or holds reduced (all-reduce). A collective
 inside a loop counts once per iteration: a `while` multiplies its body by the trip count XLA
-proved (`known_trip_count`); any other called computation (fusions, calls, branches) counts
-once. Collectives over groups of one device move nothing and are left out.
+proved (`known_trip_count`), or else by the bound its condition compares the counter against
+(`counter < N`, libtpu's programs); any other called computation (fusions, calls, async
+collectives, branches) counts once. Collectives over groups of one device move nothing and are left out.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ _CALLS = re.compile(
     r"\b(?:calls|to_apply|body|branch_computations|true_computation|false_computation)=(\{[^}]*\}|%[\w.\-]+)"
 )
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_CONDITION = re.compile(r"\bcondition=%([\w.\-]+)")
+_BOUND = re.compile(r"s32\[\]\S* constant\((\d+)\)")
 _GROUPS = re.compile(
     r"replica_groups=(\{\{[\d,{} ]*\}\}|\[[\d,]+\]<=\[[\d,]+\][^,]*|mesh\[[^\]]*\] \{[^}]*\})"
 )
@@ -53,7 +56,8 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
     """{collective kind: bytes per run of the program} for the kinds in KINDS that occur (the
     async start/done pairs of an accelerator's program count once, at the start)."""
     own: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-    calls: dict[str, list[tuple[str, int]]] = defaultdict(list)
+    calls: dict[str, list[tuple[str, int | str]]] = defaultdict(list)  # trips, or the condition's name
+    bounds: dict[str, int] = {}  # a loop condition's `counter < N`
     entry, current = None, None
     for line in hlo_text.splitlines():
         if m := _COMPUTATION.match(line):
@@ -61,6 +65,8 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
             if line.startswith("ENTRY"):
                 entry = current
             continue
+        if current is not None and (b := _BOUND.search(line)):
+            bounds[current] = max(bounds.get(current, 0), int(b.group(1)))
         m = _INSTRUCTION.match(line)
         if not m or current is None:
             continue
@@ -71,7 +77,10 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
                 shape = _SHAPE.findall(shape)[-1:]
                 shape = " ".join(f"{t}[{d}]" for t, d in shape)
             own[current][kind] += _shape_bytes(shape)
-        trips = int(t.group(1)) if op == "while" and (t := _TRIPS.search(rest)) else 1
+        trips: int | str = 1
+        if op == "while":
+            t, cond = _TRIPS.search(rest), _CONDITION.search(rest)
+            trips = int(t.group(1)) if t else (cond.group(1) if cond else 1)
         for called in _CALLS.findall(rest):
             for name in re.findall(r"%?([\w.\-]+)", called):
                 calls[current].append((name, trips))
@@ -82,6 +91,7 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
         if name not in done:
             out = defaultdict(int, own.get(name, {}))
             for child, times in calls.get(name, []):
+                times = bounds.get(times, 1) if isinstance(times, str) else times
                 for kind, n in total(child).items():
                     out[kind] += n * times
             done[name] = dict(out)
