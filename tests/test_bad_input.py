@@ -42,6 +42,11 @@ TRAIN_CASES = [
     ("base: loop", ["--config", "{tmp}/a.yaml"], "inheritance cycle"),
     ("more devices than exist", ["mesh.data=16"], "only 8 devices are available"),  # not the batch of 4
     ("batch that does not split over the mesh", ["mesh.data=3"], "multiple of the batch's mesh shards"),
+    (
+        "sequence that does not split over the context axis",
+        ["mesh.data=1", "mesh.context=4", "data.seq_len=36"],
+        "data.seq_len=36: with mesh.context=4 it must split into 2 x 4 equal chunks",
+    ),
     ("config path a directory", ["--config", "{tmp}"], "is a directory, not a YAML file"),
     ("base: a directory", ["--config", "{tmp}/base_dir.yaml"], "config error: base="),
     ("Latin-1 config", ["--config", "{tmp}/latin1.yaml"], "not UTF-8 text (byte 0xe9"),
