@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec
 
 from effattn_jax.config import context_split_error
 from effattn_jax.ops.segments import segment_positions
-from effattn_jax.sharding import Rules, batch_head_specs, context_mesh
+from effattn_jax.sharding import Rules, batch_head_specs, context_mesh, logical_to_spec
 
 AXIS = "context"
 
@@ -65,6 +65,20 @@ def _to_sequence_order(x, n: int):
     b, s = x.shape[:2]
     x = x.reshape(b, n, 2, s // (2 * n), *x.shape[2:])
     return jnp.concatenate([x[:, :, 0], x[:, ::-1, 1]], axis=1).reshape(b, s, *x.shape[4:])
+
+
+def shard_rows(a: jax.Array, rules: Rules | None) -> tuple[jax.Array, tuple[str, ...] | None]:
+    """([B·N, S/N, ...], the rows' mesh axes) of [B, S, ...] split over a context axis of N
+    shards: each shard's tokens a row of their own (a local reshape). A loop over sequence
+    chunks of the result, pinned to those axes, reads only local tokens; over the unfolded array
+    each chunk would be gathered from every shard. (a, None) with one shard or no mesh."""
+    n = context_shards()
+    if n == 1 or rules is None:
+        return a, None
+    batch = logical_to_spec(("batch",), a.shape[:1], context_mesh().shape, rules)[0]
+    rows = (*(() if batch is None else (batch if isinstance(batch, tuple) else (batch,))), AXIS)
+    out = a.reshape(a.shape[0] * n, a.shape[1] // n, *a.shape[2:])
+    return jax.lax.with_sharding_constraint(out, PartitionSpec(rows, *[None] * (out.ndim - 1))), rows
 
 
 LocalAttention = Callable  # (q, k, v, q_segments, k_segments, firsts) -> out

@@ -14,6 +14,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 
 def chunk_len(seq: int, tokens: int, batch: int) -> int:
@@ -22,11 +23,15 @@ def chunk_len(seq: int, tokens: int, batch: int) -> int:
     return max(c for c in range(1, min(seq, want) + 1) if seq % c == 0)
 
 
-def _chunks(a: jax.Array, c: int) -> jax.Array:
+def _chunks(a: jax.Array, c: int, rows=None) -> jax.Array:
     """[B, S, ...] -> [S / c, B, c, ...]: the scan runs over sequence chunks, the batch (and
-    its sharding) stays whole."""
+    its sharding) stays whole. `rows`: the batch's mesh axes, pinned on the chunks (else XLA
+    may split the chunk axis instead, and gather it in every step of the scan)."""
     b, s = a.shape[:2]
-    return jnp.moveaxis(a.reshape(b, s // c, c, *a.shape[2:]), 1, 0)
+    out = jnp.moveaxis(a.reshape(b, s // c, c, *a.shape[2:]), 1, 0)
+    if rows is not None:
+        out = jax.lax.with_sharding_constraint(out, PartitionSpec(None, rows, *[None] * (out.ndim - 2)))
+    return out
 
 
 def _unchunk(a: jax.Array) -> jax.Array:
@@ -46,22 +51,22 @@ def _nll(logits, targets):
     return (top + jnp.log(total) - target)[..., 0], top, total
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _loss(x, w, targets, weights, c: int):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _loss(x, w, targets, weights, c: int, rows):
     def body(total, args):
         xc, tc, wc = args
         nll, _, _ = _nll(_logits(xc, w), tc)
         return total + jnp.sum(nll * wc), None
 
-    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), _scan_args(x, targets, weights, c))
+    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), _scan_args(x, targets, weights, c, rows))
     return total
 
 
-def _scan_args(x, targets, weights, c):
-    return _chunks(x, c), _chunks(targets, c), _chunks(weights.astype(jnp.float32), c)
+def _scan_args(x, targets, weights, c, rows):
+    return _chunks(x, c, rows), _chunks(targets, c, rows), _chunks(weights.astype(jnp.float32), c, rows)
 
 
-def _loss_fwd(x, w, targets, weights, c: int):
+def _loss_fwd(x, w, targets, weights, c: int, rows):
     def body(carry, args):
         total, dw = carry
         xc, tc, wc = args
@@ -75,11 +80,11 @@ def _loss_fwd(x, w, targets, weights, c: int):
         return (total + jnp.sum(nll * wc), dw), dx.astype(x.dtype)
 
     start = (jnp.zeros((), jnp.float32), jnp.zeros(w.shape, jnp.float32))
-    (total, dw), dx = jax.lax.scan(body, start, _scan_args(x, targets, weights, c))
+    (total, dw), dx = jax.lax.scan(body, start, _scan_args(x, targets, weights, c, rows))
     return total, (_unchunk(dx), dw.astype(w.dtype))
 
 
-def _loss_bwd(c, res, g):
+def _loss_bwd(c, rows, res, g):
     dx, dw = res
     return (dx * g).astype(dx.dtype), (dw * g).astype(dw.dtype), None, None
 
@@ -87,12 +92,13 @@ def _loss_bwd(c, res, g):
 _loss.defvjp(_loss_fwd, _loss_bwd)
 
 
-def chunked_cross_entropy(x, w, targets, weights, *, chunk_tokens: int) -> jax.Array:
+def chunked_cross_entropy(x, w, targets, weights, *, chunk_tokens: int, rows=None) -> jax.Array:
     """Σ weights · (−log softmax(x @ w)[target]) as a float32 scalar, without the full logits.
 
     x [B, S, d] (the final-normed hidden states, compute dtype), w [d, V] (the output
     projection), targets [B, S] int, weights [B, S] (the loss mask). Holds at most
     `chunk_tokens` rows of logits ([B, c, V], c the largest divisor of S with B·c <=
-    chunk_tokens). Gradients flow to x and w."""
+    chunk_tokens). Gradients flow to x and w. `rows`: the mesh axes the batch is split over
+    (under a mesh), kept on every chunk."""
     c = chunk_len(x.shape[1], chunk_tokens, x.shape[0])
-    return _loss(x, w, targets, weights, c)
+    return _loss(x, w, targets, weights, c, rows)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from effattn_jax.ops.context_parallel import balanced_batch
+from effattn_jax.ops.context_parallel import balanced_batch, shard_rows
 from effattn_jax.ops.cross_entropy import chunked_cross_entropy
 from effattn_jax.sharding import constrain, sharding_rules
 from effattn_jax.train.state import TrainSetup
@@ -21,7 +21,7 @@ def loss_sums(model, batch) -> tuple[jax.Array, jax.Array]:
     """(sum of masked token NLL, number of masked tokens) for one batch, float32. The output
     head runs chunked (`model.loss_chunk_tokens`): the [B, S, vocab] logits are never held.
     Over a `context` mesh axis the batch is first laid out in the balanced order (a sum over
-    tokens does not mind their order)."""
+    tokens does not mind their order), and the loss runs over each shard's tokens as rows."""
     batch = balanced_batch(batch)
     mask, inputs = batch["loss_mask"], (batch["inputs"], batch["segment_ids"], batch["positions"])
     if not model.loss_chunk_tokens:
@@ -29,8 +29,9 @@ def loss_sums(model, batch) -> tuple[jax.Array, jax.Array]:
         nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
         return jnp.sum(nll * mask), jnp.sum(mask)
     x = model.final_norm(model.features(*inputs))
+    (x, rows), (targets, _), (weights, _) = (shard_rows(a, model.rules) for a in (x, batch["targets"], mask))
     total = chunked_cross_entropy(
-        x, model.output_projection(), batch["targets"], mask, chunk_tokens=model.loss_chunk_tokens
+        x, model.output_projection(), targets, weights, chunk_tokens=model.loss_chunk_tokens, rows=rows
     )
     return total, jnp.sum(mask)
 
