@@ -22,7 +22,8 @@ HloModule step
 
 ENTRY %main (a: f32[4,8]) -> f32[4,8] {
   %w = (s32[], f32[4,8]) while(%t), condition=%cond, body=%body
-  %w2 = (s32[], f32[4,8]) while(%t), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %w2 = (s32[], f32[4,8]) while(%t), condition=%cond, body=%body,\
+    backend_config={"known_trip_count":{"n":"3"}}
   %start = (f32[2,8], f32[4,8]) async-collective-start(%a), kind=kCustom, calls=%gather_fusion
   %ar = (f32[16]{0}, f32[8]{0}) all-reduce(%b, %c), channel_id=5, replica_groups={{0,1}}, to_apply=%add
 }

@@ -56,66 +56,57 @@ def test_start_up_check_rejects_chunks_that_split_a_block():
     check_context_split(cfg, {"context": 1})  # one shard: anything goes
 
 
-def test_splash_over_context_shards_matches_one_device():
-    """The dense core through splash (interpreted) over mesh (data=2, context=4): each shard's two
-    runs of queries against windows of the gathered keys. Output and dq, dk, dv equal plain
-    attention on one device, packed documents too. Catches: a window off by a chunk, a padded
-    key (before position 0) that a query can see."""
-    b, s, hq, hkv, d = 2, 1024, 2, 1, 8  # splash's blocks are 128 keys: chunks of 128
-    rng = np.random.default_rng(0)
+def assert_matches_one_device(op, reference, s: int, seg_of, seed: int):
+    """op(q, k, v, seg, rules) over mesh (data=2, context=4), its inputs in the balanced layout,
+    against reference(q, k, v, seg) on one device: the output and dq, dk, dv (batch 2, GQA: 2
+    query heads on 1 KV head, head dim 8)."""
+    b, hq, hkv, d = 2, 2, 1, 8
+    rng = np.random.default_rng(seed)
     q, k, v, w = (jnp.asarray(rng.standard_normal((b, s, h, d)), jnp.float32) for h in (hq, hkv, hkv, hq))
-    seg = jnp.asarray(np.repeat(packed_segments(b, 64), 16, axis=1))
+    seg = jnp.asarray(seg_of(b))
     mesh = make_mesh(2, 1, 1, context=4)
     order = balanced_order(s, 4)
     rules = (("batch", ("data",)), ("length", ("context",)))
 
     def parallel(q, k, v):
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-            args = (q[:, order], k[:, order], v[:, order])
-            out = dense_attention(
-                *args, segment_ids=None if seg is None else seg[:, order], impl="splash", rules=rules
-            )
+            out = op(q[:, order], k[:, order], v[:, order], seg[:, order], rules)
         return jnp.sum(out * w[:, order])
 
-    reference = lambda q, k, v: jnp.sum(dense_attention(q, k, v, segment_ids=seg) * w)
-    want, want_grads = jax.value_and_grad(reference, argnums=(0, 1, 2))(q, k, v)
+    plain = lambda q, k, v: jnp.sum(reference(q, k, v, seg) * w)
+    want, want_grads = jax.value_and_grad(plain, argnums=(0, 1, 2))(q, k, v)
     put = lambda x: jax.device_put(x, NamedSharding(mesh, PartitionSpec("data", "context")))
     got, got_grads = jax.jit(jax.value_and_grad(parallel, argnums=(0, 1, 2)))(put(q), put(k), put(v))
     np.testing.assert_allclose(got, want, rtol=1e-5)
     for g, ref in zip(got_grads, want_grads, strict=True):
         np.testing.assert_allclose(g, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_splash_over_context_shards_matches_one_device():
+    """The dense core through splash (interpreted): each shard's two runs of queries against
+    windows of the gathered keys equal plain attention on one device, packed documents.
+    Catches: a window off by a chunk, a padded key (before position 0) that a query can see."""
+    assert_matches_one_device(  # splash's blocks are 128 keys: chunks of 128
+        lambda q, k, v, seg, rules: dense_attention(q, k, v, segment_ids=seg, impl="splash", rules=rules),
+        lambda q, k, v, seg: dense_attention(q, k, v, segment_ids=seg),
+        1024,
+        lambda b: np.repeat(packed_segments(b, 64), 16, axis=1),
+        seed=0,
+    )
 
 
 @pytest.mark.slow  # interpreted kernels
 def test_moba_kernels_over_context_shards_match_one_device():
-    """MoBA through the TPU kernels (interpreted) over mesh (data=2, context=4): each run's own
-    block in a window of its own, the selected blocks from the gathered keys. Output and dq, dk,
-    dv equal the XLA path on one device, GQA (2 query heads on 1 KV head), packed documents.
-    Catches: a window off by a block, a dummy query's gradient leaking into dK/dV, a run's dK/dV
-    added at the wrong place."""
-    b, s, hq, hkv, d = 2, 64, 2, 1, 8
-    rng = np.random.default_rng(2)
-    q, k, v, w = (jnp.asarray(rng.standard_normal((b, s, h, d)), jnp.float32) for h in (hq, hkv, hkv, hq))
-    seg = jnp.asarray(packed_segments(b, s))
-    mesh = make_mesh(2, 1, 1, context=4)
-    order = balanced_order(s, 4)
-    rules = (("batch", ("data",)), ("length", ("context",)))
+    """MoBA through the TPU kernels (interpreted): each run's own block in a window of its own,
+    the selected blocks from the gathered keys, equal to the XLA path on one device, packed
+    documents. Catches: a window off by a block, a dummy query's gradient leaking into dK/dV, a
+    run's dK/dV added at the wrong place."""
     moba = lambda q, k, v, seg, impl, rules=None: moba_attention(
         q, k, v, block_size=4, top_k=3, segment_ids=seg, impl=impl, rules=rules
     )
-
-    def parallel(q, k, v):
-        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-            out = moba(q[:, order], k[:, order], v[:, order], seg[:, order], "pallas", rules)
-        return jnp.sum(out * w[:, order])
-
-    reference = lambda q, k, v: jnp.sum(moba(q, k, v, seg, "xla") * w)
-    want, want_grads = jax.value_and_grad(reference, argnums=(0, 1, 2))(q, k, v)
-    put = lambda x: jax.device_put(x, NamedSharding(mesh, PartitionSpec("data", "context")))
-    got, got_grads = jax.jit(jax.value_and_grad(parallel, argnums=(0, 1, 2)))(put(q), put(k), put(v))
-    np.testing.assert_allclose(got, want, rtol=1e-5)
-    for g, ref in zip(got_grads, want_grads, strict=True):
-        np.testing.assert_allclose(g, ref, rtol=1e-4, atol=1e-5)
+    pallas = lambda q, k, v, seg, rules: moba(q, k, v, seg, "pallas", rules)
+    xla = lambda q, k, v, seg: moba(q, k, v, seg, "xla")
+    assert_matches_one_device(pallas, xla, 64, lambda b: packed_segments(b, 64), seed=2)
 
 
 @pytest.mark.slow

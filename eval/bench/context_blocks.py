@@ -45,9 +45,10 @@ MODEL = [
 
 def packed_rows(docs: list[np.ndarray], seq_len: int, rows: int) -> dict[str, np.ndarray]:
     """The validation documents end to end, cut into `rows` rows as training packs them."""
-    ids = np.concatenate(docs)[: rows * seq_len + 1]
+    ids = np.concatenate(docs)
     starts = np.zeros(len(ids), bool)
     starts[np.cumsum([0] + [len(d) for d in docs])[:-1]] = True
+    ids, starts = ids[: rows * seq_len + 1], starts[: rows * seq_len + 1]
     cut = lambda x, i: x[i * seq_len : (i + 1) * seq_len + 1]
     out = [
         row_to_example(cut(ids, i), np.cumsum(cut(starts, i)) + 1) for i in range((len(ids) - 1) // seq_len)
