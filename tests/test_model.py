@@ -129,9 +129,9 @@ def counted_attention_flops(cfg, seq_len):
     seen = []  # (q shape, v width, MoBA?) per layer
 
     def recording(core, is_moba):
-        def attend(q, k, v, *, segment_ids, scale=None):
+        def attend(q, k, v, *, segment_ids, scale=None, kv_whole=False):
             seen.append((q.shape, v.shape[-1], is_moba))
-            return core.attend(q, k, v, segment_ids=segment_ids, scale=scale)
+            return core.attend(q, k, v, segment_ids=segment_ids, scale=scale, kv_whole=kv_whole)
 
         return dataclasses.replace(core, attend=attend)
 
