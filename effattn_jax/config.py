@@ -118,6 +118,7 @@ class MobaConfig:
     q_tile: int = 128  # query rows per tile of the GPU own-block kernel
     kv_block: int = 128  # GPU kernels: keys per step
     past_q_tile: int = 256  # query rows per step on a selected earlier block (whole-block kernels, XLA path)
+    key_tile: int = 512  # TPU kernels: the most keys (and own-block rows) of one inner step
     routing_chunk: int = 512  # gate scores are computed this many queries at a time (bounds memory)
     # Schedule hybrid: MoBA layers switch to dense attention from this step on
     # (0 = never); or from the step at which this many tokens have been seen.
@@ -573,7 +574,7 @@ def _validate_attention(cfg: Config) -> None:
     _check(moba.impl in MOBA_IMPLS, "moba.impl", moba.impl, f"allowed: {', '.join(MOBA_IMPLS)}")
     impl = cfg.attention.dense_impl
     _check(impl in DENSE_IMPLS, "attention.dense_impl", impl, f"allowed: {', '.join(DENSE_IMPLS)}")
-    _positive(moba, "moba", ["q_tile", "past_q_tile"])  # each kernel backend's own needs: check_backend
+    _positive(moba, "moba", ["q_tile", "past_q_tile", "key_tile"])  # each backend's own needs: check_backend
     _check(
         moba.kv_block > 0 and moba.kv_block % 8 == 0,
         "moba.kv_block",

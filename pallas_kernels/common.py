@@ -18,6 +18,13 @@ def sublane_tile(dtype) -> int:
     return 32 // jnp.dtype(dtype).itemsize
 
 
+def tpu_vmem_limit(blocks: int, scratch: int, temporaries: int) -> int:
+    """`vmem_limit_bytes` for a TPU kernel step: its blocks double-buffered, its scratch and its
+    float32 temporaries (estimated by the kernel), never below Mosaic's default scoped limit of
+    16 MiB. A MoBA block of 4,096 needs 20-40 MiB, under the 64 MiB of a v5p core."""
+    return max(2 * blocks + scratch + temporaries, 16 << 20)
+
+
 def tpu_interpret(interpret):
     """pallas_call's `interpret` for the TPU kernels: "tpu" runs the TPU interpreter
     (`pltpu.InterpretParams()`: DMAs, semaphores, TPU memory on CPU), an InterpretParams is

@@ -24,6 +24,7 @@ from pallas_kernels.common import ALIGN
 from pallas_kernels.moba import attention as moba_attention_module
 from pallas_kernels.moba.attention import _forward, _layout, _past_schedule, moba_pallas, padded_length
 from pallas_kernels.moba.schedule import BlockSizes, past_tiles, prefix_scan
+from pallas_kernels.moba.tpu_own import own_tile
 
 SMALL = BlockSizes(q_tile=8, kv_block=8, past_q_tile=8)  # groups of several tiles: dK/dV accumulate
 CASES = {
@@ -239,10 +240,10 @@ def test_block_sizes_are_checked_and_impls_resolve():
     assert resolve_impl("pallas_gpu", "cpu") == ("pallas", "gpu", True)
 
 
-def _moba_grad_fn(kernel, block_sizes, s, d, wrap=lambda loss: loss):
+def _moba_grad_fn(kernel, block_sizes, s, d, wrap=lambda loss: loss, block_size=512, top_k=3):
     def loss(q, k, v):
-        r = moba_routing(q, k, block_size=512, top_k=3)
-        out = moba_pallas(q, k, v, r.own_start, r.past_start, 512, d**-0.5, kernel, False, block_sizes)
+        r = moba_routing(q, k, block_size=block_size, top_k=top_k)
+        out = moba_pallas(q, k, v, r.own_start, r.past_start, block_size, d**-0.5, kernel, False, block_sizes)
         return out.astype(jnp.float32).sum()
 
     return jax.jit(jax.grad(wrap(loss), argnums=(0, 1, 2)))
@@ -271,6 +272,34 @@ def test_tpu_kernels_compile_for_a_real_tpu(seq):
     # the kernels' CostEstimates reach XLA: at least a causal forward's matmuls (every query sees
     # its whole past at S = 2 blocks); without them XLA counts ~12 MFLOP here
     assert cost["flops"] >= 2 * 2 * seq * seq / 2 * 128 * 2
+
+
+@pytest.mark.slow
+def test_tpu_kernels_compile_at_the_1m_block():
+    """The paper's 1M setting, block 4,096: libtpu compiles forward + backward within each kernel's
+    scoped VMEM. Catches: a kernel holding a whole block's [keys, rows] scores in one step (83 MiB of
+    VMEM for the own block), a scoped limit left at Mosaic's 16 MiB default (the own block needs ~26
+    MiB forward, the selected blocks' backward ~20 MiB)."""
+    x = v5e_arg()((1, 8192, 1, 128))
+    _moba_grad_fn("tpu", BlockSizes(), 8192, 128, block_size=4096, top_k=2).lower(x, x, x).compile()
+
+
+def test_own_block_tiles():
+    """The TPU own-block kernel's square tiles: half the chunk up to key_tile, then the largest divisor
+    of the chunk that is a multiple of 128 (Mosaic's lanes), any divisor in interpreted test sizes."""
+    assert [own_tile(c, 512) for c in (512, 1024, 4096, 1152, 9, 8)] == [256, 512, 512, 384, 9, 4]
+    assert own_tile(32, 8) == 8 and own_tile(36, 8) == 6
+
+
+@pytest.mark.slow
+def test_tpu_own_block_in_tiles():
+    """The own-block kernel walking a block of 32 in 4 x 4 tiles of 8 (as a block of 4,096 goes in
+    tiles of 512), interpreted against the reference with packed documents whose own blocks start in
+    the previous chunk. Catches: a row tile reading key tiles past its diagonal or short of it, the
+    online softmax of a row that has seen no key yet (NaN), a key tile's dK/dV added at the wrong
+    rows."""
+    sizes = BlockSizes(q_tile=8, kv_block=8, past_q_tile=8, key_tile=8)
+    check_against_reference("tpu", True, 1, 100, 2, 2, 32, 3, [45, 55], block_sizes=sizes)
 
 
 def test_remat_keeps_the_schedule():

@@ -74,7 +74,7 @@ def _moba_core(cfg) -> Core:
         block_size=c,
         top_k=top_k,
         impl=cfg.moba.impl,
-        block_sizes=BlockSizes(cfg.moba.q_tile, cfg.moba.kv_block, cfg.moba.past_q_tile),
+        block_sizes=BlockSizes(cfg.moba.q_tile, cfg.moba.kv_block, cfg.moba.past_q_tile, cfg.moba.key_tile),
         routing_chunk=cfg.moba.routing_chunk,
         rules=sharding_rules(cfg),
     )

@@ -73,7 +73,10 @@ def own_counts(
     steps = b * hq * n
     q = jax.ShapeDtypeStruct((b * hq, n * c, d), jnp.bfloat16 if item == 2 else jnp.float32)
     k, v = jax.ShapeDtypeStruct((b * hkv, 1, d), q.dtype), jax.ShapeDtypeStruct((1, 1, dv), q.dtype)
-    flops = {p: tpu_own.cost_estimate(q, k, v, c, n, float(needs.mean()), p).flops for p in ("fwd", "bwd")}
+    tile = tpu_own.own_tile(c, BlockSizes().key_tile)
+    flops = {
+        p: tpu_own.cost_estimate(q, k, v, c, n, float(needs.mean()), p, tile).flops for p in ("fwd", "bwd")
+    }
     # K/V copies: the current chunk once per (row, chunk) (the group's heads share it); the
     # previous chunk whenever its index moves (grid order: row, chunk)
     prev_index = np.repeat(np.arange(b * hkv), n) * n + np.tile(prev.reshape(b, n), (1, hkv)).reshape(-1)

@@ -133,7 +133,7 @@ def _gather_rows(x_flat, rows):
     return x_flat[jnp.maximum(rows, 0)]
 
 
-def _own_tpu_fwd(q, lay: _Layout, own_start, *, block_size, scale, interpret):
+def _own_tpu_fwd(q, lay: _Layout, own_start, *, block_size, scale, interpret, block_sizes):
     """The own part by the chunk-diagonal TPU kernel (tpu_own.py): (o float32 in the kernels'
     layout, lse [B, S, Hq])."""
     b, s, _, _ = q.shape
@@ -146,6 +146,7 @@ def _own_tpu_fwd(q, lay: _Layout, own_start, *, block_size, scale, interpret):
         *tables,
         scale=scale,
         block_size=block_size,
+        key_tile=block_sizes.key_tile,
         heads=lay.heads,
         interpret=interpret,
     )
@@ -177,20 +178,10 @@ def _forward(q, k, v, own_start, past, *, block_size, scale, backend, interpret,
     """past: the selected blocks' schedule (schedule.PastTiles), None when top_k = 1."""
     b, s, hq, _ = q.shape
     qf, lay = _layout(q, k, v, block_sizes, block_size, backend)
-    if backend == "tpu":
-        o_own, lse_own = _own_tpu_fwd(
-            q, lay, own_start, block_size=block_size, scale=scale, interpret=interpret
-        )
-    else:
-        o_own, lse_own = _own_gpu_fwd(
-            q,
-            lay,
-            own_start,
-            block_size=block_size,
-            scale=scale,
-            interpret=interpret,
-            block_sizes=block_sizes,
-        )
+    own_fwd = _own_tpu_fwd if backend == "tpu" else _own_gpu_fwd
+    o_own, lse_own = own_fwd(
+        q, lay, own_start, block_size=block_size, scale=scale, interpret=interpret, block_sizes=block_sizes
+    )
     if past is None:
         return lay.back(o_own, b, s, hq), lse_own
     t = past.tiles
@@ -262,7 +253,7 @@ def _fwd(q, k, v, own_start, past, block_size, scale, backend, interpret, block_
     return out, (q, k, v, own_start, past, out, lse)
 
 
-def _own_tpu_bwd(q, lay: _Layout, own_start, d_out, lse, delta, *, block_size, scale, interpret):
+def _own_tpu_bwd(q, lay: _Layout, own_start, d_out, lse, delta, *, block_size, scale, interpret, block_sizes):
     """The own part's gradients by the chunk-diagonal TPU kernel, in the inputs' dtypes and the
     kernels' layout: dq, and dK/dV over S_pad keys (the selected blocks' kernel adds to them in
     place, one block's window at a time)."""
@@ -282,6 +273,7 @@ def _own_tpu_bwd(q, lay: _Layout, own_start, d_out, lse, delta, *, block_size, s
         lane_rows(delta.reshape(b, s, hq), 0.0),
         scale=scale,
         block_size=c,
+        key_tile=block_sizes.key_tile,
         heads=lay.heads,
         interpret=interpret,
     )
@@ -431,9 +423,18 @@ def _bwd(block_size, scale, backend, interpret, block_sizes, res, d_out):
     qf, lay = _layout(q, k, v, block_sizes, block_size, backend)
     do = d_out.astype(jnp.float32)
     delta = jnp.sum(do * out.astype(jnp.float32), axis=-1).reshape(-1)  # [B*S*Hq]
-    own_bwd = _own_tpu_bwd if backend == "tpu" else functools.partial(_own_gpu_bwd, block_sizes=block_sizes)
+    own_bwd = _own_tpu_bwd if backend == "tpu" else _own_gpu_bwd
     dq, dk, dv = own_bwd(
-        q, lay, own_start, d_out, lse, delta, block_size=block_size, scale=scale, interpret=interpret
+        q,
+        lay,
+        own_start,
+        d_out,
+        lse,
+        delta,
+        block_size=block_size,
+        scale=scale,
+        interpret=interpret,
+        block_sizes=block_sizes,
     )
     if past is None:
         dq = lay.back(dq, b, s, hq)

@@ -77,7 +77,9 @@ def _own_parts(q, k, v, own_start, firsts, *, c, scale, interpret, block_sizes):
         size = c + rows.stop - rows.start
         qw, kw, vw = _with_dummies(q[:, rows], c), _window(k, first, size, c), _window(v, first, size, c)
         _, lay = _layout(qw, kw, vw, block_sizes, c, "tpu")
-        o, lse = _own_tpu_fwd(qw, lay, own, block_size=c, scale=scale, interpret=interpret)
+        o, lse = _own_tpu_fwd(
+            qw, lay, own, block_size=c, scale=scale, interpret=interpret, block_sizes=block_sizes
+        )
         outs.append(lay.back(o, b, size, hq)[:, c:])
         lses.append(lse[:, c:])
     return jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=1)
@@ -146,6 +148,7 @@ def _bwd(block_size, scale, interpret, block_sizes, res, d_out):
         dq_w, dk_w, dv_w = _own_tpu_bwd(
             qw, lay, own, _with_dummies(d_out[:, rows], c), _with_dummies(lse[:, rows], c, jnp.inf),
             _with_dummies(delta[:, rows], c).reshape(-1), block_size=c, scale=scale, interpret=interpret,
+            block_sizes=block_sizes,
         )  # fmt: skip
         dq_parts.append(lay.back(dq_w, b, size, hq)[:, c:])
         dk, dv = (

@@ -33,16 +33,18 @@ class BlockSizes:
     past_q_tile: query rows per step of the whole-block kernels (the selected earlier blocks,
     both backends; also the XLA path's selected-block tiles). The GPU's own-block kernel also
     uses q_tile (query rows per program) and kv_block (keys per step, also the GPU whole-block
-    kernels' step); the TPU's own-block kernel works in chunks of the MoBA block. Construction
+    kernels' step); the TPU's own-block kernel works in chunks of the MoBA block, each walked
+    in square tiles of at most key_tile rows and keys (tpu_own.own_tile). Construction
     checks what every path needs; `check_backend` adds what one backend's compiler needs on
     real hardware (interpret mode needs neither)."""
 
     q_tile: int = 128
     kv_block: int = 128
     past_q_tile: int = 256
+    key_tile: int = 512
 
     def __post_init__(self):
-        for name in ("q_tile", "kv_block", "past_q_tile"):
+        for name in ("q_tile", "kv_block", "past_q_tile", "key_tile"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"BlockSizes.{name} (moba.{name}) must be a positive int, got {value!r}")

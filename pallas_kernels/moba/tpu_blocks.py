@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.common import NT, TN, sublane_tile, tpu_interpret
+from pallas_kernels.common import NT, TN, sublane_tile, tpu_interpret, tpu_vmem_limit
 
 
 def window(block_size: int, dtype) -> int:
@@ -191,6 +191,19 @@ def _row_tiles(tile_group, num_groups: int):
     return jnp.minimum(tile, jnp.maximum(jnp.sum(tile_group < num_groups) - 1, 0)).astype(jnp.int32)
 
 
+def _vmem_limit(q_rows, kv_dtype, w: int, d: int, dv: int, backward: bool = False) -> int:
+    """A step's scoped VMEM: the K/V window and the tile's rows (with dO, lse, delta and dq in
+    the backward), the backward's dK/dV accumulators and window buffers, and four [W, Qt]
+    float32 temporaries (scores, probabilities, dP, dS): 20 MiB at a MoBA block of 4,096."""
+    _, qt, _ = q_rows.shape
+    item, kv_item = q_rows.dtype.itemsize, jnp.dtype(kv_dtype).itemsize
+    rows = qt * (d * item + (dv + 1) * 4)
+    if not backward:
+        return tpu_vmem_limit(w * (d + dv) * kv_item + rows, 0, 4 * w * qt * 4)
+    rows += qt * ((dv + d) * item + 8)
+    return tpu_vmem_limit(w * (d + dv) * kv_item + rows, w * (d + dv) * (4 + kv_item), 4 * w * qt * 4)
+
+
 def cost_estimate(part: str, q_rows, dv: int, block_size: int, groups: int = 0):
     """`pl.CostEstimate` as issued: every step multiplies its rows by the whole window."""
     ntiles, qt, d = q_rows.shape
@@ -258,7 +271,9 @@ def block_attention_fwd(
             jax.ShapeDtypeStruct((ntiles, qt, dv), jnp.float32),
             jax.ShapeDtypeStruct((ntiles, 1, qt), jnp.float32),
         ],
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel",), vmem_limit_bytes=_vmem_limit(q_rows, k.dtype, w, d, dv)
+        ),
         interpret=tpu_interpret(interpret),
         name="moba_block_fwd",
         cost_estimate=cost_estimate("fwd", q_rows, dv, block_size),
@@ -352,7 +367,10 @@ def block_attention_bwd(
         # dk_own, dv_own, dq_into (after the 6 scalar tables)
         input_output_aliases={12: 1, 13: 2, **({14: 0} if dq_in else {})},
         # dK/dV accumulate across consecutive steps and windows are updated in place: in order
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("arbitrary",),
+            vmem_limit_bytes=_vmem_limit(q_rows, k.dtype, w, d, dv, backward=True),
+        ),
         interpret=tpu_interpret(interpret),
         name="moba_block_bwd",
         # a slice's share of the groups' window updates

@@ -9,10 +9,13 @@ same K/V blocks, so Pallas copies them once, and dK/dV accumulate across them in
 VMEM scratch (stored once per chunk, in the input dtype). The previous chunk's K/V block index
 only moves where a chunk needs it, so it is copied only then; the backward accumulates that
 chunk's dK/dV in another scratch and starts the previous chunk's accumulator from it (hence
-the order), so every key's own-part gradient is written once, complete. q, K, V, dO come
-head-major [B*H, S_pad, D] or as they lie, [B, S, H*D] (`heads`). Scores are [keys, rows], so
-lse and delta are lane-dense rows, and the forward's o comes out [Dv, rows]: the kernel
-transposes it (one [Dv, C/2] float32 tile per row part) and writes rows laid out like q. XLA
+the order), so every key's own-part gradient is written once, complete. Inside a step the
+chunk is walked in square tiles (`own_tile`: half the chunk, at most `key_tile`): row tile a
+reads key tiles 0..a with an online softmax, so a large MoBA block (4,096 at 1M tokens) needs
+no more VMEM than the K/V chunks and the accumulators. q, K, V, dO come head-major
+[B*H, S_pad, D] or as they lie, [B, S, H*D] (`heads`). Scores are [keys, rows], so lse and
+delta are lane-dense rows, and the forward's o comes out [Dv, rows]: the kernel transposes it
+(one [Dv, t] float32 tile per row tile) and writes rows laid out like q. XLA
 then needs no transpose of o, whose [Dv, S] layout made the merge of the parts copy every other
 part to it, in float32 (BENCHMARKS.md, "History").
 """
@@ -26,7 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.common import NT, TN, tpu_interpret
+from pallas_kernels.common import NT, TN, tpu_interpret, tpu_vmem_limit
 
 
 def own_tables(own_start: jax.Array, *, block_size: int, seq_pad: int):
@@ -46,53 +49,86 @@ def own_tables(own_start: jax.Array, *, block_size: int, seq_pad: int):
     return own[:, None], needs.astype(jnp.int32).reshape(-1), prev.astype(jnp.int32).reshape(-1)
 
 
-def row_parts(c: int) -> int:
-    """Row parts of a chunk: part h of R only needs the first (h + 1) C / R keys of its own
-    chunk, so the fully masked corner is never computed ((R + 1) / 2R of the square issued)."""
-    return 2 if c % 2 == 0 else 1
+def own_tile(c: int, most: int) -> int:
+    """Rows and keys of one inner step for chunks of c: half the chunk (row tile a reads key
+    tiles 0..a only, so the chunk's fully masked corner is never issued) or, for a chunk above
+    2 * most, the largest divisor of c up to `most` (whole 128-lane tiles where c has them).
+    The step's [keys, rows] float32 scores are then at most most² (1 MiB at 512): a chunk of
+    4,096 in one step needed 83 MiB of VMEM (BENCHMARKS.md, "Context parallelism")."""
+    if c % 2:
+        return c
+    if c // 2 <= most:
+        return c // 2
+    unit = 128 if c % 128 == 0 and most >= 128 else 1
+    return max(t for t in range(unit, most + 1, unit) if c % t == 0)
 
 
-def _positions(c: int, j, h: int, nk: int, cr: int):
-    """(key, query) positions of the [nk keys, cr rows] score tile of row part h of chunk j."""
-    keys = j * c + jax.lax.broadcasted_iota(jnp.int32, (nk, cr), 0)
-    rows = j * c + h * cr + jax.lax.broadcasted_iota(jnp.int32, (nk, cr), 1)
-    return keys, rows
+def _tile_keys(b, tile: int):
+    return pl.ds(pl.multiple_of(b * tile, tile), tile)
+
+
+def _visible(first_key, b, tile: int, own, rows):
+    """Mask [keys, rows] of key tile b (of a chunk starting at first_key) for rows at positions
+    `rows` [1, t] whose own blocks start at `own` [1, t]: the own block, causal."""
+    keys = first_key + b * tile + jax.lax.broadcasted_iota(jnp.int32, (tile, rows.shape[1]), 0)
+    return (keys >= own) & (keys <= rows)
+
+
+def _fold(carry, s, v):
+    """One key tile of the forward, transposed: scores s [keys, rows] (-inf where masked) and
+    values v [keys, Dv] folded into (m, l [1, rows], acc [Dv, rows]). A row may have seen no
+    key yet (its own block starts later): m stays -inf, and m_safe keeps exp() finite."""
+    m, l, acc = carry
+    m_new = jnp.maximum(m, jnp.max(s, axis=0, keepdims=True))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    p, alpha = jnp.exp(s - m_safe), jnp.exp(m - m_safe)
+    acc = alpha * acc + jax.lax.dot_general(v, p.astype(v.dtype), TN, preferred_element_type=jnp.float32)
+    return m_new, alpha * l + jnp.sum(p, axis=0, keepdims=True), acc
 
 
 def _fwd_kernel(
-    needs_ref, prev_ref, q_ref, kc_ref, vc_ref, kp_ref, vp_ref, own_ref, o_ref, lse_ref, *, scale, hkv, n
+    needs_ref,
+    prev_ref,
+    q_ref,
+    kc_ref,
+    vc_ref,
+    kp_ref,
+    vp_ref,
+    own_ref,
+    o_ref,
+    lse_ref,
+    *,
+    scale,
+    hkv,
+    n,
+    tile,
 ):
     r, j = pl.program_id(0), n - 1 - pl.program_id(1)
-    c = q_ref.shape[0]
-    parts = row_parts(c)
-    cr = c // parts
+    c, dv = q_ref.shape[0], vc_ref.shape[-1]
     need = needs_ref[jax.lax.div(r, hkv) * n + j] == 1
-    for h in range(parts):
-        rs, nk = pl.ds(h * cr, cr), (h + 1) * cr
-        q, own = q_ref[rs, :], own_ref[:, rs]  # [Cr, D], [1, Cr]
-        keys, rows = _positions(c, j, h, nk, cr)
-        s = jax.lax.dot_general(kc_ref[pl.ds(0, nk), :], q, NT, preferred_element_type=jnp.float32) * scale
-        s = jnp.where((keys >= own) & (keys <= rows), s, -jnp.inf)
-        m = jnp.max(s, axis=0, keepdims=True)  # every row sees itself: finite
-        p = jnp.exp(s - m)
-        vc = vc_ref[pl.ds(0, nk), :]
-        l = jnp.sum(p, axis=0, keepdims=True)
-        o = jax.lax.dot_general(vc, p.astype(vc.dtype), TN, preferred_element_type=jnp.float32)  # [Dv, Cr]
-        o_ref[rs, :], lse_ref[:, rs] = (o / l).T, m + jnp.log(l)
+    for a in range(c // tile):  # row tiles; each walks its key tiles with an online softmax
+        rs = pl.ds(a * tile, tile)
+        q, own = q_ref[rs, :], own_ref[:, rs]  # [t, D], [1, t]
+        rows = j * c + a * tile + jax.lax.broadcasted_iota(jnp.int32, (1, tile), 1)
+
+        def step(b, carry, k_ref, v_ref, first_key, q=q, own=own, rows=rows):
+            ks = _tile_keys(b, tile)
+            s = jax.lax.dot_general(k_ref[ks, :], q, NT, preferred_element_type=jnp.float32) * scale
+            s = jnp.where(_visible(first_key, b, tile, own, rows), s, -jnp.inf)
+            return _fold(carry, s, v_ref[ks, :])
+
+        def write(carry, rs=rs):
+            m, l, acc = carry  # every row sees itself: l > 0
+            o_ref[rs, :], lse_ref[:, rs] = (acc / l).T, m + jnp.log(l)
+
+        start = (jnp.full((1, tile), -jnp.inf), jnp.zeros((1, tile)), jnp.zeros((dv, tile)))
+        own_part = jax.lax.fori_loop(0, a + 1, lambda b, cr: step(b, cr, kc_ref, vc_ref, j * c), start)
+        write(own_part)
 
         @pl.when(need)
-        def _previous_chunk(q=q, own=own, rs=rs, m=m, l=l, o=o):
-            sp = jax.lax.dot_general(kp_ref[...], q, NT, preferred_element_type=jnp.float32) * scale
-            keys_p = j * c - c + jax.lax.broadcasted_iota(jnp.int32, sp.shape, 0)
-            sp = jnp.where(keys_p >= own, sp, -jnp.inf)
-            m_new = jnp.maximum(m, jnp.max(sp, axis=0, keepdims=True))
-            alpha, pp = jnp.exp(m - m_new), jnp.exp(sp - m_new)
-            vp = vp_ref[...]
-            l_new = alpha * l + jnp.sum(pp, axis=0, keepdims=True)
-            o_new = alpha * o + jax.lax.dot_general(
-                vp, pp.astype(vp.dtype), TN, preferred_element_type=jnp.float32
-            )
-            o_ref[rs, :], lse_ref[:, rs] = (o_new / l_new).T, m_new + jnp.log(l_new)
+        def _previous_chunk(own_part=own_part, step=step, write=write):
+            prev = lambda b, cr: step(b, cr, kp_ref, vp_ref, j * c - c)
+            write(jax.lax.fori_loop(0, c // tile, prev, own_part))
 
 
 def _bwd_kernel(
@@ -120,6 +156,7 @@ def _bwd_kernel(
     hkv,
     n,
     groups,
+    tile,
 ):
     """The outputs are written once, in their dtype, from float32 VMEM accumulators: dq_acc per
     step; dkc_acc, dvc_acc (this chunk's keys) across the group's query heads; dkp_acc, dvp_acc
@@ -127,8 +164,6 @@ def _bwd_kernel(
     r, step, g = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     j = n - 1 - step
     c = q_ref.shape[0]
-    parts = row_parts(c)
-    cr = c // parts
     row = jax.lax.div(r, hkv) * n
     need = needs_ref[row + j] == 1
     received = (step > 0) & (needs_ref[row + jnp.minimum(j + 1, n - 1)] == 1)
@@ -143,37 +178,35 @@ def _bwd_kernel(
         for ref in (dkp_acc, dvp_acc):
             ref[...] = jnp.zeros(ref.shape, jnp.float32)
 
-    for h in range(parts):
-        rs, ks = pl.ds(h * cr, cr), pl.ds(0, (h + 1) * cr)
+    dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)
+    for a in range(c // tile):  # row tiles; each walks its key tiles
+        rs = pl.ds(a * tile, tile)
         q, do, own = q_ref[rs, :], do_ref[rs, :], own_ref[:, rs]
         lse, delta = lse_ref[:, rs], delta_ref[:, rs]
+        rows = j * c + a * tile + jax.lax.broadcasted_iota(jnp.int32, (1, tile), 1)
 
-        def grads(k, v, visible, q=q, do=do, lse=lse, delta=delta):
-            """p and dS [keys, rows] of one K/V range, from the global lse."""
+        def grads(b, k_ref, v_ref, dk_acc, dv_acc, first_key, tile_rows=(q, do, own, lse, delta, rs, rows)):
+            """Key tile b's part of dq, dK, dV, from p and dS [keys, rows] (the global lse)."""
+            q, do, own, lse, delta, rs, rows = tile_rows
+            ks = _tile_keys(b, tile)
+            k, v = k_ref[ks, :], v_ref[ks, :]
             s = jax.lax.dot_general(k, q, NT, preferred_element_type=jnp.float32) * scale
-            p = jnp.where(visible, jnp.exp(s - lse), 0.0)
+            p = jnp.where(_visible(first_key, b, tile, own, rows), jnp.exp(s - lse), 0.0)
             dp = jax.lax.dot_general(v, do, NT, preferred_element_type=jnp.float32)
-            return p, p * (dp - delta)
+            ds = p * (dp - delta)
+            dq_acc[rs, :] += (
+                jax.lax.dot_general(ds.astype(k.dtype), k, TN, preferred_element_type=jnp.float32) * scale
+            )
+            dk_acc[ks, :] += jnp.dot(ds.astype(q.dtype), q, preferred_element_type=jnp.float32) * scale
+            dv_acc[ks, :] += jnp.dot(p.astype(do.dtype), do, preferred_element_type=jnp.float32)
 
-        kc, vc = kc_ref[ks, :], vc_ref[ks, :]
-        keys, rows = _positions(c, j, h, (h + 1) * cr, cr)
-        p, ds = grads(kc, vc, (keys >= own) & (keys <= rows))
-        dq_acc[rs, :] = (
-            jax.lax.dot_general(ds.astype(kc.dtype), kc, TN, preferred_element_type=jnp.float32) * scale
-        )
-        dkc_acc[ks, :] += jnp.dot(ds.astype(q.dtype), q, preferred_element_type=jnp.float32) * scale
-        dvc_acc[ks, :] += jnp.dot(p.astype(do.dtype), do, preferred_element_type=jnp.float32)
+        own_keys = lambda b, _, grads=grads: grads(b, kc_ref, vc_ref, dkc_acc, dvc_acc, j * c)
+        jax.lax.fori_loop(0, a + 1, own_keys, None)
 
         @pl.when(need)
-        def _previous_chunk(q=q, do=do, own=own, rs=rs, grads=grads):
-            kp, vp = kp_ref[...], vp_ref[...]
-            keys_p = j * c - c + jax.lax.broadcasted_iota(jnp.int32, (c, cr), 0)
-            pp, dsp = grads(kp, vp, keys_p >= own)
-            dq_acc[rs, :] += (
-                jax.lax.dot_general(dsp.astype(kp.dtype), kp, TN, preferred_element_type=jnp.float32) * scale
-            )
-            dkp_acc[...] += jnp.dot(dsp.astype(q.dtype), q, preferred_element_type=jnp.float32) * scale
-            dvp_acc[...] += jnp.dot(pp.astype(do.dtype), do, preferred_element_type=jnp.float32)
+        def _previous_chunk(grads=grads):
+            prev_keys = lambda b, _: grads(b, kp_ref, vp_ref, dkp_acc, dvp_acc, j * c - c)
+            jax.lax.fori_loop(0, c // tile, prev_keys, None)
 
     dq_ref[...] = dq_acc[...].astype(dq_ref.dtype)
 
@@ -204,18 +237,30 @@ def _specs(c, hkv, groups, n, natural):
     return q_row, kv_cur, kv_prev, own, lane_row
 
 
-def cost_estimate(q_heads, k, v, c: int, n: int, need_fraction: float, part: str):
-    """Issued work: per (chunk, head) the causal row parts of the own chunk, plus the whole
-    previous chunk where needed (`need_fraction` of the chunks; 1 when not known statically)."""
+def cost_estimate(q_heads, k, v, c: int, n: int, need_fraction: float, part: str, tile: int):
+    """Issued work: per (chunk, head) the causal tiles of the own chunk (row tile a reads key
+    tiles 0..a), plus the whole previous chunk where needed (`need_fraction` of the chunks; 1
+    when not known statically)."""
     bh, _, d = q_heads.shape
     dv, item = v.shape[-1], q_heads.dtype.itemsize
-    parts = row_parts(c)
+    parts = c // tile
     square = (parts + 1) / (2 * parts) + need_fraction  # [C, C] tiles issued per (chunk, head)
     flops = {"fwd": 2 * d + 2 * dv, "bwd": 6 * d + 4 * dv}[part]
     return pl.CostEstimate(
         flops=int(bh * n * c * c * square * flops),
         transcendentals=int(bh * n * c * c * square),
         bytes_accessed=int(bh * n * c * (d + dv) * (item + 4) + 2 * k.shape[0] * n * c * (d + dv) * item),
+    )
+
+
+def _compiler_params(blocks: int, scratch: int, tile: int):
+    """The grid runs its rows in parallel, the chunks and query heads in order (the backward's
+    dK/dV accumulate across them). Scoped VMEM: the step's blocks (`blocks` bytes) and scratch,
+    and room for a dozen [t, t] float32 temporaries (about 26 MiB forward, 40 MiB backward at
+    a MoBA block of 4,096)."""
+    return pltpu.CompilerParams(
+        dimension_semantics=("parallel", "arbitrary", "arbitrary"),
+        vmem_limit_bytes=tpu_vmem_limit(blocks, scratch, 12 * tile * tile * 4),
     )
 
 
@@ -229,21 +274,23 @@ def _dims(q, k, v, own, heads):
     return b, hq, hkv, q.shape[-1] // hq, v.shape[-1] // hkv
 
 
-def _cost(q, v, b, hq, hkv, d, dv, c, n, part):
+def _cost(q, v, b, hq, hkv, d, dv, c, n, part, tile):
     heads = lambda h, w, x: jax.ShapeDtypeStruct((b * h, n * c, w), x.dtype)
-    return cost_estimate(heads(hq, d, q), heads(hkv, d, q), heads(hkv, dv, v), c, n, 1.0, part)
+    return cost_estimate(heads(hq, d, q), heads(hkv, d, q), heads(hkv, dv, v), c, n, 1.0, part, tile)
 
 
-def own_attention_fwd(q, k, v, own, needs, prev, *, scale, block_size, heads=None, interpret=False):
+def own_attention_fwd(q, k, v, own, needs, prev, *, scale, block_size, key_tile, heads=None, interpret=False):
     """q [B*Hq, S_pad, D], k/v [B*Hkv, S_pad, D|Dv] (head-major), or with heads = (Hq, Hkv) the
     natural q [B, S, Hq*D], k/v [B, S, Hkv*D|Dv] (S a multiple of C; D, Dv multiples of 128 on
-    a TPU); tables from `own_tables`. Returns o laid out like q, [B*Hq, S_pad, Dv] or
-    [B, S, Hq*Dv], and lse [B*Hq, 1, n*C], float32."""
+    a TPU); tables from `own_tables`; each step's tiles `own_tile(block_size, key_tile)`.
+    Returns o laid out like q, [B*Hq, S_pad, Dv] or [B, S, Hq*Dv], and lse [B*Hq, 1, n*C],
+    float32."""
     b, hq, hkv, d, dv = _dims(q, k, v, own, heads)
     c, n, groups = block_size, needs.shape[0] // b, hq // hkv
     q_row, kv_cur, kv_prev, own_spec, lane_row = _specs(c, hkv, groups, n, heads is not None)
+    tile = own_tile(c, key_tile)
     return pl.pallas_call(
-        functools.partial(_fwd_kernel, scale=scale, hkv=hkv, n=n),
+        functools.partial(_fwd_kernel, scale=scale, hkv=hkv, n=n, tile=tile),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(b * hkv, n, groups),
@@ -254,15 +301,15 @@ def own_attention_fwd(q, k, v, own, needs, prev, *, scale, block_size, heads=Non
             jax.ShapeDtypeStruct((*q.shape[:-1], q.shape[-1] // d * dv), jnp.float32),
             jax.ShapeDtypeStruct((b * hq, 1, n * c), jnp.float32),
         ],
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary")),
+        compiler_params=_compiler_params(c * ((d + 4 * (d + dv)) * q.dtype.itemsize + dv * 4 + 12), 0, tile),
         interpret=tpu_interpret(interpret),
         name="moba_own_fwd",
-        cost_estimate=_cost(q, v, b, hq, hkv, d, dv, c, n, "fwd"),
+        cost_estimate=_cost(q, v, b, hq, hkv, d, dv, c, n, "fwd", tile),
     )(needs, prev, q, k, v, k, v, own)
 
 
 def own_attention_bwd(
-    q, k, v, own, needs, prev, do, lse, delta, *, scale, block_size, heads=None, interpret=False
+    q, k, v, own, needs, prev, do, lse, delta, *, scale, block_size, key_tile, heads=None, interpret=False
 ):
     """do laid out like q; lse, delta [B*Hq, 1, S_pad] (+inf / 0 on padding rows). Returns dq
     and the keys' dK/dV (from the queries of their own chunk and, where it needs them, of the
@@ -272,8 +319,9 @@ def own_attention_bwd(
     q_row, kv_cur, kv_prev, own_spec, lane_row = _specs(c, hkv, groups, n, heads is not None)
     grads = lambda x: jax.ShapeDtypeStruct((x.shape[0], n * c, x.shape[-1]), x.dtype)
     acc = lambda w: pltpu.VMEM((c, w), jnp.float32)
+    tile = own_tile(c, key_tile)
     return pl.pallas_call(
-        functools.partial(_bwd_kernel, scale=scale, hkv=hkv, n=n, groups=groups),
+        functools.partial(_bwd_kernel, scale=scale, hkv=hkv, n=n, groups=groups, tile=tile),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(b * hkv, n, groups),
@@ -294,8 +342,10 @@ def own_attention_bwd(
         out_shape=[grads(q), grads(k), grads(v)],
         # dK/dV accumulate over the query heads of a group and carry to the previous chunk:
         # those steps run in order
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary")),
+        compiler_params=_compiler_params(
+            c * (4 * d + 6 * (d + dv)) * q.dtype.itemsize + c * 12, c * (3 * d + 2 * dv) * 4, tile
+        ),
         interpret=tpu_interpret(interpret),
         name="moba_own_bwd",
-        cost_estimate=_cost(q, v, b, hq, hkv, d, dv, c, n, "bwd"),
+        cost_estimate=_cost(q, v, b, hq, hkv, d, dv, c, n, "bwd", tile),
     )(needs, prev, q, k, v, k, v, own, do, lse, delta)
