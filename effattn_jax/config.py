@@ -696,7 +696,7 @@ def moba_block_size(cfg: Config) -> int | None:
 def check_context_split(cfg: Config, mesh_sizes: dict[str, int]) -> None:
     """With mesh.context = N > 1 every sequence is cut into 2N equal chunks (the causally
     balanced layout), each a whole number of MoBA blocks where a layer uses the MoBA core; and
-    the cores' paths must run over the axis (not cuDNN, not yet the MoBA GPU kernels)."""
+    the cores' paths must run over the axis (not cuDNN, not the MoBA dense-mask reference)."""
     n = mesh_sizes.get("context", 1)
     if n == 1:
         return
@@ -705,11 +705,11 @@ def check_context_split(cfg: Config, mesh_sizes: dict[str, int]) -> None:
         raise ConfigError("data.seq_len", cfg.data.seq_len, f"with mesh.context={n} it {why}")
     if "moba" in cores:
         _check(
-            cfg.moba.impl in ("auto", "xla", "pallas", "pallas_tpu"),
+            cfg.moba.impl != "reference",
             "moba.impl",
             cfg.moba.impl,
-            f"with mesh.context={n}: auto, xla, pallas or pallas_tpu (the GPU kernels do not run "
-            "over a context axis yet)",
+            f"with mesh.context={n}: auto, xla, pallas, pallas_tpu or pallas_gpu (the dense-mask "
+            "reference takes whole sequences only)",
         )
     if "dense" in cores:
         impl = cfg.attention.dense_impl

@@ -26,6 +26,7 @@ from effattn_jax.config import ConfigError, config_from_dict, load_config, to_ya
         ("eg_mla.gate_at=middle", "eg_mla.gate_at"),
         ("mla.decode_impl=triton", "mla.decode_impl"),
         ("moba.kv_block=12", "moba.kv_block"),
+        ("moba.key_tile=0", "moba.key_tile"),
         ("train.nonfinite=maybe", "train.nonfinite"),
     ],
 )

@@ -1,6 +1,8 @@
 """Context parallelism: one sequence over 4 context shards equals one device, for both cores and
 every attention kind, and training moves between context degrees (docs/context_parallel.md)."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,12 +13,15 @@ from jax.sharding import NamedSharding, PartitionSpec
 from effattn_jax.config import ConfigError, check_context_split, context_split_error, load_config
 from effattn_jax.ops.context_parallel import balanced_order
 from effattn_jax.ops.dense import dense_attention
-from effattn_jax.ops.moba import moba_attention
+from effattn_jax.ops.moba import BlockSizes, moba_attention
+from effattn_jax.ops.routing import moba_routing
+from effattn_jax.ops.segments import block_starts
 from effattn_jax.sharding import make_mesh
 from effattn_jax.train.loop import Preempted, run
 from effattn_jax.train.metrics import read_scalars
 from effattn_jax.train.state import init_state, make_setup
 from effattn_jax.train.step import loss_sums
+from pallas_kernels.moba.context import moba_pallas_local
 
 
 def packed_segments(b: int, s: int) -> np.ndarray:
@@ -50,7 +55,7 @@ def test_start_up_check_rejects_chunks_that_split_a_block():
         check_context_split(load_config(None, ["data.seq_len=100"]), {"context": 4})
     with pytest.raises(ConfigError, match="moba.impl"):
         check_context_split(
-            load_config(None, ["attention.core=moba", "moba.block_size=16", "moba.impl=pallas_gpu"]),
+            load_config(None, ["attention.core=moba", "moba.block_size=16", "moba.impl=reference"]),
             {"context": 2},
         )
     check_context_split(cfg, {"context": 1})  # one shard: anything goes
@@ -96,15 +101,18 @@ def test_splash_over_context_shards_matches_one_device():
 
 
 @pytest.mark.slow  # interpreted kernels
-def test_moba_kernels_over_context_shards_match_one_device():
-    """MoBA through the TPU kernels (interpreted): each run's own block in a window of its own,
-    the selected blocks from the gathered keys, equal to the XLA path on one device, packed
+@pytest.mark.parametrize("impl", ["pallas_tpu", "pallas_gpu"])
+def test_moba_kernels_over_context_shards_match_one_device(impl):
+    """MoBA through each backend's kernels (interpreted): each run's own block in a window of its
+    own, the selected blocks from the gathered keys, equal to the XLA path on one device, packed
     documents. Catches: a window off by a block, a dummy query's gradient leaking into dK/dV, a
-    run's dK/dV added at the wrong place."""
+    run's dK/dV added at the wrong place, a selected block's dK/dV (GPU: found from the keys'
+    block starts) added to the wrong keys."""
+    sizes = BlockSizes(q_tile=8, kv_block=8, past_q_tile=8)
     moba = lambda q, k, v, seg, impl, rules=None: moba_attention(
-        q, k, v, block_size=4, top_k=3, segment_ids=seg, impl=impl, rules=rules
+        q, k, v, block_size=8, top_k=3, segment_ids=seg, impl=impl, rules=rules, block_sizes=sizes
     )
-    pallas = lambda q, k, v, seg, rules: moba(q, k, v, seg, "pallas", rules)
+    pallas = lambda q, k, v, seg, rules: moba(q, k, v, seg, impl, rules)
     xla = lambda q, k, v, seg: moba(q, k, v, seg, "xla")
     assert_matches_one_device(pallas, xla, 64, lambda b: packed_segments(b, 64), seed=2)
 
@@ -168,3 +176,28 @@ def test_training_over_context_shards_matches_and_resumes_across_degrees(tmp_pat
     want, got = losses(tmp_path / "one"), losses(tmp_path / "moved")
     assert len(want) == len(got) == 10
     np.testing.assert_allclose(got, want, rtol=2e-5)
+
+
+@pytest.mark.slow
+def test_moba_gpu_kernels_over_a_shard_lower_for_cuda():
+    """A context shard's MoBA through the GPU kernels lowers to Triton for CUDA (jax.export, no
+    GPU), forward and backward: shard 0 of 2 (chunks 0 and 3 of 256 queries) against 1,024
+    gathered keys, block 128. Catches: a window shape the Triton lowering rejects (interpret
+    mode accepts it), a kernel replaced by an XLA fallback."""
+    firsts, c = (0, 768), 128
+    q_index = jnp.concatenate([jnp.arange(f, f + 256) for f in firsts])[None]
+
+    def loss(q, k, v):
+        r = moba_routing(q, k, block_size=c, top_k=3, q_index=q_index)
+        out = moba_pallas_local(
+            q, k, v, r.own_start, r.past_start, block_starts(None, 1, 1024, c), firsts, c, 128**-0.5,
+            "gpu", False, BlockSizes(64, 64),
+        )  # fmt: skip
+        return out.astype(jnp.float32).sum()
+
+    q, kv = (jax.ShapeDtypeStruct((1, s, 2, 128), jnp.bfloat16) for s in (512, 1024))
+    triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")  # not a stable-ABI call
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    exported = jax.export.export(grad, platforms=["cuda"], disabled_checks=[triton])(q, kv, kv)
+    names = set(re.findall(r'name = "(moba_\w+_gpu)"', exported.mlir_module()))
+    assert names == {f"moba_{k}_{p}_gpu" for k in ("own", "block") for p in ("fwd", "dq", "dkv")}

@@ -85,20 +85,14 @@ def moba_attention(
     fields) and of the XLA path (past_q_tile). `routing_chunk`: queries per chunk of
     gate scores. `rules`: logical sharding rules; under a context mesh the
     kernels run per (batch, head) shard through shard_map. Over a `context` axis (q, k, v in
-    the balanced layout) the XLA path or the TPU kernels run per shard (the GPU kernels do not
-    yet: auto takes xla there); `kv_whole`: see `context_attention`.
+    the balanced layout) the XLA path or the kernels run per shard; `kv_whole`: see
+    `context_attention`.
     """
     check_args(q, k, v, block_size, top_k, segment_ids, impl)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     block_sizes = block_sizes or BlockSizes()
     if context_shards() > 1:
         path, kernel, interpret = resolve_impl(impl)
-        if path == "pallas" and kernel != "tpu":
-            if impl != "auto":
-                raise ValueError(
-                    f"moba impl={impl!r}: the GPU kernels do not run over a context axis; use xla"
-                )
-            path = "xla"
         if path == "reference":
             raise ValueError("moba impl='reference' does not run over a context axis; use xla")
 
@@ -111,18 +105,11 @@ def moba_attention(
             if path == "pallas":
                 from pallas_kernels.moba.context import moba_pallas_local
 
+                key_starts = block_starts(k_seg, k.shape[0], k.shape[1], block_size)
                 return moba_pallas_local(
-                    q,
-                    k,
-                    v,
-                    r.own_start,
-                    r.past_start,
-                    firsts,
-                    block_size,
-                    float(scale),
-                    interpret,
-                    block_sizes,
-                )
+                    q, k, v, r.own_start, r.past_start, key_starts, firsts, block_size, float(scale),
+                    kernel, interpret, block_sizes,
+                )  # fmt: skip
             return moba_xla_local(
                 q, k, v, r, firsts=firsts, block_size=block_size, segment_ids=k_seg, scale=scale,
                 q_tile=block_sizes.past_q_tile,

@@ -412,6 +412,30 @@ def _tpu_past_bwd(kern, flat, lay, past, dk, dv, **kw):
     return dq_t, dk, dv
 
 
+def _gpu_past_bwd(kern, flat, lay, past, dk, dv, key_starts, **kw):
+    """The selected blocks' GPU backward: dq tiles, and each group's dK/dV window added to the
+    own part's dK/dV [B, S, Hkv, D] in one gathering pass (`key_starts` [B, S]: the first
+    position of each key's block, which finds the key's group)."""
+    t = past.tiles
+    q_r, do_r, lse_r, delta_r = _tile_rows(*flat, t.rows)
+    dq_t, dk_g, dv_g = kern.block_attention_bwd(
+        q_r,
+        lay.k,
+        lay.v,
+        t.kv_row,
+        t.key_start,
+        past.tile_group,
+        past.group_first,
+        do_r,
+        lse_r,
+        delta_r,
+        **kw,
+    )
+    group = _group_of_keys(past, key_starts, dk.shape[2])
+    window_start = kern.window_starts(past.group_start, kw["block_size"], lay.seq, lay.k.dtype)
+    return dq_t, _key_grads(dk, dk_g, group, window_start), _key_grads(dv, dv_g, group, window_start)
+
+
 def _bwd(block_size, scale, backend, interpret, block_sizes, res, d_out):
     """Each part's kernels give its gradients; dq is then one pass that gathers its parts, a
     chunk of positions at a time (_by_positions). dK/dV: on TPU the selected blocks' kernel adds
@@ -439,7 +463,7 @@ def _bwd(block_size, scale, backend, interpret, block_sizes, res, d_out):
     if past is None:
         dq = lay.back(dq, b, s, hq)
     else:
-        t, kern = past.tiles, _kernels(backend, "_blocks")
+        kern = _kernels(backend, "_blocks")
         kw = dict(
             scale=scale,
             block_size=block_size,
@@ -460,24 +484,7 @@ def _bwd(block_size, scale, backend, interpret, block_sizes, res, d_out):
         if backend == "tpu":
             dq_t, dk, dv = _tpu_past_bwd(kern, flat, lay, past, dk, dv, **kw)
         else:
-            q_r, do_r, lse_r, delta_r = _tile_rows(*flat, t.rows)
-            dq_t, dk_g, dv_g = kern.block_attention_bwd(
-                q_r,
-                lay.k,
-                lay.v,
-                t.kv_row,
-                t.key_start,
-                past.tile_group,
-                past.group_first,
-                do_r,
-                lse_r,
-                delta_r,
-                **kw,
-            )
-            group = _group_of_keys(past, own_start, hkv)
-            window_start = kern.window_starts(past.group_start, block_size, lay.seq, lay.k.dtype)
-            dk = _key_grads(dk, dk_g, group, window_start)
-            dv = _key_grads(dv, dv_g, group, window_start)
+            dq_t, dk, dv = _gpu_past_bwd(kern, flat, lay, past, dk, dv, own_start, **kw)
         dq_rows, dq_own = dq_t.reshape(-1, d), dq
 
         def combine(start, size):

@@ -1,5 +1,5 @@
-"""MoBA's TPU kernels for a context shard's queries (effattn_jax/ops/context_parallel.py): the
-shard holds runs of C queries (C a whole number of blocks) at sequence positions `firsts`,
+"""MoBA's kernels (TPU and GPU) for a context shard's queries (effattn_jax/ops/context_parallel.py):
+the shard holds runs of C queries (C a whole number of blocks) at sequence positions `firsts`,
 and every key of the sequence.
 
 The selected earlier blocks need nothing new: the whole-block kernel gathers its tiles' query
@@ -9,7 +9,9 @@ before them (packed documents), so each run goes to the own-block kernel as a wi
 one block of dummy queries (zeros, dO = 0 in the backward: they add nothing) over the c keys
 before the run, then the run; the kernel computes c / C more rows than the run has. The parts
 are merged by log-sum-exp as in attention.py, whose backward this mirrors: the windows' dK/dV
-are added into the whole sequence's, and the selected blocks' kernel adds its own in place.
+are added into the whole sequence's, and the selected blocks' dK/dV are added to them (on TPU
+by their kernel, in place; on GPU by one gathering pass, which finds each key's block from
+`key_starts`).
 """
 
 from __future__ import annotations
@@ -23,20 +25,26 @@ from jax.ad_checkpoint import checkpoint_name
 from pallas_kernels.moba.attention import (
     _by_positions,
     _gather_rows,
+    _gpu_past_bwd,
     _kernels,
     _layout,
+    _own_gpu_bwd,
+    _own_gpu_fwd,
     _own_tpu_bwd,
     _own_tpu_fwd,
     _slots,
     _tpu_past_bwd,
 )
-from pallas_kernels.moba.schedule import SCHEDULE_NAME, BlockSizes, past_tiles
+from pallas_kernels.moba.schedule import SCHEDULE_NAME, past_tiles
 
 
-def moba_pallas_local(q, k, v, own_start, past_start, firsts, block_size, scale, interpret, block_sizes):
+def moba_pallas_local(
+    q, k, v, own_start, past_start, key_starts, firsts, block_size, scale, backend, interpret, block_sizes
+):
     """q [B, T, Hq, D]: runs of T / len(firsts) positions starting at `firsts` (traced ints,
     multiples of the block); k, v [B, S, Hkv, D|Dv] the whole sequence; own_start [B, T] and
-    past_start [B, T, Hq, K'] absolute positions (moba_routing with q_index) -> [B, T, Hq, Dv]."""
+    past_start [B, T, Hq, K'] absolute positions (moba_routing with q_index); key_starts [B, S]
+    the first position of each key's block (segments.block_starts) -> [B, T, Hq, Dv]."""
     past = None
     if past_start.shape[-1]:
         past = past_tiles(
@@ -45,7 +53,9 @@ def moba_pallas_local(q, k, v, own_start, past_start, firsts, block_size, scale,
         )  # fmt: skip
     own_start, past = checkpoint_name((own_start, past), SCHEDULE_NAME)
     firsts = jnp.stack([jnp.asarray(f, jnp.int32) for f in firsts])
-    return _local(q, k, v, own_start, past, firsts, block_size, scale, interpret, block_sizes)
+    return _local(
+        q, k, v, own_start, past, key_starts, firsts, block_size, scale, backend, interpret, block_sizes
+    )
 
 
 def _window(x, first, size: int, c: int):
@@ -69,15 +79,16 @@ def _runs(q, own_start, firsts, c):
         yield rows, firsts[j], own
 
 
-def _own_parts(q, k, v, own_start, firsts, *, c, scale, interpret, block_sizes):
+def _own_parts(q, k, v, own_start, firsts, *, c, scale, backend, interpret, block_sizes):
     """The own block's (o float32 [B, T, Hq, Dv], lse [B, T, Hq]), window by window."""
     b, _, hq, _ = q.shape
     outs, lses = [], []
+    own_fwd = _own_tpu_fwd if backend == "tpu" else _own_gpu_fwd
     for rows, first, own in _runs(q, own_start, firsts, c):
         size = c + rows.stop - rows.start
         qw, kw, vw = _with_dummies(q[:, rows], c), _window(k, first, size, c), _window(v, first, size, c)
-        _, lay = _layout(qw, kw, vw, block_sizes, c, "tpu")
-        o, lse = _own_tpu_fwd(
+        _, lay = _layout(qw, kw, vw, block_sizes, c, backend)
+        o, lse = own_fwd(
             qw, lay, own, block_size=c, scale=scale, interpret=interpret, block_sizes=block_sizes
         )
         outs.append(lay.back(o, b, size, hq)[:, c:])
@@ -91,28 +102,30 @@ def _add_at(acc, g, first):
     return jax.lax.dynamic_update_slice_in_dim(acc, now + g.astype(jnp.float32), first, axis=1)
 
 
-def _keys_layout(k, v, block_sizes, c):
+def _keys_layout(k, v, block_sizes, c, backend):
     """The whole sequence's K/V in the kernels' layout (k stands in for q: only its shape counts)."""
-    return _layout(k, k, v, block_sizes, c, "tpu")[1]
+    return _layout(k, k, v, block_sizes, c, backend)[1]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def _local(q, k, v, own_start, past, firsts, block_size, scale, interpret, block_sizes):
-    return _fwd(q, k, v, own_start, past, firsts, block_size, scale, interpret, block_sizes)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11))
+def _local(q, k, v, own_start, past, key_starts, firsts, block_size, scale, backend, interpret, block_sizes):
+    return _fwd(
+        q, k, v, own_start, past, key_starts, firsts, block_size, scale, backend, interpret, block_sizes
+    )[0]
 
 
-def _fwd(q, k, v, own_start, past, firsts, block_size, scale, interpret, block_sizes: BlockSizes):
+def _fwd(q, k, v, own_start, past, key_starts, firsts, block_size, scale, backend, interpret, block_sizes):
     if not interpret:
-        block_sizes.check_backend("tpu", block_size)
+        block_sizes.check_backend(backend, block_size)
     b, t, hq, d = q.shape
-    kw = dict(c=block_size, scale=scale, interpret=interpret, block_sizes=block_sizes)
+    kw = dict(c=block_size, scale=scale, backend=backend, interpret=interpret, block_sizes=block_sizes)
     o_own, lse_own = _own_parts(q, k, v, own_start, firsts, **kw)
     if past is None:
         out, lse = o_own.astype(q.dtype), lse_own
     else:
-        lay = _keys_layout(k, v, block_sizes, block_size)
+        lay = _keys_layout(k, v, block_sizes, block_size, backend)
         tiles = past.tiles
-        o_p, lse_p = _kernels("tpu", "_blocks").block_attention_fwd(
+        o_p, lse_p = _kernels(backend, "_blocks").block_attention_fwd(
             _gather_rows(q.reshape(-1, d), tiles.rows), lay.k, lay.v, tiles.kv_row, tiles.key_start,
             past.tile_group, scale=scale, block_size=block_size, block_sizes=block_sizes,
             num_groups=past.group_tiles.shape[0], interpret=interpret, **lay.kv_heads,
@@ -130,47 +143,50 @@ def _fwd(q, k, v, own_start, past, firsts, block_size, scale, interpret, block_s
             return out.astype(q.dtype), lse
 
         out, lse = _by_positions(merge, t, b * hq)
-    return out, (q, k, v, own_start, past, firsts, out, lse)
+    return out, (q, k, v, own_start, past, key_starts, firsts, out, lse)
 
 
-def _bwd(block_size, scale, interpret, block_sizes, res, d_out):
-    q, k, v, own_start, past, firsts, out, lse = res
+def _bwd(block_size, scale, backend, interpret, block_sizes, res, d_out):
+    q, k, v, own_start, past, key_starts, firsts, out, lse = res
     b, t, hq, d = q.shape
     s, hkv, c = k.shape[1], k.shape[2], block_size
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, T, Hq]
     dq_parts = []
     dk = jnp.zeros((b, s + c, hkv, k.shape[3]), jnp.float32)  # c rows before position 0
     dv = jnp.zeros((b, s + c, hkv, v.shape[3]), jnp.float32)
+    own_bwd = _own_tpu_bwd if backend == "tpu" else _own_gpu_bwd
     for rows, first, own in _runs(q, own_start, firsts, c):
         size = c + rows.stop - rows.start
         qw, kw, vw = _with_dummies(q[:, rows], c), _window(k, first, size, c), _window(v, first, size, c)
-        _, lay = _layout(qw, kw, vw, block_sizes, c, "tpu")
-        dq_w, dk_w, dv_w = _own_tpu_bwd(
+        _, lay = _layout(qw, kw, vw, block_sizes, c, backend)
+        dq_w, dk_w, dv_w = own_bwd(
             qw, lay, own, _with_dummies(d_out[:, rows], c), _with_dummies(lse[:, rows], c, jnp.inf),
             _with_dummies(delta[:, rows], c).reshape(-1), block_size=c, scale=scale, interpret=interpret,
             block_sizes=block_sizes,
         )  # fmt: skip
         dq_parts.append(lay.back(dq_w, b, size, hq)[:, c:])
-        dk, dv = (
-            _add_at(dk, lay.back(dk_w, b, size, hkv), first),
-            _add_at(dv, lay.back(dv_w, b, size, hkv), first),
-        )
+        if backend == "tpu":  # the GPU's dK/dV come as [B, size, Hkv, D]
+            dk_w, dv_w = lay.back(dk_w, b, size, hkv), lay.back(dv_w, b, size, hkv)
+        dk, dv = _add_at(dk, dk_w, first), _add_at(dv, dv_w, first)
     dq = jnp.concatenate(dq_parts, axis=1)
     dk, dv = dk[:, c:].astype(k.dtype), dv[:, c:].astype(v.dtype)
     if past is not None:
-        lay = _keys_layout(k, v, block_sizes, c)
+        lay = _keys_layout(k, v, block_sizes, c, backend)
         flat = (
             q.reshape(-1, d),
             d_out.reshape(-1, d_out.shape[-1]).astype(lay.v.dtype),
             lse.reshape(-1),
             delta.reshape(-1),
         )
-        dq_t, dk_l, dv_l = _tpu_past_bwd(
-            _kernels("tpu", "_blocks"), flat, lay, past, lay.to(dk), lay.to(dv), scale=scale,
-            block_size=c, block_sizes=block_sizes, num_groups=past.group_tiles.shape[0],
+        kern, kw = _kernels(backend, "_blocks"), dict(
+            scale=scale, block_size=c, block_sizes=block_sizes, num_groups=past.group_tiles.shape[0],
             interpret=interpret, **lay.kv_heads,
         )  # fmt: skip
-        dk, dv = lay.back(dk_l, b, s, hkv), lay.back(dv_l, b, s, hkv)
+        if backend == "tpu":
+            dq_t, dk_l, dv_l = _tpu_past_bwd(kern, flat, lay, past, lay.to(dk), lay.to(dv), **kw)
+            dk, dv = lay.back(dk_l, b, s, hkv), lay.back(dv_l, b, s, hkv)
+        else:
+            dq_t, dk, dv = _gpu_past_bwd(kern, flat, lay, past, dk, dv, key_starts, **kw)
         dq_rows, dq_own = dq_t.reshape(-1, d), dq
 
         def combine(start, size):
@@ -180,7 +196,7 @@ def _bwd(block_size, scale, interpret, block_sizes, res, d_out):
             return (dq.astype(q.dtype),)
 
         (dq,) = _by_positions(combine, t, b * hq)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None
 
 
 _local.defvjp(_fwd, _bwd)
