@@ -233,6 +233,10 @@ def test_block_sizes_are_checked_and_impls_resolve():
         moba_pallas(
             q, q, q, r.own_start, r.past_start, 8, 1.0, "gpu", False, BlockSizes(q_tile=8, kv_block=8)
         )
+    # ... except a GPU block that is not whole kv_block steps: wrong results, interpreted too
+    r = moba_routing(q, q, block_size=24, top_k=2)
+    with pytest.raises(ValueError, match="multiple of moba.kv_block 16 on GPU"):
+        moba_pallas(q, q, q, r.own_start, r.past_start, 24, 1.0, "gpu", True, BlockSizes(8, 16, 8))
     assert resolve_impl("auto", "cpu") == ("xla", None, False)
     assert resolve_impl("auto", "tpu") == ("pallas", "tpu", False)
     assert resolve_impl("auto", "gpu") == ("pallas", "gpu", False)

@@ -234,8 +234,7 @@ def _scheduled(q, k, v, own_start, past, block_size, scale, backend, interpret, 
 
 
 def _fwd(q, k, v, own_start, past, block_size, scale, backend, interpret, block_sizes):
-    if not interpret:
-        block_sizes.check_backend(backend, block_size)
+    block_sizes.check_backend(backend, block_size, compiler=not interpret)
     out, lse = _forward(
         q,
         k,

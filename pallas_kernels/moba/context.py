@@ -115,8 +115,7 @@ def _local(q, k, v, own_start, past, key_starts, firsts, block_size, scale, back
 
 
 def _fwd(q, k, v, own_start, past, key_starts, firsts, block_size, scale, backend, interpret, block_sizes):
-    if not interpret:
-        block_sizes.check_backend(backend, block_size)
+    block_sizes.check_backend(backend, block_size, compiler=not interpret)
     b, t, hq, d = q.shape
     kw = dict(c=block_size, scale=scale, backend=backend, interpret=interpret, block_sizes=block_sizes)
     o_own, lse_own = _own_parts(q, k, v, own_start, firsts, **kw)

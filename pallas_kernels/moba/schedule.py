@@ -53,17 +53,26 @@ class BlockSizes:
                 f"BlockSizes.kv_block (moba.kv_block) must be a multiple of 8, got {self.kv_block}"
             )
 
-    def check_backend(self, backend: str, block_size: int | None = None) -> None:
-        """Raises ValueError naming the field when `backend`'s compiler would reject it.
+    def check_backend(self, backend: str, block_size: int | None = None, *, compiler: bool = True) -> None:
+        """Raises ValueError naming the field when `backend`'s compiler would reject it or, with
+        compiler=False (interpret mode), only where the kernels' results would be wrong.
 
         tpu (Mosaic): the own-block kernel's lse rows are blocks of `block_size` lanes, so the
         MoBA block must be a multiple of 128 (an AOT compile with libtpu rejects others); the
         whole-block kernels' row blocks span their array's whole dims, so any past_q_tile
         compiles. gpu (Triton): every array must have power-of-two dims (the Pallas lowering
         rejects 24), and tl.dot needs dims >= 16 (Triton's own check, at compile time on the
-        GPU); the whole-block kernel walks a block in kv_block steps."""
+        GPU); the whole-block kernel walks a block in kv_block steps, so a block that is not
+        a multiple of kv_block gives wrong results (NaN at block 4 with kv_block 8), interpreted
+        too."""
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if not compiler:
+            if backend == "gpu" and block_size is not None and block_size % self.kv_block:
+                raise ValueError(
+                    f"moba.block_size {block_size} must be a multiple of moba.kv_block {self.kv_block} on GPU"
+                )
+            return
         if backend == "tpu" and block_size is not None and block_size % 128:
             raise ValueError(
                 f"moba.block_size must be a multiple of 128 for the TPU kernels, got {block_size}"
