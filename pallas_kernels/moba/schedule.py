@@ -36,7 +36,7 @@ class BlockSizes:
     kernels' step); the TPU's own-block kernel works in chunks of the MoBA block, each walked
     in square tiles of at most key_tile rows and keys (tpu_own.own_tile). Construction
     checks what every path needs; `check_backend` adds what one backend's compiler needs on
-    real hardware (interpret mode needs neither)."""
+    real hardware (interpret mode needs none of it, except the GPU's whole kv_block steps)."""
 
     q_tile: int = 128
     kv_block: int = 128
@@ -67,11 +67,11 @@ class BlockSizes:
         too."""
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if backend == "gpu" and block_size is not None and block_size % self.kv_block:
+            raise ValueError(
+                f"moba.block_size {block_size} must be a multiple of moba.kv_block {self.kv_block} on GPU"
+            )
         if not compiler:
-            if backend == "gpu" and block_size is not None and block_size % self.kv_block:
-                raise ValueError(
-                    f"moba.block_size {block_size} must be a multiple of moba.kv_block {self.kv_block} on GPU"
-                )
             return
         if backend == "tpu" and block_size is not None and block_size % 128:
             raise ValueError(
@@ -84,10 +84,6 @@ class BlockSizes:
                     raise ValueError(
                         f"BlockSizes.{name} (moba.{name}) must be a power of two >= 16 on GPU, got {value}"
                     )
-            if block_size is not None and block_size % self.kv_block:
-                raise ValueError(
-                    f"moba.block_size {block_size} must be a multiple of moba.kv_block {self.kv_block} on GPU"
-                )
 
 
 def prefix_scan(x: jax.Array, op, identity, width: int = 128) -> jax.Array:

@@ -301,7 +301,8 @@ def own_attention_fwd(q, k, v, own, needs, prev, *, scale, block_size, key_tile,
             jax.ShapeDtypeStruct((*q.shape[:-1], q.shape[-1] // d * dv), jnp.float32),
             jax.ShapeDtypeStruct((b * hq, 1, n * c), jnp.float32),
         ],
-        compiler_params=_compiler_params(c * ((d + 4 * (d + dv)) * q.dtype.itemsize + dv * 4 + 12), 0, tile),
+        # blocks: q, this and the previous chunk's K/V, o (float32), own and lse
+        compiler_params=_compiler_params(c * ((3 * d + 2 * dv) * q.dtype.itemsize + dv * 4 + 8), 0, tile),
         interpret=tpu_interpret(interpret),
         name="moba_own_fwd",
         cost_estimate=_cost(q, v, b, hq, hkv, d, dv, c, n, "fwd", tile),
@@ -342,8 +343,9 @@ def own_attention_bwd(
         out_shape=[grads(q), grads(k), grads(v)],
         # dK/dV accumulate over the query heads of a group and carry to the previous chunk:
         # those steps run in order
+        # blocks: q, both chunks' K/V, dO, dq, dK, dV, own, lse, delta; scratch: the accumulators
         compiler_params=_compiler_params(
-            c * (4 * d + 6 * (d + dv)) * q.dtype.itemsize + c * 12, c * (3 * d + 2 * dv) * 4, tile
+            c * ((5 * d + 4 * dv) * q.dtype.itemsize + 12), c * (3 * d + 2 * dv) * 4, tile
         ),
         interpret=tpu_interpret(interpret),
         name="moba_own_bwd",
