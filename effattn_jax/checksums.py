@@ -5,10 +5,10 @@ is never restored: nothing says its files are whole."""
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-from pathlib import Path
+
+from effattn_jax import storage
+from effattn_jax.storage import AnyPath
 
 MANIFEST = "checksums.json"
 
@@ -22,32 +22,29 @@ class MissingManifest(ChecksumError):
     Nothing vouches for its files, so it is never restored."""
 
 
-def _digest(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+def _files(step_dir: AnyPath) -> list[AnyPath]:
+    return [p for p in storage.files_under(step_dir) if p.name != MANIFEST]
 
 
-def _files(step_dir: Path) -> list[Path]:
-    return sorted(p for p in step_dir.rglob("*") if p.is_file() and p.name != MANIFEST)
+def _relative(p: AnyPath, step_dir: AnyPath) -> str:
+    return str(p)[len(str(step_dir)) + 1 :]
 
 
-def write_manifest(step_dir: Path) -> None:
-    """{relative path: [size, sha256]} of the step's files, written atomically (tmp + rename)."""
-    entries = {str(p.relative_to(step_dir)): [p.stat().st_size, _digest(p)] for p in _files(step_dir)}
-    tmp = step_dir / f".{MANIFEST}.tmp"
-    tmp.write_text(json.dumps(entries, indent=0, sort_keys=True))
-    os.replace(tmp, step_dir / MANIFEST)
+def write_manifest(step_dir: AnyPath) -> None:
+    """{relative path: [size, sha256]} of the step's files (each read once), written atomically."""
+    entries = {_relative(p, step_dir): list(storage.size_and_sha256(p)) for p in _files(step_dir)}
+    storage.write_atomic(step_dir / MANIFEST, json.dumps(entries, indent=0, sort_keys=True))
 
 
-def has_manifest(step_dir: Path) -> bool:
+def has_manifest(step_dir: AnyPath) -> bool:
     return (step_dir / MANIFEST).is_file()
 
 
-def verify(step_dir: Path) -> None:
+def verify(step_dir: AnyPath) -> None:
     """Raises ChecksumError naming the first file that differs from the step's manifest, and
     MissingManifest when the step has none (it cannot be verified, so it is not used)."""
     try:
-        text = (step_dir / MANIFEST).read_text()
+        text = storage.read_text(step_dir / MANIFEST)
     except FileNotFoundError:
         why = "the save did not complete or the manifest was removed"
         raise MissingManifest(f"no {MANIFEST}: {why}") from None
@@ -55,15 +52,15 @@ def verify(step_dir: Path) -> None:
         entries = json.loads(text)
     except ValueError:
         raise ChecksumError(f"{step_dir / MANIFEST} is unreadable") from None
-    present = {str(p.relative_to(step_dir)) for p in _files(step_dir)}
+    present = {_relative(p, step_dir) for p in _files(step_dir)}
     extra = sorted(present - set(entries))
     if extra:
         raise ChecksumError(f"{extra[0]} is not in the manifest")
     for name, (size, digest) in sorted(entries.items()):
-        path = step_dir / name
         if name not in present:
             raise ChecksumError(f"{name} is missing")
-        if path.stat().st_size != size:
-            raise ChecksumError(f"{name} has {path.stat().st_size} bytes, {size} were saved")
-        if _digest(path) != digest:
+        got_size, got_digest = storage.size_and_sha256(step_dir / name)  # each file read once
+        if got_size != size:
+            raise ChecksumError(f"{name} has {got_size} bytes, {size} were saved")
+        if got_digest != digest:
             raise ChecksumError(f"{name} does not match its checksum")

@@ -143,6 +143,9 @@ class DataConfig:
     # a prepared record that fails its checksum: stop (one line naming the shard and record, exit 2)
     # or skip (its rows train nothing; logged and counted as skipped_records in TensorBoard)
     on_corrupt: str = "stop"
+    # a corpus on Cloud Storage (path=gs://...): the most GiB of its shards a process keeps in its
+    # local cache (the ArrayRecord reader opens local files only)
+    shard_cache_gb: float = 64.0
 
 
 @dataclass
@@ -618,7 +621,7 @@ def _validate_data_and_train(cfg: Config) -> None:
         "must list at least one glob when data.source=files",
     )
     _check(0.0 < data.val_fraction < 1.0, "data.val_fraction", data.val_fraction, "must be in (0, 1)")
-    _positive(data, "data", ["seq_len", "batch_size"])
+    _positive(data, "data", ["seq_len", "batch_size", "shard_cache_gb"])
     _check(data.on_corrupt in ("stop", "skip"), "data.on_corrupt", data.on_corrupt, "allowed: stop, skip")
 
     _positive(train, "train", ["steps", "lr", "grad_accum", "log_every"])

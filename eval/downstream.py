@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from effattn_jax import storage
 from eval.processes import writes
 from eval.scoring import encode_requests, score_requests
 from eval.tasks import TASKS, Task, add_task_arguments, load_task
@@ -185,6 +186,7 @@ def command(args) -> int:
         reports.append(report)
         print(format_report(report))
     if args.json and writes():
-        with open(args.json, "w") as f:
-            json.dump(reports if len(reports) > 1 else reports[0], f, indent=1)
+        storage.write_atomic(
+            storage.path(args.json), json.dumps(reports if len(reports) > 1 else reports[0], indent=1)
+        )
     return 0

@@ -18,8 +18,9 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
+from effattn_jax import storage
 from effattn_jax.config import context_split_error, moba_block_size
-from effattn_jax.data.pipeline import corpus_manifest
+from effattn_jax.data.pipeline import cache_bytes, corpus_manifest
 from effattn_jax.memory import fit_checked
 from effattn_jax.ops.context_parallel import balanced_batch, sequence_order
 from effattn_jax.sharding import logical_to_spec, sharding_rules
@@ -30,7 +31,7 @@ LOGITS_BUDGET = 1 << 26  # float32 logits per batch (256 MiB): sets the rows per
 
 def validation_documents(cfg) -> list[np.ndarray]:
     """The run's validation documents from its prepared corpus, as in training (each ends with EOS)."""
-    return corpus_manifest(cfg.data).stream("val").documents()
+    return corpus_manifest(cfg.data).stream("val", cache_bytes(cfg.data)).documents()
 
 
 def document_rows(docs: list[np.ndarray], seq_len: int) -> tuple[np.ndarray, np.ndarray]:
@@ -202,6 +203,5 @@ def command(args) -> int:
             f"loss={r['loss']:.4f} trailing_loss={r['trailing']['loss']:.4f} tokens={r['tokens']} step={step}"
         )
     if args.json and writes():
-        with open(args.json, "w") as f:
-            json.dump(reports, f, indent=1)
+        storage.write_atomic(storage.path(args.json), json.dumps(reports, indent=1))
     return 0

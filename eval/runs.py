@@ -11,6 +11,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+from effattn_jax import storage
 from effattn_jax.config import Config
 
 
@@ -21,15 +22,13 @@ def cached(run_dir: str | Path, step: int, name: str, key: dict, compute: Callab
     from eval.processes import writes
 
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
-    path = Path(run_dir) / "eval" / f"{name}_step{step}_{digest}.json"
+    path = storage.path(run_dir) / "eval" / f"{name}_step{step}_{digest}.json"
     if path.exists():
-        return json.loads(path.read_text())
+        return json.loads(storage.read_text(path))
     result = compute()
     if writes():
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(result, indent=1))
-        tmp.rename(path)
+        storage.write_atomic(path, json.dumps(result, indent=1))
     sync(f"cached-{path.name}")
     return result
 

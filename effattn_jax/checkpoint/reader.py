@@ -8,7 +8,7 @@ from pathlib import Path
 import jax
 import orbax.checkpoint as ocp
 
-from effattn_jax import checksums
+from effattn_jax import checksums, storage
 from effattn_jax.checkpoint.store import CheckpointError, manager
 from effattn_jax.config import ConfigError, config_from_dict
 from effattn_jax.model import abstract_params
@@ -27,7 +27,7 @@ def restore_config(run_dir: str | Path, step: int | None = None) -> dict:
 def saved_config(run_dir: str | Path) -> dict | None:
     """The config saved with the newest checkpoint whose config reads (a resumed run is checked
     against it); None for a directory without checkpoints."""
-    if not (Path(run_dir) / "checkpoints").is_dir():
+    if not (storage.path(run_dir) / "checkpoints").is_dir():
         return None
     for step in sorted(manager(run_dir, read_only=True).all_steps(), reverse=True):
         try:
@@ -39,8 +39,7 @@ def saved_config(run_dir: str | Path) -> dict | None:
 
 def kept_steps(run_dir: str | Path) -> list[int]:
     """The committed checkpoint steps of a run, oldest first; a clear error when there is no run."""
-    run_dir = Path(run_dir)
-    if not (run_dir / "checkpoints").is_dir():
+    if not (storage.path(run_dir) / "checkpoints").is_dir():
         raise CheckpointError(f"{run_dir}: not a run directory (no checkpoints/ inside)")
     steps = sorted(manager(run_dir, read_only=True).all_steps())
     if not steps:
@@ -88,7 +87,7 @@ def load_params(run_dir: str | Path, step: int, mesh=None):
         partial_restore=True,
     )
     try:
-        checksums.verify(Path(mngr.directory) / str(step))
+        checksums.verify(storage.path(mngr.directory) / str(step))
         restored = mngr.restore(step, args=ocp.args.Composite(state=args))
     except Exception as e:  # noqa: BLE001 - any failure means this step cannot be evaluated
         raise CheckpointError(

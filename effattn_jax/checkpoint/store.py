@@ -14,6 +14,9 @@ import orbax.checkpoint as ocp
 from absl import logging as absl_logging
 from jax.experimental import multihost_utils
 
+from effattn_jax import storage
+from effattn_jax.storage import AnyPath
+
 
 class CheckpointError(RuntimeError):
     pass
@@ -47,12 +50,14 @@ def os_error_of(e: BaseException) -> str | None:
 def manager(
     run_dir: str | Path, *, async_save: bool = True, read_only: bool = False
 ) -> ocp.CheckpointManager:
-    """The Orbax manager of `<run_dir>/checkpoints`; retention is `Checkpoints`', not Orbax's."""
+    """The Orbax manager of `<run_dir>/checkpoints` (a local directory, or Orbax's own Cloud
+    Storage path: no temporary directory, a step is committed by its commit_success.txt object);
+    retention is `Checkpoints`', not Orbax's."""
     with _quiet_if(read_only):  # Orbax warns that a read-only manager is read-only: what we asked for
         options = ocp.CheckpointManagerOptions(
             max_to_keep=None, enable_async_checkpointing=async_save, create=not read_only, read_only=read_only
         )
-        return ocp.CheckpointManager(Path(run_dir).absolute() / "checkpoints", options=options)
+        return ocp.CheckpointManager(storage.path(run_dir) / "checkpoints", options=options)
 
 
 @contextlib.contextmanager
@@ -66,7 +71,7 @@ def _quiet_if(quiet: bool):
         absl_logging.set_verbosity(level)
 
 
-def unwritable(directory: Path) -> str | None:
+def unwritable(directory: AnyPath) -> str | None:
     """Why `directory` cannot be created or a file written in it ('Read-only file system
     (EROFS)'); None when it can."""
     try:
@@ -79,7 +84,7 @@ def unwritable(directory: Path) -> str | None:
     return None
 
 
-def check_writable(directory: Path) -> None:
+def check_writable(directory: AnyPath) -> None:
     """SaveError when the checkpoint directory cannot be written (checked before training starts)."""
     if why := unwritable(directory):
         raise SaveError(f"{directory} cannot be written: {why}")

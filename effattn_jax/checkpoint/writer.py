@@ -1,7 +1,8 @@
 """The writer: a run's checkpoints as training saves and resumes them (train state, data
 iterator state and the resolved config, in `<run_dir>/checkpoints/<step>/`).
 
-Orbax writes each step to a temporary directory and renames it when complete, so a save cut
+Orbax writes each step to a temporary directory and renames it when complete (on Cloud
+Storage, which has no rename, it commits the step with a commit_success.txt object), so a save cut
 short (even by kill -9) is never listed. A checksum manifest written after that
 (effattn_jax/checksums.py) is verified before a step is restored: a step that fails (flipped,
 truncated or missing files, or no manifest at all) is never loaded.
@@ -22,8 +23,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from effattn_jax import checksums
+from effattn_jax import checksums, storage
 from effattn_jax.checkpoint.store import SaveError, manager, os_error_of, sync
+from effattn_jax.storage import AnyPath
 
 
 class Checkpoints:
@@ -41,7 +43,7 @@ class Checkpoints:
     def __init__(
         self, run_dir: str | Path, *, keep_last: int = 2, keep_every: int = 0, async_save: bool = True
     ):
-        self.directory = Path(run_dir).absolute() / "checkpoints"
+        self.directory = storage.path(run_dir) / "checkpoints"
         self.mngr = manager(run_dir, async_save=async_save)
         self.keep_last, self.keep_every = keep_last, keep_every
         self._pending: tuple[int, threading.Thread] | None = None
@@ -55,11 +57,12 @@ class Checkpoints:
     def all_steps(self) -> list[int]:
         return sorted(self.mngr.all_steps())
 
-    def _step_dir(self, step: int) -> Path:
+    def _step_dir(self, step: int) -> AnyPath:
         return self.directory / str(step)
 
     def _quarantine(self, step: int, why: str | None) -> None:
-        """Moves a step that failed on some process aside (process 0 moves, all wait)."""
+        """Moves a step that failed on some process aside (process 0 moves, all wait): a rename
+        locally, a copy and then a deletion on an object store."""
         if why and jax.process_index() > 0:
             print(f"process {jax.process_index()}: checkpoint step {step}: {why[:200]}", file=sys.stderr)
         why = why or "it failed on another process; see that process's log"
@@ -70,7 +73,7 @@ class Checkpoints:
                     break
                 dest = dest.with_name(f"{step}-{again}")
             dest.parent.mkdir(exist_ok=True)
-            shutil.move(self._step_dir(step), dest)
+            storage.move(self._step_dir(step), dest)
             unverified = why.startswith(checksums.MissingManifest.__name__)
             verdict = "cannot be verified" if unverified else "is corrupt"
             print(f"checkpoint step {step} {verdict} ({why[:200]}); moved to {dest}", file=sys.stderr)
@@ -148,7 +151,9 @@ class Checkpoints:
 
     def _check_room(self, step: int, state) -> None:
         """SaveError before Orbax writes anything when the filesystem lacks room for the step
-        (its arrays' bytes and some slack), on any process."""
+        (its arrays' bytes and some slack), on any process; an object store's room is its quota's."""
+        if storage.is_remote(self.directory):
+            return
         need = sum(leaf.nbytes for leaf in jax.tree.leaves(state)) * 1.05 + (1 << 20)
         free = shutil.disk_usage(self.directory).free
         if not _everywhere(free >= need):
@@ -174,11 +179,14 @@ class Checkpoints:
         ) from None
 
     def _remove_partial(self, step: int | None = None) -> None:
-        """Deletes Orbax's temporary step directories (and `step`, if committed without its manifest)."""
+        """Deletes Orbax's unfinished steps (a temporary directory, or on Cloud Storage a step
+        without its commit_success.txt), and `step` if committed without its manifest."""
+        if not self.directory.exists():  # an object store has no empty directory
+            return
         for p in self.directory.iterdir():
             unfinished = p.name == str(step) and not checksums.has_manifest(p)
-            if ".orbax-checkpoint-tmp" in p.name or unfinished:
-                shutil.rmtree(p, ignore_errors=True)
+            if (p.name[:1].isdigit() and not ocp.step.is_path_finalized(p)) or unfinished:
+                _remove_tree(p)
 
     def _last_good(self) -> str:
         good = [s for s in self.all_steps() if checksums.has_manifest(self._step_dir(s))]
@@ -218,7 +226,14 @@ def _everywhere(ok: bool) -> bool:
     return bool(np.all(multihost_utils.process_allgather(np.int32(ok))))
 
 
-def _restore_args(step_dir: Path, abstract_state, data_iter) -> ocp.args.Composite:
+def _remove_tree(p: AnyPath) -> None:
+    if storage.is_remote(p):
+        p.rmtree(missing_ok=True)
+    else:
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def _restore_args(step_dir: AnyPath, abstract_state, data_iter) -> ocp.args.Composite:
     items = {"state": ocp.args.StandardRestore(abstract_state)}
     if data_iter is not None and (step_dir / "data_state").is_dir():
         items["data_state"] = ocp.args.JsonRestore()

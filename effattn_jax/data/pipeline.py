@@ -52,6 +52,10 @@ def corpus_manifest(data_cfg) -> Manifest:
     )
 
 
+def cache_bytes(data_cfg) -> int:
+    return int(data_cfg.shard_cache_gb * 2**30)
+
+
 @dataclass
 class Corpus:
     """Packed train and validation rows, streamed from a prepared corpus, plus what the unigram
@@ -76,7 +80,9 @@ def build_corpus(data_cfg) -> Corpus:
             "set data.val_files (prepare: --val-input), change data.val_fraction or add documents"
         )
     train, val = (
-        PackedRows(manifest.stream(split), data_cfg.seq_len, on_corrupt=data_cfg.on_corrupt)
+        PackedRows(
+            manifest.stream(split, cache_bytes(data_cfg)), data_cfg.seq_len, on_corrupt=data_cfg.on_corrupt
+        )
         for split in ("train", "val")
     )
     if len(train) == 0 or len(val) == 0:

