@@ -11,6 +11,7 @@ settings (STORAGE_EMULATOR_HOST, TENSORSTORE_GCS_HTTP_URL).
 from __future__ import annotations
 
 import contextlib
+import glob as globlib
 import hashlib
 import os
 import shutil
@@ -51,6 +52,27 @@ def _configure() -> None:
     if os.environ.get("STORAGE_EMULATOR_HOST"):
         os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
     _configured = True
+
+
+def glob(pattern: str) -> list[AnyPath]:
+    """What a glob matches, sorted: locally with `**`; on an object store `*`, `?` and `[...]`
+    within each level (a recursive listing of a bucket could be millions of requests)."""
+    if not is_remote(pattern):
+        return sorted(Path(p) for p in globlib.glob(pattern, recursive=True))  # as written: relative stays
+    first = min((i for i, c in enumerate(pattern) if c in "*?["), default=len(pattern))
+    base = pattern[: pattern.rfind("/", 0, first)]
+    return sorted(path(base).glob(pattern[len(base) + 1 :]), key=str)
+
+
+def local_copy(p: AnyPath, under: Path) -> Path:
+    """A local file of an object, fetched once per version of it (`under/<version>/<name>`)."""
+    blob = _blob(p)
+    blob.reload()
+    dst = under / hashlib.sha256(f"{p}#{blob.generation}".encode()).hexdigest()[:16] / p.name
+    if not dst.exists():
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        download(p, dst)
+    return dst
 
 
 def files_under(root: AnyPath) -> list[AnyPath]:

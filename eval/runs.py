@@ -5,7 +5,6 @@ checkpoints, and reruns, evaluate only what is new). Loading runs is
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 from collections.abc import Callable
@@ -34,14 +33,16 @@ def cached(run_dir: str | Path, step: int, name: str, key: dict, compute: Callab
 
 
 def expand_runs(spec: str) -> list[Path]:
-    """Comma-separated globs of run directories -> the run directories (sorted, each once)."""
+    """Comma-separated globs of run directories (local, or gs://) -> the run directories (sorted,
+    each once)."""
     runs = sorted(
         {
-            Path(p)
+            p
             for pattern in spec.split(",")
-            for p in glob.glob(pattern.strip())
-            if Path(p, "checkpoints").is_dir()
-        }
+            for p in storage.glob(pattern.strip())
+            if (p / "checkpoints").is_dir()
+        },
+        key=str,
     )
     if not runs:
         raise ValueError(f"--runs={spec!r}: matches no run directory (one with checkpoints/ inside)")

@@ -91,6 +91,15 @@ def test_object_store_primitives(gcs):
     storage.write_atomic(lock, "whole")
     assert lock.read_text() == "whole"
 
+    # data.train_files / --input globs: each matching object fetched once per version
+    for name in ("a.txt", "b.txt", "c.jsonl"):
+        gcs.blob(f"prims/in/{name}").upload_from_string(name)
+    first = expand_globs([url("prims", "in", "*.txt")], "data.train_files")
+    assert [p.read_text() for p in first] == ["a.txt", "b.txt"]
+    assert expand_globs([url("prims", "in", "*.txt")], "data.train_files") == first
+    gcs.blob("prims/in/a.txt").upload_from_string("changed")
+    assert expand_globs([url("prims", "in", "a.txt")], "k")[0].read_text() == "changed"
+
     writer = ScalarWriter(url("prims", "tb"))
     for step in range(1, 4):
         writer.scalars(step, {"loss": 1.0 / step})

