@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from effattn_jax import checkpoint
-from eval.processes import writes
+from eval.processes import output_dir, writes
 from eval.runs import attention_label, cached, expand_runs, model_param_counts
 from eval.tasks import add_task_arguments
 
@@ -118,15 +118,14 @@ def command(args) -> int:
     runs = collect(expand_runs(args.runs), names, args.limit)
     if not writes():
         return 0
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    write_table(runs, out, "curves")
-    plot(runs, out / "curves.png", args.limit)
+    with output_dir(args.out) as out:
+        write_table(runs, out, "curves")
+        plot(runs, out / "curves.png", args.limit)
     for r in runs:
         last = r["points"][-1]
         print(
             f"{r['label']}: {len(r['points'])} checkpoints, last step {last['step']}: "
             f"avg_acc={last['avg_acc']:.4f} val_loss={last['val_loss']:.4f}"
         )
-    print(f"wrote {out / 'curves.png'} {out / 'curves.json'} {out / 'curves.csv'}")
+    print("wrote " + " ".join(f"{args.out.rstrip('/')}/curves.{ext}" for ext in ("png", "json", "csv")))
     return 0

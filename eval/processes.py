@@ -8,6 +8,10 @@ holds the process's own items and zeros elsewhere, so the sum over processes is 
 
 from __future__ import annotations
 
+import contextlib
+import tempfile
+from pathlib import Path
+
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
@@ -16,6 +20,22 @@ from jax.experimental import multihost_utils
 def writes() -> bool:
     """Whether this process prints, draws and writes (process 0)."""
     return jax.process_index() == 0
+
+
+@contextlib.contextmanager
+def output_dir(out: str):
+    """The local directory a command writes its figures and tables to: `out` itself, or for a
+    gs:// URL a temporary one whose files are uploaded to it when the command is done."""
+    from effattn_jax import storage
+
+    if not storage.is_remote(out):
+        Path(out).mkdir(parents=True, exist_ok=True)
+        yield Path(out)
+        return
+    with tempfile.TemporaryDirectory(prefix="effattn-eval-out-") as tmp:
+        yield Path(tmp)
+        for f in sorted(Path(tmp).iterdir()):
+            storage.upload(f, storage.path(out) / f.name)
 
 
 def share(n: int) -> np.ndarray:

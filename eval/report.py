@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from effattn_jax import checkpoint
-from eval.processes import writes
+from eval.processes import output_dir, writes
 from eval.tasks import add_task_arguments
 
 
@@ -114,12 +114,11 @@ def command(args) -> int:
         return 0
     for r in runs:
         r.update(efficiency(r["run"], args.context))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     note = scale_note(runs) + (f", {args.limit} questions/task" if args.limit else "")
-    (out / "report.json").write_text(json.dumps(runs, indent=1))
-    (out / "report.md").write_text(markdown(runs, args.context, note))
-    plot(runs, out / "report.png", args.context, note)
+    with output_dir(args.out) as out:
+        (out / "report.json").write_text(json.dumps(runs, indent=1))
+        (out / "report.md").write_text(markdown(runs, args.context, note))
+        plot(runs, out / "report.png", args.context, note)
     print(markdown(runs, args.context, note), end="")
-    print(f"wrote {out / 'report.png'} {out / 'report.md'} {out / 'report.json'}")
+    print("wrote " + " ".join(f"{args.out.rstrip('/')}/report.{ext}" for ext in ("png", "md", "json")))
     return 0

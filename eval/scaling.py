@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from eval.processes import writes
+from eval.processes import output_dir, writes
 from eval.runs import attention_label, expand_runs, model_param_counts
 
 
@@ -168,18 +168,17 @@ def command(args) -> int:
     if not writes():
         return 0
     fits = fits_per_label(points)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "scaling.json").write_text(
-        json.dumps({"loss": args.loss, "compute": args.compute, "points": points, "fits": fits}, indent=1)
-    )
-    with open(out / "scaling.csv", "w") as f:
-        f.write("label,run,step,non_embedding_params,tokens,pflops_days,loss\n")
-        for p in points:
-            f.write(
-                f"{p['label']},{p['run']},{p['step']},{p['non_embedding_params']},{p['tokens']},{p['pflops_days']:.6g},{p['loss']:.6f}\n"
-            )
-    plot(points, fits, args.loss, out / "scaling.png")
+    with output_dir(args.out) as out:
+        (out / "scaling.json").write_text(
+            json.dumps({"loss": args.loss, "compute": args.compute, "points": points, "fits": fits}, indent=1)
+        )
+        with open(out / "scaling.csv", "w") as f:
+            f.write("label,run,step,non_embedding_params,tokens,pflops_days,loss\n")
+            for p in points:
+                f.write(
+                    f"{p['label']},{p['run']},{p['step']},{p['non_embedding_params']},{p['tokens']},{p['pflops_days']:.6g},{p['loss']:.6f}\n"
+                )
+        plot(points, fits, args.loss, out / "scaling.png")
     for label, fit in fits.items():
         if fit:
             print(
@@ -188,5 +187,5 @@ def command(args) -> int:
             )
         else:
             print(f"{label}: one compute value, no fit")
-    print(f"wrote {out / 'scaling.png'} {out / 'scaling.json'} {out / 'scaling.csv'}")
+    print("wrote " + " ".join(f"{args.out.rstrip('/')}/scaling.{ext}" for ext in ("png", "json", "csv")))
     return 0

@@ -177,6 +177,13 @@ def test_two_processes_on_gs_match_local_disk(gcs, corpora, tmp_path, capsys):
     assert len(texts) == 2 and texts[0] == texts[1]
     read = lambda p: json.loads(storage.path(p).read_text())[0]["loss"]
     assert read(f"{remote}/lm.json") == pytest.approx(read(f"{local}/lm.json"), rel=1e-5)
+    assert eval_main(["scaling", "--runs", url("tw*"), "--out", url("figures")]) == 0  # a glob in the bucket
+    assert {p.name for p in storage.path(url("figures")).iterdir()} == {
+        "scaling.png",
+        "scaling.json",
+        "scaling.csv",
+    }
+    assert storage.path(f"{remote}/eval").is_dir()  # the run's eval cache, in the bucket
 
     # A corrupt object: the step is set aside (copied under corrupt/, then deleted) and the run
     # resumes from step 2, finishing as a local run of 6 steps does (steps 1-2 are warmup, the same
