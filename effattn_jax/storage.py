@@ -158,6 +158,14 @@ def upload(src: Path, dst: AnyPath) -> None:
     _blob(dst).upload_from_filename(str(src))
 
 
+def upload_tree(src: Path, dst: AnyPath) -> None:
+    """Every file below a local directory, to the same relative names under `dst`; the local
+    directory is removed."""
+    for f in sorted(p for p in src.rglob("*") if p.is_file()):
+        upload(f, dst / str(f.relative_to(src)))
+    shutil.rmtree(src)
+
+
 def create_exclusive(p: AnyPath, text: str) -> bool:
     """Creates `p` holding `text` unless it exists; whether this call created it. Locally
     O_CREAT|O_EXCL; on Cloud Storage an upload conditioned on no live object (ifGenerationMatch=0),

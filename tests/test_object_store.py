@@ -159,7 +159,8 @@ def test_two_processes_on_gs_match_local_disk(gcs, corpora, tmp_path, capsys):
     assert checkpoint.kept_steps(remote) == [2, 4]
 
     # One writer: a launch while the lock is held (here by this process) is refused in one line
-    remote_cfg = load_config(None, overrides(corpora, "remote", remote, **{"train.steps": 6, "mesh.data": 2}))
+    more = {"train.steps": 6, "mesh.data": 2, "train.profile_steps": "[3,4]"}
+    remote_cfg = load_config(None, overrides(corpora, "remote", remote, **more))
     with run_guard.exclusive(storage.path(remote)), pytest.raises(ConfigError, match="in use by pid"):
         run(remote_cfg)
 
@@ -196,6 +197,7 @@ def test_two_processes_on_gs_match_local_disk(gcs, corpora, tmp_path, capsys):
     run(remote_cfg)
     assert "checkpoint step 4 is corrupt" in capsys.readouterr().err
     assert storage.path(f"{remote}/checkpoints/corrupt/4/checksums.json").exists()
+    assert storage.files_under(storage.path(f"{remote}/profile"))  # the trace, uploaded
     six = tmp_path / "six"
     run(load_config(None, overrides(corpora, "local", str(six), **{"train.steps": 6, "mesh.data": 2})))
     a, b = losses(remote), losses(six)

@@ -108,7 +108,8 @@ ALLOWED = {
     "effattn_jax": set(),
     "config": set(),
     "cli": set(),
-    "checksums": set(),
+    "storage": set(),  # local paths and gs:// behind one interface; at the bottom with the others
+    "checksums": {"storage"},
     "sharding": {"config"},
     "pallas_kernels": set(),
     "ops": {"config", "sharding", "pallas_kernels"},
@@ -118,14 +119,25 @@ ALLOWED = {
     "flops": {"config"},
     "memory": set(),
     "collectives": set(),
-    "data": {"config"},
-    "checkpoint": {"config", "sharding", "checksums", "model"},
+    "data": {"config", "storage"},
+    "checkpoint": {"config", "sharding", "checksums", "model", "storage"},
     "launch": {"config", "cli"},
     "train": BELOW_MODEL
-    | {"model", "flops", "memory", "collectives", "data", "checkpoint", "checksums", "launch", "cli"},
+    | {
+        "model",
+        "flops",
+        "memory",
+        "collectives",
+        "data",
+        "checkpoint",
+        "checksums",
+        "launch",
+        "cli",
+        "storage",
+    },
     "generate": BELOW_MODEL | {"model", "memory", "data", "checkpoint", "launch", "cli"},
     "eval": BELOW_MODEL
-    | {"model", "flops", "memory", "data", "checkpoint", "launch", "cli", "generate", "train"},
+    | {"model", "flops", "memory", "data", "checkpoint", "launch", "cli", "generate", "train", "storage"},
     "eval.bench": set(),  # on top: anything (filled in below)
 }
 ALLOWED["eval.bench"] = set(ALLOWED) - {"eval.bench"}

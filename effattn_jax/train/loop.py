@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -296,7 +297,9 @@ def _train(cfg: Config, corpus, setup, train_step, run_dir: AnyPath, stop_at: in
         tick, tick_step = time.perf_counter(), step
         while step < train_cfg.steps:
             if profile and step == profile[0]:
-                jax.profiler.start_trace(str(run_dir / "profile"))
+                remote = storage.is_remote(run_dir)  # the profiler writes local files only
+                trace_dir = Path(tempfile.mkdtemp()) if remote else run_dir / "profile"
+                jax.profiler.start_trace(str(trace_dir))
             phase = phase_at(step)
             state, metrics = phase.train_step(state, _to_global(next(data_iter), batch_sharding))
             step += 1
@@ -305,6 +308,8 @@ def _train(cfg: Config, corpus, setup, train_step, run_dir: AnyPath, stop_at: in
             if profile and step == profile[1]:
                 jax.block_until_ready(state)
                 jax.profiler.stop_trace()
+                if storage.is_remote(run_dir):
+                    storage.upload_tree(trace_dir, run_dir / "profile")
             if step % train_cfg.log_every == 0 or step == train_cfg.steps:
                 check_finite()
                 logged = {k: float(v) for k, v in jax.device_get(metrics).items()}
