@@ -12,12 +12,14 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 from conftest import ROOT, tiny_overrides, write_corpus
 
 from effattn_jax import checkpoint, storage
+from effattn_jax.checkpoint.store import unwritable
 from effattn_jax.config import ConfigError, load_config
-from effattn_jax.data.corpus import Inputs, expand_globs
+from effattn_jax.data.corpus import DataError, Inputs, expand_globs
 from effattn_jax.data.prepare import prepare
 from effattn_jax.train import run_dir as run_guard
 from effattn_jax.train.loop import run
@@ -123,6 +125,35 @@ def corpora(gcs, tmp_path_factory):
     assert remote.data == local.data  # the same shards, now in the bucket
     assert not any(storage.path(url("corpus")).glob("*.tmp"))
     return {"remote": url("corpus"), "local": str(root.parent / "prepared"), "root": root}
+
+
+def test_remote_shards_stream_through_a_bounded_cache(gcs, corpora, tmp_path):
+    """A corpus of several shards in the bucket reads the same tokens as its local copy through a
+    cache that never holds more than its budget; a shard replaced in the store is refused; a run
+    directory in a bucket that does not exist cannot be written."""
+    files = lambda split: expand_globs([f"{corpora['root']}/{split}/*.txt"], split)
+    inputs = Inputs.of(files("train"), files("val"), 0.05, "text")
+    options = {"tokenizer": "gpt-neox-olmo", "workers": 0, "progress": False, "shard_tokens": 300}
+    remote = prepare(inputs, url("sharded"), chunk_tokens=64, **options)
+    local = prepare(inputs, tmp_path / "sharded", chunk_tokens=64, **options)
+    shards = remote.data["train"]["shards"]
+    assert len(shards) >= 4
+    budget = 2 * max(s["bytes"] for s in shards)
+    stream, want = remote.stream("train", budget), local.stream("train")
+    cache = stream._files.dir  # this process's copies of the corpus's shards
+    shutil.rmtree(cache)
+    cache.mkdir()
+    rng = np.random.default_rng(0)
+    for start in [*range(0, stream.tokens - 50, 97), *rng.integers(0, stream.tokens - 50, 20)]:
+        got, expected = stream.span(int(start), 50), want.span(int(start), 50)
+        assert all(np.array_equal(a, b) for a, b in zip(got, expected, strict=True))
+        assert sum(f.stat().st_size for f in cache.rglob("*") if f.is_file()) <= budget
+
+    gcs.blob(f"sharded/{shards[-1]['file']}").upload_from_string(b"not the shard")
+    (cache / shards[-1]["file"]).unlink(missing_ok=True)
+    with pytest.raises(DataError, match="the manifest says"):
+        remote.stream("train", budget).span(stream.tokens - 10, 10)
+    assert unwritable(storage.path("gs://no-such-bucket-effattn/run/checkpoints"))
 
 
 def overrides(corpora, where: str, run_dir: str, **extra) -> list[str]:

@@ -79,8 +79,8 @@ def unwritable(directory: AnyPath) -> str | None:
         probe = directory / f".writable-{jax.process_index()}"
         probe.touch()
         probe.unlink()
-    except OSError as e:
-        return os_error_of(e)
+    except OSError as e:  # an object store's refusal (403, no such bucket) has no errno
+        return os_error_of(e) or f"{type(e).__name__}: {e}".splitlines()[0][:200]
     return None
 
 

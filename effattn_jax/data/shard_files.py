@@ -62,10 +62,10 @@ class RemoteShards:
             )
 
     def read(self, shard: int, record: int) -> bytes:
-        with self._lock:
+        with self._lock:  # reads too: another thread's fetch may evict (close) any other shard
             source = self._open.pop(shard, None) or self._fetch(shard)
             self._open[shard] = source
-        return source[record]
+            return source[record]
 
     def _fetch(self, shard: int):
         entry, local = self.shards[shard], self.dir / self.shards[shard]["file"]
