@@ -131,9 +131,9 @@ def write_atomic(p: AnyPath, data: str | bytes) -> None:
 
 
 def move(src: AnyPath, dst: AnyPath) -> None:
-    """A local rename; on an object store a copy of every object and then the source's deletion
-    (cut short, the source is still whole or partly deleted, and the copy is partial: nothing
-    half-moved is ever taken for whole, since both sides are checked before use)."""
+    """A local rename; on an object store (no rename) a copy of every object, then the source's
+    deletion. Cut short, the copy may be partial and the source partly deleted; what reads
+    either side (checkpoint manifests, corpus manifests) finds that before using it."""
     if not is_remote(src):
         shutil.move(src, dst)
         return
