@@ -153,7 +153,7 @@ def test_remote_shards_stream_through_a_bounded_cache(gcs, corpora, tmp_path):
     (cache / shards[-1]["file"]).unlink(missing_ok=True)
     with pytest.raises(DataError, match="the manifest says"):
         remote.stream("train", budget).span(stream.tokens - 10, 10)
-    assert unwritable(storage.path("gs://no-such-bucket-effattn/run/checkpoints"))
+    assert "no-such-bucket-effattn" in unwritable(storage.path("gs://no-such-bucket-effattn/run"))
 
 
 def overrides(corpora, where: str, run_dir: str, **extra) -> list[str]:
