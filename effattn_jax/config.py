@@ -171,6 +171,9 @@ class TrainConfig:
     resume: bool = True
     # print the run's size (and with mesh.topology its compiled per-chip memory), then exit
     dry_run: bool = False
+    # RUN_DIR[@STEP]: a new run starts from that run's parameters (its newest kept step by
+    # default; local or gs://) with a fresh optimizer and schedule; shapes must match
+    init_from: str = ""
 
 
 MESH_AXES = ("data", "fsdp", "context", "tensor")  # the order of the device grid: tensor innermost
@@ -644,6 +647,13 @@ def _validate_data_and_train(cfg: Config) -> None:
         "[] or [start, stop] with 0 <= start < stop",
     )
     _check(bool(train.run_dir), "train.run_dir", train.run_dir, "must be a directory path")
+    init_step = train.init_from.rpartition("@")[2] if "@" in train.init_from else "latest"
+    _check(
+        init_step == "latest" or init_step.isdigit(),
+        "train.init_from",
+        train.init_from,
+        "expected RUN_DIR or RUN_DIR@STEP (a step number or latest)",
+    )
 
 
 def _validate_mesh(cfg: Config) -> None:

@@ -188,6 +188,7 @@ def test_two_processes_on_gs_match_local_disk(gcs, corpora, tmp_path, capsys):
     names = {p.name for p in storage.path(remote).iterdir()}
     assert {"config.yaml", "launches.jsonl", "checkpoints"} <= names and "run.lock" not in names
     assert checkpoint.kept_steps(remote) == [2, 4]
+    assert checkpoint.init_source(f"{remote}@2") == (remote, 2)  # train.init_from may name it too
 
     # One writer: a launch while the lock is held (here by this process) is refused in one line
     more = {"train.steps": 6, "mesh.data": 2, "train.profile_steps": "[3,4]"}

@@ -213,3 +213,37 @@ def test_nonfinite_step_is_skipped_or_stops_before_any_save(tmp_path, corpus_dir
     for step in mngr.all_steps():
         restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
         assert bool(all_finite(restored["state"]))
+
+
+def test_init_from_starts_a_new_run_from_another_runs_parameters(tmp_path, corpus_dir, capsys):
+    """train.init_from=RUN@STEP: a new run begins with that step's parameters, a fresh optimizer
+    state and step 0; MoBA (no parameters of its own) and another RoPE base keep the shapes; a
+    model of other shapes, or a step not kept, is refused in one line before anything is written.
+    Catches: optimizer moments or the step carried over, a partial restore that leaves fresh weights."""
+    from effattn_jax.config import ConfigError
+
+    src = tmp_path / "src"
+    run(tiny_cfg(corpus_dir, src, **{"train.steps": 4}))
+    cfg = tiny_cfg(corpus_dir, tmp_path / "new", **{"train.steps": 2, "train.init_from": f"{src}@2"})
+    setup = make_setup(cfg, make_mesh(1, 1, 1))
+    state = init_state(setup, checkpoint.restore_params(src, 2, setup.abstract_state["params"]))
+    _, _, saved = checkpoint.load_params(src, 2)
+    for a, b in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(saved), strict=True):
+        assert np.array_equal(a, b)
+    moments = [x for x in jax.tree.leaves(state["opt_state"]) if x.ndim > 0]
+    assert moments and all(not np.any(x) for x in moments) and int(state["step"]) == 0
+
+    result = run(cfg)
+    assert result["step"] == 2 and "started from the parameters of" in capsys.readouterr().err
+    moba = tiny_cfg(corpus_dir, tmp_path / "moba", **MOBA_CORE, **{"model.rope_theta": 40000.0})
+    abstract = make_setup(moba, make_mesh(1, 1, 1)).abstract_state["params"]
+    assert checkpoint.shape_changes(src, 4, abstract) == []
+
+    wider = {"train.init_from": str(src), "model.mlp_dim": 96}
+    for extra, why in ((wider, "do not fit this model: .*mlp"), ({"train.init_from": f"{src}@3"}, "step 3")):
+        with pytest.raises(ConfigError, match=why):
+            run(tiny_cfg(corpus_dir, tmp_path / "bad", **extra))
+        assert not (tmp_path / "bad").exists()
+
+
+MOBA_CORE = {"attention.core": "moba", "moba.block_size": 8, "moba.top_k": 2}

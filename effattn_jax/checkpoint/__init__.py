@@ -6,12 +6,15 @@ mesh (evaluation loads parameters only, straight into the evaluating process's s
 whatever mesh the run was trained on); `store` holds the Orbax manager both use."""
 
 from effattn_jax.checkpoint.reader import (
+    init_source,
     kept_steps,
     load_params,
     load_run_config,
     restore_config,
+    restore_params,
     saved_config,
     select_steps,
+    shape_changes,
 )
 from effattn_jax.checkpoint.store import CheckpointError, SaveError, check_writable, manager, sync
 from effattn_jax.checkpoint.writer import Checkpoints
@@ -21,12 +24,15 @@ __all__ = [
     "Checkpoints",
     "SaveError",
     "check_writable",
+    "init_source",
     "kept_steps",
     "load_params",
     "load_run_config",
     "manager",
     "restore_config",
+    "restore_params",
     "saved_config",
     "select_steps",
+    "shape_changes",
     "sync",
 ]

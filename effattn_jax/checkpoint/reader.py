@@ -7,11 +7,12 @@ from pathlib import Path
 
 import jax
 import orbax.checkpoint as ocp
+from flax import nnx
 
 from effattn_jax import checksums, storage
 from effattn_jax.checkpoint.store import CheckpointError, manager
 from effattn_jax.config import ConfigError, config_from_dict
-from effattn_jax.model import abstract_params
+from effattn_jax.model import abstract_params, new_model
 from effattn_jax.sharding import make_mesh
 
 
@@ -76,21 +77,49 @@ def load_params(run_dir: str | Path, step: int, mesh=None):
     restored into the shardings of `mesh` (default: this process's first local device), with the
     config the run saved as of that step (`Config.at_step`: dense after a MoBA -> dense switch).
     Raises CheckpointError when the step or its config cannot be read."""
-    mngr = manager(run_dir, read_only=True)
     cfg = load_run_config(run_dir, step).at_step(step)
     mesh = make_mesh(1, 1, 1, devices=jax.local_devices()) if mesh is None else mesh
     graphdef, params = abstract_params(cfg, mesh)
-    abstract = {"params": params}
+    return cfg, graphdef, restore_params(run_dir, step, params)
+
+
+def restore_params(run_dir: str | Path, step: int, abstract: dict) -> dict:
+    """The parameters of a kept step (verified against its manifest), restored into `abstract`'s
+    shapes, dtypes and shardings; CheckpointError when they cannot be."""
+    mngr = manager(run_dir, read_only=True)
+    item = {"params": abstract}
     args = ocp.args.PyTreeRestore(
-        item=abstract,
-        restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
-        partial_restore=True,
+        item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True
     )
     try:
         checksums.verify(storage.path(mngr.directory) / str(step))
         restored = mngr.restore(step, args=ocp.args.Composite(state=args))
-    except Exception as e:  # noqa: BLE001 - any failure means this step cannot be evaluated
+    except Exception as e:  # noqa: BLE001 - any failure means this step cannot be used
         raise CheckpointError(
             f"{run_dir}: step {step} cannot be restored: {type(e).__name__}: {e}".splitlines()[0][:300]
         ) from None
-    return cfg, graphdef, restored["state"]["params"]
+    return restored["state"]["params"]
+
+
+def init_source(spec: str) -> tuple[str, int]:
+    """`train.init_from` (`RUN_DIR[@STEP]`, default its newest step) -> (run dir, kept step)."""
+    run_dir, _, which = spec.rpartition("@") if "@" in spec else (spec, "", "latest")
+    return run_dir, select_steps(run_dir, which)[0]
+
+
+def shape_changes(run_dir: str | Path, step: int, abstract: dict) -> list[str]:
+    """`parameter: saved shape -> new shape` for every parameter of `abstract` that a kept step's
+    model (by the config saved with it) lacks or holds in another shape, and every one it has
+    that `abstract` lacks."""
+    cfg = load_run_config(run_dir, step).at_step(step)
+    saved = jax.eval_shape(lambda: nnx.to_pure_dict(nnx.split(new_model(cfg))[1]))
+    flat = lambda tree: {
+        "/".join(str(getattr(k, "key", k)) for k in path): tuple(x.shape)
+        for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+    }
+    old, new = flat(saved), flat(abstract)
+    return [
+        f"{name}: {old.get(name, 'absent')} -> {new.get(name, 'absent')}"
+        for name in sorted(set(old) | set(new))
+        if old.get(name) != new.get(name)
+    ]

@@ -194,6 +194,7 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict:
         sizes = "x".join(str(getattr(cfg.mesh, axis)) for axis in MESH_AXES)
         raise ConfigError(f"mesh ({'x'.join(MESH_AXES)})", sizes, str(e)) from None
     setup = make_setup(cfg, mesh)
+    init = _init_source(cfg, setup)
     train_step = compile_train_step(setup)  # DoesNotFit before the run directory is touched
     if why := unwritable(run_dir):
         raise ConfigError("train.run_dir", str(run_dir), f"cannot be written ({why})")
@@ -206,7 +207,29 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict:
         if jax.process_index() == 0:
             record_provenance(run_dir, cfg)
         checkpoint.sync("run directory ready")
-        return _train(cfg, corpus, setup, train_step, run_dir, stop_at)
+        return _train(cfg, corpus, setup, train_step, run_dir, stop_at, init)
+
+
+def _init_source(cfg: Config, setup) -> tuple[str, int] | None:
+    """(run dir, step) of `train.init_from`, checked before anything is written: the step exists
+    and its model's parameters have this config's shapes (the contract; one line if not)."""
+    spec = cfg.train.init_from
+    if not spec:
+        return None
+    try:
+        source = checkpoint.init_source(spec)
+        changes = checkpoint.shape_changes(*source, setup.abstract_state["params"])
+    except checkpoint.CheckpointError as e:
+        raise ConfigError("train.init_from", spec, str(e)) from None
+    if changes:
+        more = f" (and {len(changes) - 3} more)" if len(changes) > 3 else ""
+        raise ConfigError(
+            "train.init_from",
+            spec,
+            f"its parameters do not fit this model: {'; '.join(changes[:3])}{more}; "
+            "a continued run may change the attention core, context length and RoPE base, not shapes",
+        )
+    return source
 
 
 def compile_train_step(setup) -> Callable:
@@ -230,7 +253,15 @@ def compile_train_step(setup) -> Callable:
     return compiled
 
 
-def _train(cfg: Config, corpus, setup, train_step, run_dir: AnyPath, stop_at: int | None) -> dict:
+def _train(
+    cfg: Config,
+    corpus,
+    setup,
+    train_step,
+    run_dir: AnyPath,
+    stop_at: int | None,
+    init: tuple[str, int] | None,
+) -> dict:
     train_cfg, data_cfg, ckpt_cfg = cfg.train, cfg.data, cfg.checkpoint
     mesh = setup.mesh
 
@@ -245,7 +276,8 @@ def _train(cfg: Config, corpus, setup, train_step, run_dir: AnyPath, stop_at: in
     step, state = checkpoints.restore_latest(setup.abstract_state, data_iter)
     resumed = state is not None
     if not resumed:
-        step, state = 0, init_state(setup)
+        params = checkpoint.restore_params(*init, setup.abstract_state["params"]) if init else None
+        step, state = 0, init_state(setup, params)
 
     counts = param_counts(setup.model(state["params"]))
     phase_at = _phase_schedule(cfg, setup, train_step, counts["non_embedding"])
@@ -263,6 +295,8 @@ def _train(cfg: Config, corpus, setup, train_step, run_dir: AnyPath, stop_at: in
     stop.install()  # before the "resumed" line: a signal from then on is a clean preemption
     if resumed:
         log(f"resumed from step {step} in {run_dir}")
+    elif init:
+        log(f"started from the parameters of {init[0]} step {init[1]} (train.init_from)")
     bar = tqdm(
         total=train_cfg.steps,
         initial=step,

@@ -91,8 +91,12 @@ def make_setup(cfg: Config, mesh: Mesh) -> TrainSetup:
     return TrainSetup(cfg, mesh, graphdef, tx, schedule, shardings, abstract)
 
 
-def init_state(setup: TrainSetup) -> dict:
-    """Fresh, sharded train state (initialised directly into its shardings)."""
+def init_state(setup: TrainSetup, params: dict | None = None) -> dict:
+    """Fresh, sharded train state (initialised directly into its shardings); with `params`
+    (another run's, `train.init_from`) those parameters, a fresh optimizer state and step 0."""
+    if params is not None:
+        start = lambda p: {"params": p, "opt_state": setup.tx.init(p), "step": jnp.zeros((), jnp.int32)}
+        return jax.jit(start, out_shardings=setup.state_shardings)(params)
 
     def init():
         params = nnx.to_pure_dict(nnx.split(new_model(setup.cfg))[1])
