@@ -136,8 +136,21 @@ ALLOWED = {
         "storage",
     },
     "generate": BELOW_MODEL | {"model", "memory", "data", "checkpoint", "launch", "cli"},
+    "convert": BELOW_MODEL | {"model", "data", "checkpoint", "train", "cli"},
     "eval": BELOW_MODEL
-    | {"model", "flops", "memory", "data", "checkpoint", "launch", "cli", "generate", "train", "storage"},
+    | {
+        "model",
+        "flops",
+        "memory",
+        "data",
+        "checkpoint",
+        "launch",
+        "cli",
+        "generate",
+        "train",
+        "storage",
+        "convert",
+    },
     "eval.bench": set(),  # on top: anything (filled in below)
 }
 ALLOWED["eval.bench"] = set(ALLOWED) - {"eval.bench"}

@@ -237,6 +237,7 @@ def _restore_args(step_dir: AnyPath, abstract_state, data_iter) -> ocp.args.Comp
     items = {"state": ocp.args.StandardRestore(abstract_state)}
     if data_iter is not None and (step_dir / "data_state").is_dir():
         items["data_state"] = ocp.args.JsonRestore()
-    elif data_iter is not None:  # saved by an earlier version: Grain's own per-process files
+    elif data_iter is not None and (step_dir / "data").is_dir():  # an earlier version's: Grain's files
         items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
+    # no data position at all (a converted model's step 0): the data starts from the beginning
     return ocp.args.Composite(**items)
