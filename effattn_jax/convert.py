@@ -1,6 +1,7 @@
 """Hugging Face checkpoints into runs of this project.
 
     python -m effattn_jax.convert from-hf --model DIR --out RUN_DIR [key=value ...]
+    python -m effattn_jax.convert to-hf --run RUN_DIR [--step N] --out DIR
 
 reads a Hugging Face model directory (`config.json`, `*.safetensors` with or without an index,
 `tokenizer.json`) and writes a run directory whose step-0 checkpoint train.py, `python -m eval`
@@ -10,6 +11,10 @@ from). The config is derived from `config.json` (the `key=value` overrides come 
 data preparation, eval and generation tokenize the same way. Weights stream tensor by tensor
 into their shardings. Families: Llama and Mistral (dense attention, no RoPE scaling, no sliding
 window). Anything else is refused in one line, exit 2, nothing written.
+
+`to-hf` writes a run's step back out: MHA/GQA models as Llama (or the family they came from),
+MoBA models as their dense architecture (the weights are the same), with a note; EG-MLA has no
+Hugging Face equivalent and is refused.
 """
 
 from __future__ import annotations
@@ -23,10 +28,12 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from effattn_jax import storage
 from effattn_jax.cli import ArgumentParser
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral"}
 IGNORED = (".rotary_emb.inv_freq",)  # buffers some checkpoints carry; recomputed here
+HF_CONFIG = "hf_config.json"  # a converted run's source config.json (its family, for to-hf)
 
 
 class ConvertError(ValueError):
@@ -105,37 +112,39 @@ def _tensors(model_dir: Path) -> Iterator[tuple[str, np.ndarray]]:
                 yield name, np.asarray(f.get_tensor(name), np.float32)
 
 
-def _target(name: str, hf: dict) -> tuple[tuple[str, ...], Callable[[np.ndarray], np.ndarray]] | None:
-    """Where a Llama-layout tensor goes in this model's parameters, and how it is laid out there
-    (Hugging Face stores a linear layer as [out, in]; this model as [in, ...out])."""
-    d, heads, head_dim = hf["hidden_size"], hf["num_attention_heads"], None
+def _layouts(hf: dict) -> dict[str, tuple[tuple[str, ...], Callable, Callable]]:
+    """Hugging Face tensor name -> (this model's parameter path, to ours, back to theirs), for
+    every tensor of a Llama-layout model. Hugging Face stores a linear layer as [out, in]; this
+    model as [in, ...out]."""
+    d, heads = hf["hidden_size"], hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or d // heads
     kv = hf.get("num_key_value_heads") or heads
-    if name == "model.embed_tokens.weight":
-        return ("embed",), lambda w: w
-    if name == "model.norm.weight":
-        return ("final_norm", "scale"), lambda w: w
-    if name == "lm_head.weight":
-        return ("lm_head",), lambda w: w.T
-    parts = name.split(".")
-    if parts[:2] != ["model", "layers"] or len(parts) < 5:
-        return None
-    layer, rest = parts[2], ".".join(parts[3:])
-    by_name = {
-        "self_attn.q_proj.weight": (("attn", "q", "kernel"), lambda w: w.T.reshape(d, heads, head_dim)),
-        "self_attn.k_proj.weight": (("attn", "k", "kernel"), lambda w: w.T.reshape(d, kv, head_dim)),
-        "self_attn.v_proj.weight": (("attn", "v", "kernel"), lambda w: w.T.reshape(d, kv, head_dim)),
-        "self_attn.o_proj.weight": (("attn", "o", "kernel"), lambda w: w.T.reshape(heads, head_dim, d)),
-        "mlp.gate_proj.weight": (("mlp", "gate", "kernel"), lambda w: w.T),
-        "mlp.up_proj.weight": (("mlp", "up", "kernel"), lambda w: w.T),
-        "mlp.down_proj.weight": (("mlp", "down", "kernel"), lambda w: w.T),
-        "input_layernorm.weight": (("attn_norm", "scale"), lambda w: w),
-        "post_attention_layernorm.weight": (("mlp_norm", "scale"), lambda w: w),
+    same = lambda w: w
+    t = lambda w: w.T
+    split = lambda *shape: lambda w: w.T.reshape(*shape)
+    merge_out = lambda w: w.reshape(d, -1).T  # [d, heads, head_dim] -> [heads * head_dim, d]
+    merge_in = lambda w: w.reshape(-1, d).T  # [heads, head_dim, d] -> [d, heads * head_dim]
+    per_layer = {
+        "self_attn.q_proj.weight": (("attn", "q", "kernel"), split(d, heads, head_dim), merge_out),
+        "self_attn.k_proj.weight": (("attn", "k", "kernel"), split(d, kv, head_dim), merge_out),
+        "self_attn.v_proj.weight": (("attn", "v", "kernel"), split(d, kv, head_dim), merge_out),
+        "self_attn.o_proj.weight": (("attn", "o", "kernel"), split(heads, head_dim, d), merge_in),
+        "mlp.gate_proj.weight": (("mlp", "gate", "kernel"), t, t),
+        "mlp.up_proj.weight": (("mlp", "up", "kernel"), t, t),
+        "mlp.down_proj.weight": (("mlp", "down", "kernel"), t, t),
+        "input_layernorm.weight": (("attn_norm", "scale"), same, same),
+        "post_attention_layernorm.weight": (("mlp_norm", "scale"), same, same),
     }
-    if rest not in by_name:
-        return None
-    path, layout = by_name[rest]
-    return ("blocks", layer, *path), layout
+    out = {
+        "model.embed_tokens.weight": (("embed",), same, same),
+        "model.norm.weight": (("final_norm", "scale"), same, same),
+    }
+    if not hf.get("tie_word_embeddings", False):
+        out["lm_head.weight"] = (("lm_head",), t, t)
+    for i in range(hf["num_hidden_layers"]):
+        for name, (path, ours, theirs) in per_layer.items():
+            out[f"model.layers.{i}.{name}"] = (("blocks", str(i), *path), ours, theirs)
+    return out
 
 
 def load_weights(model_dir: Path, hf: dict, abstract: dict) -> dict:
@@ -146,14 +155,13 @@ def load_weights(model_dir: Path, hf: dict, abstract: dict) -> dict:
         tuple(str(getattr(k, "key", k)) for k in path): leaf
         for path, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]
     }
-    done = {}
+    layouts, done = _layouts(hf), {}
     for name, array in _tensors(model_dir):
         if name.endswith(IGNORED):
             continue
-        target = _target(name, hf)
-        if target is None or target[0] not in flat:
+        if name not in layouts or layouts[name][0] not in flat:
             raise ConvertError(f"{model_dir}: tensor {name} is not one a {hf['architectures'][0]} has here")
-        key, layout = target
+        key, layout, _ = layouts[name]
         value, want = layout(array), flat[key]
         if value.shape != want.shape:
             raise ConvertError(
@@ -204,6 +212,7 @@ def from_hf(model_dir: str | Path, out: str | Path, overrides: list[str] = ()) -
     params = load_weights(model_dir, hf, setup.abstract_state["params"])
     out.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(source_tokenizer, out / "tokenizer.json")
+    shutil.copyfile(model_dir / "config.json", out / HF_CONFIG)  # the family, for to-hf
     with exclusive(out):
         record_provenance(out, cfg)
         saver = checkpoint.Checkpoints(out, async_save=False)
@@ -214,6 +223,89 @@ def from_hf(model_dir: str | Path, out: str | Path, overrides: list[str] = ()) -
     return out
 
 
+LLAMA = {  # what an exported model that did not come from Hugging Face declares besides its sizes
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "mlp_bias": False,
+    "initializer_range": 0.02,
+    "torch_dtype": "float32",
+}
+
+
+def hf_config_of(cfg, base: dict) -> dict:
+    """`config.json` of a run's model: its family's (`base`), with this model's sizes."""
+    m = cfg.model
+    hf = dict(base) | {
+        "vocab_size": m.vocab_size,
+        "hidden_size": m.d_model,
+        "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "intermediate_size": m.mlp_dim,
+        "tie_word_embeddings": m.tie_embeddings,
+        "rms_norm_eps": m.norm_eps,
+        "max_position_embeddings": cfg.data.seq_len,
+    }
+    if "rope_parameters" in hf:  # the newer layout (transformers 5)
+        hf["rope_parameters"] = dict(hf["rope_parameters"]) | {"rope_theta": m.rope_theta}
+    else:
+        hf["rope_theta"] = m.rope_theta
+    return hf
+
+
+def to_hf(run_dir: str | Path, out: str | Path, step: str = "latest") -> list[str]:
+    """Writes a run's step as a Hugging Face model directory (safetensors, config.json, the
+    tokenizer): MHA/GQA models as Llama, or as the family they were converted from. Returns
+    notes for the user (MoBA is exported as its dense architecture)."""
+    from safetensors.numpy import save_file
+
+    from effattn_jax import checkpoint
+    from effattn_jax.data.tokenizer import load_tokenizer
+
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise ConvertError(f"--out={out}: not empty; export into a new directory")
+    try:
+        step = checkpoint.select_steps(run_dir, step)[0]
+        cfg, _, params = checkpoint.load_params(run_dir, step)
+    except checkpoint.CheckpointError as e:
+        raise ConvertError(str(e)) from None
+    specs = [cfg.layer_spec(i) for i in range(cfg.model.num_layers)]
+    kinds = {kind for kind, _ in specs}
+    if "eg_mla" in kinds:
+        raise ConvertError(f"{run_dir}: EG-MLA has no Hugging Face equivalent; it is not exported")
+    if kinds != {"mha"} or cfg.model.scan_layers:
+        why = "MLA (as DeepSeek-V2)" if "mla" in kinds else "model.scan_layers=true"
+        raise ConvertError(f"{run_dir}: {why}: not exported yet")
+    source = storage.path(run_dir) / HF_CONFIG
+    hf = hf_config_of(cfg, json.loads(storage.read_text(source)) if source.exists() else LLAMA)
+    notes = []
+    if moba := [i for i, (_, core) in enumerate(specs) if core == "moba"]:
+        hf["effattn_moba"] = {"layers": moba, "block_size": cfg.moba.block_size, "top_k": cfg.moba.top_k}
+        notes.append(
+            "MoBA is an attention pattern the target library will not apply: the model is exported "
+            "as its dense architecture (the weights are the same); its MoBA settings are in "
+            "config.json's effattn_moba"
+        )
+    flat = {
+        tuple(str(getattr(k, "key", k)) for k in path): leaf
+        for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
+    }
+    tensors = {
+        name: np.ascontiguousarray(theirs(np.asarray(flat[key], np.float32)))
+        for name, (key, _, theirs) in _layouts(hf).items()
+    }
+    _, _, tokenizer = load_tokenizer(cfg.data.tokenizer)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    shutil.copyfile(tokenizer, out / "tokenizer.json")
+    return notes
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog="python -m effattn_jax.convert", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -221,15 +313,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", required=True, help="the Hugging Face model directory")
     p.add_argument("--out", required=True, help="the new run directory")
     p.add_argument("overrides", nargs="*", help="config overrides, key=value")
+    p = sub.add_parser("to-hf", help="a run's checkpoint -> a Hugging Face model directory")
+    p.add_argument("--run", required=True, help="the run directory")
+    p.add_argument("--step", default="latest", help="a kept step (default: the newest)")
+    p.add_argument("--out", required=True, help="the new model directory")
     args = parser.parse_args(argv)
     from effattn_jax.config import ConfigError
+    from effattn_jax.data.corpus import DataError
 
     try:
-        out = from_hf(args.model, args.out, args.overrides)
-    except (ConvertError, ConfigError) as e:
+        if args.command == "from-hf":
+            out = from_hf(args.model, args.out, args.overrides)
+            print(f"converted {args.model} -> {out} (step 0)")
+        else:
+            for note in to_hf(args.run, args.out, args.step):
+                print(f"note: {note}", file=sys.stderr)
+            print(f"exported {args.run} -> {args.out}")
+    except (ConvertError, ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"converted {args.model} -> {out} (step 0)")
     return 0
 
 

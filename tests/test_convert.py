@@ -42,6 +42,67 @@ def test_converted_model_matches_the_reference(family, tmp_path, capsys):
     assert path == out / "tokenizer.json" and tok.get_vocab_size(True) <= cfg.model.vocab_size
 
 
+def _tensors(model_dir: Path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    return load_file(str(model_dir / "model.safetensors"))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_export_writes_the_familys_files_and_imports_back_bit_for_bit(family, tmp_path, capsys):
+    """to-hf of a converted model: the fixture's own tensor names, shapes and bytes, its config's
+    keys and values; importing the export gives every parameter back bit for bit."""
+    fixture = FIXTURES / family
+    run_dir, exported, again = tmp_path / "run", tmp_path / "hf", tmp_path / "again"
+    assert main(["from-hf", "--model", str(fixture), "--out", str(run_dir)]) == 0
+    assert main(["to-hf", "--run", str(run_dir), "--out", str(exported)]) == 0
+    theirs, ours = _tensors(fixture), _tensors(exported)
+    assert sorted(ours) == sorted(theirs)
+    for name, value in theirs.items():
+        assert ours[name].dtype == value.dtype and np.array_equal(ours[name], value), name
+    want = json.loads((fixture / "config.json").read_text())
+    got = json.loads((exported / "config.json").read_text())
+    assert {k: got.get(k) for k in want} == want
+    assert main(["from-hf", "--model", str(exported), "--out", str(again)]) == 0
+    a, b = checkpoint.load_params(run_dir, 0)[2], checkpoint.load_params(again, 0)[2]
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        assert np.array_equal(x, y)
+
+
+@pytest.mark.slow
+def test_runs_of_this_project_export_as_llama_and_moba_says_so(tmp_path, corpus_dir, capsys):
+    """A model trained here (MoBA core) exports as Llama with its MoBA settings recorded and a
+    note; it imports back bit for bit; EG-MLA is refused in one line."""
+    from conftest import TINY_MLA, tiny_overrides
+
+    from effattn_jax.config import load_config
+    from effattn_jax.train.loop import run
+
+    moba = {"attention.core": "moba", "moba.block_size": 8, "moba.top_k": 2, "train.steps": 2}
+    moba["model.tie_embeddings"] = "false"  # an output head of its own, as the Llama fixture has
+    run(load_config(None, tiny_overrides(corpus_dir, tmp_path / "moba", **moba)))
+    capsys.readouterr()
+    assert main(["to-hf", "--run", str(tmp_path / "moba"), "--out", str(tmp_path / "hf")]) == 0
+    assert "MoBA is an attention pattern the target library will not apply" in capsys.readouterr().err
+    hf = json.loads((tmp_path / "hf" / "config.json").read_text())
+    llama = json.loads((FIXTURES / "llama" / "config.json").read_text())
+    assert hf["architectures"] == ["LlamaForCausalLM"] and hf["effattn_moba"]["top_k"] == 2
+    assert {"hidden_size", "num_key_value_heads", "rms_norm_eps", "intermediate_size"} <= set(hf) & set(llama)
+    assert sorted(_tensors(tmp_path / "hf")) == sorted(_tensors(FIXTURES / "llama"))
+    assert main(["from-hf", "--model", str(tmp_path / "hf"), "--out", str(tmp_path / "back")]) == 0
+    a, b = checkpoint.load_params(tmp_path / "moba", 2)[2], checkpoint.load_params(tmp_path / "back", 0)[2]
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        assert np.array_equal(x, y)
+
+    eg = {"attention.kind": "eg_mla", "train.steps": 1}
+    extra = dict(o.split("=", 1) for o in TINY_MLA if o.startswith(("mla.", "eg_mla.")))
+    run(load_config(None, tiny_overrides(corpus_dir, tmp_path / "eg", **eg, **extra)))
+    capsys.readouterr()
+    assert main(["to-hf", "--run", str(tmp_path / "eg"), "--out", str(tmp_path / "eg_hf")]) == 2
+    assert "EG-MLA has no Hugging Face equivalent" in capsys.readouterr().err
+    assert not (tmp_path / "eg_hf").exists()
+
+
 def _broken(tmp_path, change) -> Path:
     model = tmp_path / "model"
     shutil.copytree(FIXTURES / "llama", model)

@@ -136,7 +136,7 @@ ALLOWED = {
         "storage",
     },
     "generate": BELOW_MODEL | {"model", "memory", "data", "checkpoint", "launch", "cli"},
-    "convert": BELOW_MODEL | {"model", "data", "checkpoint", "train", "cli"},
+    "convert": BELOW_MODEL | {"model", "data", "checkpoint", "train", "cli", "storage"},
     "eval": BELOW_MODEL
     | {
         "model",
