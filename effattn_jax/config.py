@@ -55,6 +55,8 @@ class ModelConfig:
     tie_embeddings: bool = True
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
+    qkv_bias: bool = False  # biases on the MHA query, key and value projections (Qwen2)
+    qk_norm: bool = False  # RMSNorm of each MHA query and key head before RoPE (Qwen3)
     init_std: float = 0.02
     dtype: str = "float32"  # compute dtype; parameters stay float32
     remat: bool = False  # rematerialise each block's activations in backward (MoBA keeps its schedule)

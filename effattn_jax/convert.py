@@ -9,10 +9,12 @@ and `effattn_jax.generate` use like any other (and `train.init_from=RUN_DIR` sta
 from). The config is derived from `config.json` (the `key=value` overrides come after, e.g.
 `data.seq_len=2048`); the tokenizer is copied into the run and recorded as `data.tokenizer`, so
 data preparation, eval and generation tokenize the same way. Weights stream tensor by tensor
-into their shardings. Families: Llama and Mistral (dense attention, no RoPE scaling, no sliding
-window). Anything else is refused in one line, exit 2, nothing written.
+into their shardings. Families: Llama, Mistral, Qwen2 (q/k/v biases) and Qwen3 (q/k norms),
+dense attention without RoPE scaling or a sliding window. Anything else is refused in one line,
+exit 2, nothing written.
 
-`to-hf` writes a run's step back out: MHA/GQA models as Llama (or the family they came from),
+`to-hf` writes a run's step back out: MHA/GQA models as Llama, Qwen2 or Qwen3 by their
+architecture (or as the family they came from),
 MoBA models as their dense architecture (the weights are the same), with a note; EG-MLA has no
 Hugging Face equivalent and is refused.
 """
@@ -31,7 +33,12 @@ import numpy as np
 from effattn_jax import storage
 from effattn_jax.cli import ArgumentParser
 
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral"}
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",  # biases on q, k and v
+    "Qwen3ForCausalLM": "qwen3",  # RMSNorm of each q and k head
+}
 IGNORED = (".rotary_emb.inv_freq",)  # buffers some checkpoints carry; recomputed here
 HF_CONFIG = "hf_config.json"  # a converted run's source config.json (its family, for to-hf)
 
@@ -60,10 +67,10 @@ def config_overrides(hf: dict, model_dir: Path) -> dict:
     rope = hf.get("rope_parameters") or {}
     theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
     scaling = hf.get("rope_scaling") or ({} if rope.get("rope_type", "default") == "default" else rope)
-    window = hf.get("sliding_window") or 0
+    window = (hf.get("sliding_window") or 0) if hf.get("use_sliding_window", True) else 0
     unsupported = {
         "rope scaling": scaling and scaling.get("rope_type", scaling.get("type")),
-        "attention biases": hf.get("attention_bias"),
+        "output projection biases": hf.get("attention_bias"),
         "MLP biases": hf.get("mlp_bias"),
         "a sliding window": 0 < window < hf["max_position_embeddings"],
         f"activation {hf.get('hidden_act')!r}": hf.get("hidden_act", "silu") != "silu",
@@ -82,10 +89,16 @@ def config_overrides(hf: dict, model_dir: Path) -> dict:
         "model.tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "model.rope_theta": float(theta),
         "model.norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+        "model.qkv_bias": _family(hf) == "qwen2",
+        "model.qk_norm": _family(hf) == "qwen3",
         "attention.kind": "mha",
         "attention.core": "dense",
         "data.seq_len": hf["max_position_embeddings"],
     }
+
+
+def _family(hf: dict) -> str:
+    return ARCHITECTURES[hf["architectures"][0]]
 
 
 def _weight_files(model_dir: Path) -> list[Path]:
@@ -122,6 +135,8 @@ def _layouts(hf: dict) -> dict[str, tuple[tuple[str, ...], Callable, Callable]]:
     same = lambda w: w
     t = lambda w: w.T
     split = lambda *shape: lambda w: w.T.reshape(*shape)
+    split_bias = lambda *shape: lambda w: w.reshape(*shape)
+    flat = lambda w: w.reshape(-1)
     merge_out = lambda w: w.reshape(d, -1).T  # [d, heads, head_dim] -> [heads * head_dim, d]
     merge_in = lambda w: w.reshape(-1, d).T  # [heads, head_dim, d] -> [d, heads * head_dim]
     per_layer = {
@@ -135,6 +150,12 @@ def _layouts(hf: dict) -> dict[str, tuple[tuple[str, ...], Callable, Callable]]:
         "input_layernorm.weight": (("attn_norm", "scale"), same, same),
         "post_attention_layernorm.weight": (("mlp_norm", "scale"), same, same),
     }
+    if _family(hf) == "qwen2":
+        for proj, n in (("q", heads), ("k", kv), ("v", kv)):
+            per_layer[f"self_attn.{proj}_proj.bias"] = (("attn", proj, "bias"), split_bias(n, head_dim), flat)
+    if _family(hf) == "qwen3":
+        for proj in ("q", "k"):
+            per_layer[f"self_attn.{proj}_norm.weight"] = (("attn", f"{proj}_norm", "scale"), same, same)
     out = {
         "model.embed_tokens.weight": (("embed",), same, same),
         "model.norm.weight": (("final_norm", "scale"), same, same),
@@ -234,6 +255,25 @@ LLAMA = {  # what an exported model that did not come from Hugging Face declares
 }
 
 
+QWEN = {  # the same, for a model of this project with q/k/v biases (Qwen2) or q/k norms (Qwen3)
+    name: LLAMA | {"architectures": [arch], "model_type": name, "use_sliding_window": False}
+    for arch, name in (("Qwen2ForCausalLM", "qwen2"), ("Qwen3ForCausalLM", "qwen3"))
+}
+
+
+def _base_config(cfg, source: dict | None) -> dict:
+    """The family an export declares: the one it was converted from when its architecture still
+    fits, else the one the model's architecture names (Qwen3 with q/k norms, Qwen2 with q/k/v
+    biases, else Llama)."""
+    m = cfg.model
+    if m.qkv_bias and m.qk_norm:
+        raise ConvertError("model.qkv_bias with model.qk_norm: no Hugging Face family has both")
+    want = "qwen3" if m.qk_norm else "qwen2" if m.qkv_bias else "llama"
+    if source is not None and _family(source).replace("mistral", "llama") == want:
+        return source
+    return QWEN.get(want, LLAMA)
+
+
 def hf_config_of(cfg, base: dict) -> dict:
     """`config.json` of a run's model: its family's (`base`), with this model's sizes."""
     m = cfg.model
@@ -281,7 +321,8 @@ def to_hf(run_dir: str | Path, out: str | Path, step: str = "latest") -> list[st
         why = "MLA (as DeepSeek-V2)" if "mla" in kinds else "model.scan_layers=true"
         raise ConvertError(f"{run_dir}: {why}: not exported yet")
     source = storage.path(run_dir) / HF_CONFIG
-    hf = hf_config_of(cfg, json.loads(storage.read_text(source)) if source.exists() else LLAMA)
+    converted = json.loads(storage.read_text(source)) if source.exists() else None
+    hf = hf_config_of(cfg, _base_config(cfg, converted))
     notes = []
     if moba := [i for i, (_, core) in enumerate(specs) if core == "moba"]:
         hf["effattn_moba"] = {"layers": moba, "block_size": cfg.moba.block_size, "top_k": cfg.moba.top_k}

@@ -16,20 +16,27 @@ def param(rngs: nnx.Rngs, shape: Sequence[int], axes: Sequence[str | None], std:
 
 
 class Dense(nnx.Module):
-    """y = einsum(x, W) with W of shape [*in_shape, *out_shape]; computes in `dtype`."""
+    """y = einsum(x, W) (+ b) with W of shape [*in_shape, *out_shape] and, with `bias`, b of
+    shape out_shape (zeros at init); computes in `dtype`."""
 
-    def __init__(self, in_shape, out_shape, axes, *, rngs, std=0.02, dtype=jnp.float32):
+    def __init__(self, in_shape, out_shape, axes, *, rngs, std=0.02, dtype=jnp.float32, bias=False):
         in_shape, out_shape = tuple(in_shape), tuple(out_shape)
         self.kernel = param(rngs, in_shape + out_shape, axes, std)
+        self.bias = (
+            nnx.Param(jnp.zeros(out_shape, jnp.float32), logical_axes=tuple(axes[len(in_shape) :]))
+            if bias
+            else None
+        )
         self.n_in = len(in_shape)
         self.dtype = dtype
 
     def __call__(self, x):
         w = self.kernel[...].astype(self.dtype)
         n = self.n_in
-        return jax.lax.dot_general(
+        y = jax.lax.dot_general(
             x.astype(self.dtype), w, ((tuple(range(x.ndim - n, x.ndim)), tuple(range(n))), ((), ()))
         )
+        return y if self.bias is None else y + self.bias[...].astype(self.dtype)
 
 
 class RMSNorm(nnx.Module):

@@ -7,7 +7,7 @@ import math
 import jax.numpy as jnp
 from flax import nnx
 
-from effattn_jax.layers import Dense, apply_rope
+from effattn_jax.layers import Dense, RMSNorm, apply_rope
 from effattn_jax.ops.cache import kv_view
 from effattn_jax.sharding import constrain, sharding_rules
 
@@ -20,15 +20,12 @@ class MHA(nnx.Module):
         h, kv, d = m.num_heads, cfg.num_kv_heads, cfg.head_dim
         dtype = jnp.dtype(m.dtype)
         out_std = m.init_std / math.sqrt(2 * m.num_layers)
-        self.q = Dense(
-            [m.d_model], [h, d], ("embed", "heads", "head_dim"), rngs=rngs, std=m.init_std, dtype=dtype
-        )
-        self.k = Dense(
-            [m.d_model], [kv, d], ("embed", "kv_heads", "head_dim"), rngs=rngs, std=m.init_std, dtype=dtype
-        )
-        self.v = Dense(
-            [m.d_model], [kv, d], ("embed", "kv_heads", "head_dim"), rngs=rngs, std=m.init_std, dtype=dtype
-        )
+        proj = dict(rngs=rngs, std=m.init_std, dtype=dtype, bias=m.qkv_bias)
+        self.q = Dense([m.d_model], [h, d], ("embed", "heads", "head_dim"), **proj)
+        self.k = Dense([m.d_model], [kv, d], ("embed", "kv_heads", "head_dim"), **proj)
+        self.v = Dense([m.d_model], [kv, d], ("embed", "kv_heads", "head_dim"), **proj)
+        norm = lambda: RMSNorm(d, eps=m.norm_eps, axis_name="head_dim") if m.qk_norm else None
+        self.q_norm, self.k_norm = norm(), norm()
         self.o = Dense(
             [h, d], [m.d_model], ("heads", "head_dim", "embed"), rngs=rngs, std=out_std, dtype=dtype
         )
@@ -46,9 +43,10 @@ class MHA(nnx.Module):
         )
 
     def qkv(self, x, positions):
-        q = apply_rope(self.q(x), positions, self.rope_theta)  # [B, S, H, D]
-        k = apply_rope(self.k(x), positions, self.rope_theta)  # [B, S, KV, D]
-        return q, k, self.v(x)
+        q, k = self.q(x), self.k(x)  # [B, S, H, D], [B, S, KV, D]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rope(q, positions, self.rope_theta), apply_rope(k, positions, self.rope_theta), self.v(x)
 
     def __call__(self, x, *, positions, segment_ids, token_ids=None):
         """x: [B, S, d_model] -> [B, S, d_model]. `token_ids` is unused by MHA."""
