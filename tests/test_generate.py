@@ -25,6 +25,7 @@ KINDS = {
     "eg_mla_latent": ["attention.kind=eg_mla", "eg_mla.gate_at=latent"],
     "mha_moba": MOBA,
     "mla_moba": ["attention.kind=mla"] + MOBA,
+    "gqa_qkv_bias_qk_norm": ["model.num_kv_heads=2", "model.qkv_bias=true", "model.qk_norm=true"],
 }
 
 
