@@ -54,6 +54,12 @@ class ModelConfig:
     mlp_dim: int = 384  # SwiGLU hidden width
     tie_embeddings: bool = True
     rope_theta: float = 10000.0
+    # "" or "llama3": Llama 3's rescaled RoPE frequencies for a context beyond the one trained on
+    rope_scaling: str = ""
+    rope_scaling_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_positions: int = 8192
     norm_eps: float = 1e-6
     qkv_bias: bool = False  # biases on the MHA query, key and value projections (Qwen2)
     qk_norm: bool = False  # RMSNorm of each MHA query and key head before RoPE (Qwen3)
@@ -500,8 +506,21 @@ def _validate_model(cfg: Config) -> None:
         "rope_theta",
         "norm_eps",
         "init_std",
+        "rope_scaling_factor",
+        "rope_low_freq_factor",
+        "rope_high_freq_factor",
+        "rope_original_max_positions",
     ]
     _positive(model, "model", positive)
+    _check(
+        model.rope_scaling in ("", "llama3"), "model.rope_scaling", model.rope_scaling, "allowed: '', llama3"
+    )
+    _check(
+        model.rope_high_freq_factor > model.rope_low_freq_factor,
+        "model.rope_high_freq_factor",
+        model.rope_high_freq_factor,
+        f"must exceed model.rope_low_freq_factor={model.rope_low_freq_factor}",
+    )
     _positive(model, "model", ["num_kv_heads", "head_dim", "loss_chunk_tokens"], allow_zero=True)
     _check(
         model.d_model % model.num_heads == 0 or model.head_dim > 0,

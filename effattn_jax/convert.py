@@ -9,8 +9,8 @@ and `effattn_jax.generate` use like any other (and `train.init_from=RUN_DIR` sta
 from). The config is derived from `config.json` (the `key=value` overrides come after, e.g.
 `data.seq_len=2048`); the tokenizer is copied into the run and recorded as `data.tokenizer`, so
 data preparation, eval and generation tokenize the same way. Weights stream tensor by tensor
-into their shardings. Families: Llama, Mistral, Qwen2 (q/k/v biases) and Qwen3 (q/k norms),
-dense attention without RoPE scaling or a sliding window. Anything else is refused in one line,
+into their shardings. Families: Llama (with Llama 3's RoPE scaling), Mistral, Qwen2 (q/k/v
+biases) and Qwen3 (q/k norms), without a sliding window. Anything else is refused in one line,
 exit 2, nothing written.
 
 `to-hf` writes a run's step back out: MHA/GQA models as Llama, Qwen2 or Qwen3 by their
@@ -63,13 +63,14 @@ def read_hf_config(model_dir: Path) -> dict:
 
 
 def config_overrides(hf: dict, model_dir: Path) -> dict:
-    """This project's config keys for a Hugging Face `config.json` (Llama / Mistral)."""
-    rope = hf.get("rope_parameters") or {}
+    """This project's config keys for a Hugging Face `config.json`."""
+    rope = hf.get("rope_parameters") or {}  # transformers 5; older files: rope_theta, rope_scaling
     theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
-    scaling = hf.get("rope_scaling") or ({} if rope.get("rope_type", "default") == "default" else rope)
+    scaling = hf.get("rope_scaling") or rope
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
     window = (hf.get("sliding_window") or 0) if hf.get("use_sliding_window", True) else 0
     unsupported = {
-        "rope scaling": scaling and scaling.get("rope_type", scaling.get("type")),
+        f"rope scaling {kind!r}": kind not in ("default", "llama3"),
         "output projection biases": hf.get("attention_bias"),
         "MLP biases": hf.get("mlp_bias"),
         "a sliding window": 0 < window < hf["max_position_embeddings"],
@@ -94,6 +95,16 @@ def config_overrides(hf: dict, model_dir: Path) -> dict:
         "attention.kind": "mha",
         "attention.core": "dense",
         "data.seq_len": hf["max_position_embeddings"],
+    } | (_llama3_rope(scaling) if kind == "llama3" else {})
+
+
+def _llama3_rope(scaling: dict) -> dict:
+    return {
+        "model.rope_scaling": "llama3",
+        "model.rope_scaling_factor": float(scaling["factor"]),
+        "model.rope_low_freq_factor": float(scaling["low_freq_factor"]),
+        "model.rope_high_freq_factor": float(scaling["high_freq_factor"]),
+        "model.rope_original_max_positions": int(scaling["original_max_position_embeddings"]),
     }
 
 
@@ -289,10 +300,20 @@ def hf_config_of(cfg, base: dict) -> dict:
         "rms_norm_eps": m.norm_eps,
         "max_position_embeddings": cfg.data.seq_len,
     }
+    scaling = {"rope_type": "default"}
+    if m.rope_scaling == "llama3":
+        scaling = {
+            "rope_type": "llama3",
+            "factor": m.rope_scaling_factor,
+            "low_freq_factor": m.rope_low_freq_factor,
+            "high_freq_factor": m.rope_high_freq_factor,
+            "original_max_position_embeddings": m.rope_original_max_positions,
+        }
     if "rope_parameters" in hf:  # the newer layout (transformers 5)
-        hf["rope_parameters"] = dict(hf["rope_parameters"]) | {"rope_theta": m.rope_theta}
+        hf["rope_parameters"] = scaling | {"rope_theta": m.rope_theta}
     else:
         hf["rope_theta"] = m.rope_theta
+        hf["rope_scaling"] = None if m.rope_scaling == "" else scaling
     return hf
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -50,10 +51,37 @@ class RMSNorm(nnx.Module):
         return (y * self.scale[...]).astype(x.dtype)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotary embedding (rotate-half form). x: [B, S, H, D], positions: [B, S]."""
+@dataclass(frozen=True)
+class Rope:
+    """The rotary embedding's frequencies: base `theta`, and with `scaling="llama3"` Llama 3's
+    rescaling of the low frequencies for a longer context (`factor`, the band between
+    `low_freq_factor` and `high_freq_factor`, the `original_max_positions` trained on)."""
+
+    theta: float = 10000.0
+    scaling: str = ""
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_positions: int = 8192
+
+    def frequencies(self, d: int) -> jax.Array:
+        """[d / 2] float32 angular frequencies of a head of width d."""
+        freq = self.theta ** (-jnp.arange(0, d, 2, dtype=jnp.float32) / d)
+        if self.scaling != "llama3":
+            return freq
+        wavelen, trained = 2 * jnp.pi / freq, self.original_max_positions
+        low, high = trained / self.low_freq_factor, trained / self.high_freq_factor  # wavelength bounds
+        scaled = jnp.where(wavelen > low, freq / self.factor, freq)
+        smooth = (trained / wavelen - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
+        medium = (wavelen >= high) & (wavelen <= low)
+        return jnp.where(medium, (1 - smooth) * scaled / self.factor + smooth * scaled, scaled)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, rope: Rope | float) -> jax.Array:
+    """Rotary embedding (rotate-half form). x: [B, S, H, D], positions: [B, S]; `rope`: a Rope,
+    or its base theta."""
     d = x.shape[-1]
-    freq = theta ** (-jnp.arange(0, d, 2, dtype=jnp.float32) / d)  # [D/2]
+    freq = (rope if isinstance(rope, Rope) else Rope(theta=rope)).frequencies(d)  # [D/2]
     ang = positions.astype(jnp.float32)[..., None] * freq  # [B, S, D/2]
     cos, sin = jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
@@ -84,3 +112,15 @@ class LayerNorm(nnx.Module):
         var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
         y = (xf - mean) * jax.lax.rsqrt(var + self.eps)
         return (y * self.scale[...] + self.bias[...]).astype(x.dtype)
+
+
+def rope_of(m) -> Rope:
+    """The Rope of a model config (`cfg.model`)."""
+    return Rope(
+        theta=m.rope_theta,
+        scaling=m.rope_scaling,
+        factor=m.rope_scaling_factor,
+        low_freq_factor=m.rope_low_freq_factor,
+        high_freq_factor=m.rope_high_freq_factor,
+        original_max_positions=m.rope_original_max_positions,
+    )

@@ -17,7 +17,7 @@ from effattn_jax.data.tokenizer import load_tokenizer
 from effattn_jax.generate import Generator
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -126,7 +126,7 @@ def _edit_config(**keys):
         (_edit_config(architectures=["GPT2LMHeadModel"]), "architecture 'GPT2LMHeadModel' is not one"),
         (_edit_config(intermediate_size=96), "does not match its config"),
         (_edit_config(vocab_size=256), "more than the model's 256 vocabulary rows"),
-        (_edit_config(rope_parameters={"rope_type": "llama3", "factor": 8.0}), "rope scaling"),
+        (_edit_config(rope_parameters={"rope_type": "yarn", "factor": 8.0}), "rope scaling 'yarn'"),
     ],
     ids=["no-config", "no-weights", "architecture", "shape", "tokenizer", "rope-scaling"],
 )

@@ -7,7 +7,7 @@ import math
 import jax.numpy as jnp
 from flax import nnx
 
-from effattn_jax.layers import Dense, RMSNorm, apply_rope
+from effattn_jax.layers import Dense, RMSNorm, apply_rope, rope_of
 from effattn_jax.ops.cache import kv_view
 from effattn_jax.sharding import constrain, sharding_rules
 
@@ -30,7 +30,7 @@ class MHA(nnx.Module):
             [h, d], [m.d_model], ("heads", "head_dim", "embed"), rngs=rngs, std=out_std, dtype=dtype
         )
         self.core = core
-        self.rope_theta = m.rope_theta
+        self.rope = rope_of(m)
         self.rules = sharding_rules(cfg)
 
     def init_cache(self, batch: int, max_len: int, dtype) -> dict:
@@ -46,7 +46,7 @@ class MHA(nnx.Module):
         q, k = self.q(x), self.k(x)  # [B, S, H, D], [B, S, KV, D]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        return apply_rope(q, positions, self.rope_theta), apply_rope(k, positions, self.rope_theta), self.v(x)
+        return apply_rope(q, positions, self.rope), apply_rope(k, positions, self.rope), self.v(x)
 
     def __call__(self, x, *, positions, segment_ids, token_ids=None):
         """x: [B, S, d_model] -> [B, S, d_model]. `token_ids` is unused by MHA."""

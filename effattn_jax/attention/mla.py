@@ -15,7 +15,7 @@ import math
 import jax.numpy as jnp
 from flax import nnx
 
-from effattn_jax.layers import Dense, RMSNorm, apply_rope
+from effattn_jax.layers import Dense, RMSNorm, apply_rope, rope_of
 from effattn_jax.ops.cache import CacheView, kv_view, take_slots
 from effattn_jax.ops.mla_decode import absorbed_attention
 from effattn_jax.sharding import constrain, sharding_rules
@@ -60,7 +60,7 @@ class MLA(nnx.Module):
         )
         self.core = core
         self.scale = 1.0 / math.sqrt(self.nope + self.rope_dim)
-        self.rope_theta = m.rope_theta
+        self.rope = rope_of(m)
         self.q_lora = bool(a.q_lora_rank)
         self.decode_impl = a.decode_impl
         self.rules = sharding_rules(cfg)
@@ -97,7 +97,7 @@ class MLA(nnx.Module):
     def latent(self, x, positions):
         """What is cached per token: c [B, S, d_c] and the RoPE key k^R [B, S, d_R]."""
         c = self.kv_norm(self.dkv(x))
-        kr = apply_rope(self.kr(x)[:, :, None, :], positions, self.rope_theta)[:, :, 0]
+        kr = apply_rope(self.kr(x)[:, :, None, :], positions, self.rope)[:, :, 0]
         return c, kr
 
     def kv_heads(self, c, token_ids):
@@ -107,7 +107,7 @@ class MLA(nnx.Module):
     def query(self, x, positions):
         """(q_nope [B, S, H, nope], RoPE'd q_rope [B, S, H, d_R])."""
         q = self.q(self.q_norm(self.dq(x)) if self.q_lora else x)
-        return q[..., : self.nope], apply_rope(q[..., self.nope :], positions, self.rope_theta)
+        return q[..., : self.nope], apply_rope(q[..., self.nope :], positions, self.rope)
 
     def __call__(self, x, *, positions, segment_ids, token_ids=None):
         q_nope, q_rope = self.query(x, positions)
