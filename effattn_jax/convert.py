@@ -230,7 +230,7 @@ def from_hf(model_dir: str | Path, out: str | Path, overrides: list[str] = ()) -
     from effattn_jax.sharding import make_mesh
     from effattn_jax.train.loop import record_provenance
     from effattn_jax.train.run_dir import exclusive
-    from effattn_jax.train.state import init_state, make_setup
+    from effattn_jax.train.state import make_setup
 
     model_dir, out = Path(model_dir), Path(out).absolute()
     if out.exists() and any(out.iterdir()):
@@ -249,7 +249,7 @@ def from_hf(model_dir: str | Path, out: str | Path, overrides: list[str] = ()) -
         record_provenance(out, cfg)
         saver = checkpoint.Checkpoints(out, async_save=False)
         try:
-            saver.save(0, init_state(setup, params), None, cfg.to_dict())
+            saver.save(0, {"params": params}, None, cfg.to_dict())  # no optimizer state: fresh on resume
         finally:
             saver.close()
     return out

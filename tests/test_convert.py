@@ -140,8 +140,9 @@ def test_bad_model_directories_are_refused_in_one_line(tmp_path, capsys, change,
 
 
 @pytest.mark.slow
-def test_a_converted_model_trains_on_as_moba(tmp_path, corpus_dir, capsys):
-    """The paper's continual path on a converted model: a new run from its parameters
+def test_a_converted_model_resumes_in_place_and_trains_on_as_moba(tmp_path, corpus_dir, capsys):
+    """train.py on the converted run directory resumes from its step 0 (parameters only: a fresh
+    optimizer state); and the paper's continual path: a new run from its parameters
     (train.init_from) with MoBA layers (no parameters of their own) on the model's tokenizer."""
     from conftest import tiny_overrides
 
@@ -149,9 +150,16 @@ def test_a_converted_model_trains_on_as_moba(tmp_path, corpus_dir, capsys):
     from effattn_jax.train.loop import run
 
     converted = tmp_path / "converted"
-    assert main(["from-hf", "--model", str(FIXTURES / "llama"), "--out", str(converted)]) == 0
+    keep = ("data.", "train.", "checkpoint.", "mesh.")
+    data = [o for o in tiny_overrides(corpus_dir, converted) if o.startswith(keep)]
+    data = [o for o in data if not o.startswith(("data.seq_len", "train.run_dir"))]
+    assert main(["from-hf", "--model", str(FIXTURES / "llama"), "--out", str(converted), *data]) == 0
+    in_place = run(load_config(str(converted / "config.yaml"), ["train.steps=2"]))
+    assert in_place["step"] == 2 and "resumed from step 0" in capsys.readouterr().err
+    assert checkpoint.kept_steps(converted) == [0, 2]
+
     keys = {
-        "train.init_from": str(converted),
+        "train.init_from": f"{converted}@0",
         "train.steps": 2,
         "model.vocab_size": 320,
         "model.tie_embeddings": "false",

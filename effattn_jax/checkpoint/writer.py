@@ -24,6 +24,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from effattn_jax import checksums, storage
+from effattn_jax.checkpoint.reader import restore_params
 from effattn_jax.checkpoint.store import SaveError, manager, os_error_of, sync
 from effattn_jax.storage import AnyPath
 
@@ -82,7 +83,8 @@ class Checkpoints:
 
     def restore_latest(self, abstract_state, data_iter=None):
         """(step, state) of the newest step that verifies and restores, restoring `data_iter` in
-        place; (None, None) when none does (a run with no checkpoint, or only corrupt ones)."""
+        place; (None, None) when none does (a run with no checkpoint, or only corrupt ones). A
+        step saved with parameters only (a converted model) comes back with `opt_state` None."""
         for step in sorted(self.mngr.all_steps(), reverse=True):
             why = None
             try:
@@ -91,8 +93,7 @@ class Checkpoints:
                 why = _reason(e)
             if _everywhere(why is None):  # every process restores, or none
                 try:
-                    args = _restore_args(self._step_dir(step), abstract_state, data_iter)
-                    restored = self.mngr.restore(step, args=args)
+                    restored = self._restore(step, abstract_state, data_iter)
                 except Exception as e:  # noqa: BLE001
                     why = _reason(e)
             if not _everywhere(why is None):  # the processes agree on every step's verdict
@@ -103,12 +104,21 @@ class Checkpoints:
             return step, restored["state"]
         return None, None
 
+    def _restore(self, step: int, abstract_state, data_iter) -> dict:
+        if (self._step_dir(step) / PARAMS_ONLY).is_dir():  # through a manager of its own: the
+            # item "state" of this one must keep the handler that saves whole states
+            params = restore_params(self.directory.parent, step, abstract_state["params"])
+            return {"state": {"params": params, "opt_state": None}}
+        return self.mngr.restore(step, args=_restore_args(self._step_dir(step), abstract_state, data_iter))
+
     def save(self, step: int, state, data_iter, config: dict) -> None:
         """Starts saving `step` (async unless configured otherwise) after completing the previous
         save; SaveError (nothing half-written left behind) when the step cannot be written."""
         self.finish()
         self._check_room(step, state)
         items = {"state": ocp.args.StandardSave(state), "config": ocp.args.JsonSave(config)}
+        if "opt_state" not in state:  # parameters only: a converted model, no optimizer state yet
+            items[PARAMS_ONLY] = ocp.args.JsonSave({"optimizer_state": False})
         if data_iter is not None:
             items["data_state"] = ocp.args.JsonSave(data_iter.get_state())
         try:
@@ -202,6 +212,7 @@ class Checkpoints:
 
 
 _ABSL = logging.getLogger("absl")
+PARAMS_ONLY = "params_only"  # the item marking a step saved without optimizer state
 
 
 class _FilesystemErrors(logging.Filter):

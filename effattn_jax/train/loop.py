@@ -22,6 +22,7 @@ from importlib import metadata
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
@@ -275,6 +276,8 @@ def _train(
     )
     step, state = checkpoints.restore_latest(setup.abstract_state, data_iter)
     resumed = state is not None
+    if resumed and state["opt_state"] is None:  # parameters only (a converted model's step 0)
+        state = init_state(setup, state["params"]) | {"step": jnp.asarray(step, jnp.int32)}
     if not resumed:
         params = checkpoint.restore_params(*init, setup.abstract_state["params"]) if init else None
         step, state = 0, init_state(setup, params)
