@@ -22,7 +22,9 @@ Hugging Face equivalent and is refused.
 from __future__ import annotations
 
 import json
+import math
 import shutil
+import struct
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -127,13 +129,24 @@ def _weight_files(model_dir: Path) -> list[Path]:
 
 
 def _tensors(model_dir: Path) -> Iterator[tuple[str, np.ndarray]]:
-    """(name, float32 array) of every tensor, one at a time (bf16 and fp16 widened)."""
-    from safetensors import safe_open
+    """(name, float32 array) of every tensor, one at a time (bf16 and fp16 widened). The files are
+    read, not memory-mapped: a mapping's pages would stay resident until the whole file is done.
+    The format: a little-endian u64 header length, the JSON header, the tensors' bytes."""
+    import ml_dtypes
 
+    dtypes = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
     for path in _weight_files(model_dir):
-        with safe_open(str(path), framework="flax") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield name, np.asarray(f.get_tensor(name), np.float32)
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+            header.pop("__metadata__", None)
+            for name, entry in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+                if entry["dtype"] not in dtypes:
+                    raise ConvertError(f"{path}: tensor {name} is {entry['dtype']}; floating point expected")
+                start, end = entry["data_offsets"]
+                f.seek(8 + size + start)
+                raw = np.frombuffer(f.read(end - start), dtypes[entry["dtype"]]).reshape(entry["shape"])
+                yield name, raw.astype(np.float32)
 
 
 def _layouts(hf: dict) -> dict[str, tuple[tuple[str, ...], Callable, Callable]]:
@@ -200,7 +213,8 @@ def load_weights(model_dir: Path, hf: dict, abstract: dict) -> dict:
                 f"{model_dir}: tensor {name} of shape {array.shape} does not match its config "
                 f"(expected {want.shape} as {'/'.join(key)})"
             )
-        done[key] = jax.device_put(value.astype(want.dtype), want.sharding)
+        done[key] = jax.device_put(np.asarray(value, want.dtype), want.sharding)
+        del array, value  # one tensor on the host at a time
     if missing := [k for k in flat if k not in done]:
         raise ConvertError(f"{model_dir}: no tensor for {'/'.join(missing[0])} ({len(missing)} missing)")
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(abstract), [done[k] for k in flat])
@@ -247,7 +261,10 @@ def from_hf(model_dir: str | Path, out: str | Path, overrides: list[str] = ()) -
     shutil.copyfile(model_dir / "config.json", out / HF_CONFIG)  # the family, for to-hf
     with exclusive(out):
         record_provenance(out, cfg)
-        saver = checkpoint.Checkpoints(out, async_save=False)
+        # at most the largest tensor in flight while saving (whole GB, as Orbax counts), so host
+        # memory stays near the model's
+        largest = max(leaf.nbytes for leaf in jax.tree.leaves(params))
+        saver = checkpoint.Checkpoints(out, async_save=False, save_concurrent_gb=math.ceil(largest / 1e9))
         try:
             saver.save(0, {"params": params}, None, cfg.to_dict())  # no optimizer state: fresh on resume
         finally:

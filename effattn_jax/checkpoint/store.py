@@ -48,16 +48,25 @@ def os_error_of(e: BaseException) -> str | None:
 
 
 def manager(
-    run_dir: str | Path, *, async_save: bool = True, read_only: bool = False
+    run_dir: str | Path, *, async_save: bool = True, read_only: bool = False, save_concurrent_gb: int = 0
 ) -> ocp.CheckpointManager:
     """The Orbax manager of `<run_dir>/checkpoints` (a local directory, or Orbax's own Cloud
     Storage path: no temporary directory, a step is committed by its commit_success.txt object);
-    retention is `Checkpoints`', not Orbax's."""
+    retention is `Checkpoints`', not Orbax's. `save_concurrent_gb`: at most this many GB of the
+    state in flight while saving (0: Orbax's default, 96), which bounds the host memory a save
+    takes beside the state."""
     with _quiet_if(read_only):  # Orbax warns that a read-only manager is read-only: what we asked for
         options = ocp.CheckpointManagerOptions(
             max_to_keep=None, enable_async_checkpointing=async_save, create=not read_only, read_only=read_only
         )
-        return ocp.CheckpointManager(storage.path(run_dir) / "checkpoints", options=options)
+        handlers = None  # Orbax picks each item's handler from its arguments
+        if save_concurrent_gb:  # then every item must be named
+            handlers = {"state": ocp.StandardCheckpointHandler(save_concurrent_gb=save_concurrent_gb)}
+            json_items = ("config", "data_state", "params_only")
+            handlers |= {item: ocp.JsonCheckpointHandler() for item in json_items}
+        return ocp.CheckpointManager(
+            storage.path(run_dir) / "checkpoints", options=options, item_handlers=handlers
+        )
 
 
 @contextlib.contextmanager

@@ -42,10 +42,16 @@ class Checkpoints:
     another process count."""
 
     def __init__(
-        self, run_dir: str | Path, *, keep_last: int = 2, keep_every: int = 0, async_save: bool = True
+        self,
+        run_dir: str | Path,
+        *,
+        keep_last: int = 2,
+        keep_every: int = 0,
+        async_save: bool = True,
+        save_concurrent_gb: int = 0,
     ):
         self.directory = storage.path(run_dir) / "checkpoints"
-        self.mngr = manager(run_dir, async_save=async_save)
+        self.mngr = manager(run_dir, async_save=async_save, save_concurrent_gb=save_concurrent_gb)
         self.keep_last, self.keep_every = keep_last, keep_every
         self._pending: tuple[int, threading.Thread] | None = None
         self._error: BaseException | None = None  # of the pending save's background thread

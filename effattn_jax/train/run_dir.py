@@ -70,7 +70,6 @@ def exclusive(run_dir: AnyPath):
         if not _is_stale(holder):
             raise ConfigError(
                 "train.run_dir",
-                "train.init_from",  # where step 0 came from; a resumed run continues from its own steps
                 str(run_dir),
                 f"in use by pid {holder.get('pid')} on {holder.get('host')} since {holder.get('since')} "
                 f"(one writer per run; if that process is gone, delete {path})",
@@ -134,7 +133,6 @@ def check_resumable(saved: dict | None, cfg: Config) -> None:
         allowed = ", ".join(RESUMABLE + tuple(f"{s}.*" for s in RESUMABLE_SECTIONS))
         raise ConfigError(
             "train.run_dir",
-            "train.init_from",  # where step 0 came from; a resumed run continues from its own steps
             cfg.train.run_dir,
             f"the run was trained with a different config ({'; '.join(changes)}); a resumed run may "
             f"change only {allowed}: use another run_dir or the run's own config",
