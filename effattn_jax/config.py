@@ -54,12 +54,17 @@ class ModelConfig:
     mlp_dim: int = 384  # SwiGLU hidden width
     tie_embeddings: bool = True
     rope_theta: float = 10000.0
-    # "" or "llama3": Llama 3's rescaled RoPE frequencies for a context beyond the one trained on
+    # "", "llama3" or "yarn": rescaled RoPE frequencies for a context beyond the one trained on
+    # (effattn_jax/layers.py, Rope); factor and original context shared, the rest per method
     rope_scaling: str = ""
     rope_scaling_factor: float = 8.0
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
     rope_original_max_positions: int = 8192
+    rope_low_freq_factor: float = 1.0  # llama3
+    rope_high_freq_factor: float = 4.0  # llama3
+    rope_beta_fast: float = 32.0  # yarn
+    rope_beta_slow: float = 1.0  # yarn
+    rope_mscale: float = 1.0  # yarn
+    rope_mscale_all_dim: float = 0.0  # yarn (MLA's softmax scale too)
     norm_eps: float = 1e-6
     qkv_bias: bool = False  # biases on the MHA query, key and value projections (Qwen2)
     qk_norm: bool = False  # RMSNorm of each MHA query and key head before RoPE (Qwen3)
@@ -510,10 +515,15 @@ def _validate_model(cfg: Config) -> None:
         "rope_low_freq_factor",
         "rope_high_freq_factor",
         "rope_original_max_positions",
+        "rope_beta_fast",
+        "rope_beta_slow",
     ]
     _positive(model, "model", positive)
     _check(
-        model.rope_scaling in ("", "llama3"), "model.rope_scaling", model.rope_scaling, "allowed: '', llama3"
+        model.rope_scaling in ("", "llama3", "yarn"),
+        "model.rope_scaling",
+        model.rope_scaling,
+        "allowed: '', llama3, yarn",
     )
     _check(
         model.rope_high_freq_factor > model.rope_low_freq_factor,

@@ -40,6 +40,8 @@ ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",  # biases on q, k and v
     "Qwen3ForCausalLM": "qwen3",  # RMSNorm of each q and k head
+    "DeepseekV2ForCausalLM": "deepseek",  # MLA; layers with a dense MLP only
+    "DeepseekV3ForCausalLM": "deepseek",
 }
 IGNORED = (".rotary_emb.inv_freq",)  # buffers some checkpoints carry; recomputed here
 HF_CONFIG = "hf_config.json"  # a converted run's source config.json (its family, for to-hf)
@@ -72,7 +74,7 @@ def config_overrides(hf: dict, model_dir: Path) -> dict:
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     window = (hf.get("sliding_window") or 0) if hf.get("use_sliding_window", True) else 0
     unsupported = {
-        f"rope scaling {kind!r}": kind not in ("default", "llama3"),
+        f"rope scaling {kind!r}": kind not in ("default", "llama3", "yarn"),
         "output projection biases": hf.get("attention_bias"),
         "MLP biases": hf.get("mlp_bias"),
         "a sliding window": 0 < window < hf["max_position_embeddings"],
@@ -80,8 +82,13 @@ def config_overrides(hf: dict, model_dir: Path) -> dict:
     }
     if found := [what for what, present in unsupported.items() if present]:
         raise ConvertError(f"{model_dir}: {', '.join(found)}: not converted yet")
+    if moe := _moe_layers(hf):
+        raise ConvertError(
+            f"{model_dir}: layers {moe[0]}-{moe[-1]} are mixture-of-experts layers "
+            f"({len(moe)} of {hf['num_hidden_layers']}): only layers with a dense MLP convert"
+        )
     heads = hf["num_attention_heads"]
-    return {
+    keys = {
         "model.vocab_size": hf["vocab_size"],
         "model.d_model": hf["hidden_size"],
         "model.num_layers": hf["num_hidden_layers"],
@@ -97,7 +104,40 @@ def config_overrides(hf: dict, model_dir: Path) -> dict:
         "attention.kind": "mha",
         "attention.core": "dense",
         "data.seq_len": hf["max_position_embeddings"],
-    } | (_llama3_rope(scaling) if kind == "llama3" else {})
+    }
+    if _family(hf) == "deepseek":
+        keys |= {
+            "attention.kind": "mla",
+            "model.num_kv_heads": 0,
+            "model.head_dim": 0,
+            "mla.kv_lora_rank": hf["kv_lora_rank"],
+            "mla.q_lora_rank": hf.get("q_lora_rank") or 0,
+            "mla.qk_nope_head_dim": hf["qk_nope_head_dim"],
+            "mla.qk_rope_head_dim": hf["qk_rope_head_dim"],
+            "mla.v_head_dim": hf["v_head_dim"],
+        }
+    rescaled = {"llama3": _llama3_rope, "yarn": _yarn_rope}.get(kind)
+    return keys | (rescaled(scaling) if rescaled else {})
+
+
+def _yarn_rope(scaling: dict) -> dict:
+    return {
+        "model.rope_scaling": "yarn",
+        "model.rope_scaling_factor": float(scaling["factor"]),
+        "model.rope_original_max_positions": int(scaling["original_max_position_embeddings"]),
+        "model.rope_beta_fast": float(scaling.get("beta_fast") or 32.0),
+        "model.rope_beta_slow": float(scaling.get("beta_slow") or 1.0),
+        "model.rope_mscale": float(scaling.get("mscale") or 0.0),
+        "model.rope_mscale_all_dim": float(scaling.get("mscale_all_dim") or 0.0),
+    }
+
+
+def _moe_layers(hf: dict) -> list[int]:
+    """The DeepSeek layers whose MLP is a mixture of experts (first_k_dense_replace on)."""
+    if _family(hf) != "deepseek" or not hf.get("n_routed_experts"):
+        return []
+    first, every = hf.get("first_k_dense_replace", 0), hf.get("moe_layer_freq", 1)
+    return [i for i in range(hf["num_hidden_layers"]) if i >= first and i % every == 0]
 
 
 def _llama3_rope(scaling: dict) -> dict:
@@ -180,6 +220,8 @@ def _layouts(hf: dict) -> dict[str, tuple[tuple[str, ...], Callable, Callable]]:
     if _family(hf) == "qwen3":
         for proj in ("q", "k"):
             per_layer[f"self_attn.{proj}_norm.weight"] = (("attn", f"{proj}_norm", "scale"), same, same)
+    if _family(hf) == "deepseek":
+        per_layer = {k: v for k, v in per_layer.items() if not k.startswith("self_attn.")} | _mla_layouts(hf)
     out = {
         "model.embed_tokens.weight": (("embed",), same, same),
         "model.norm.weight": (("final_norm", "scale"), same, same),
@@ -192,6 +234,59 @@ def _layouts(hf: dict) -> dict[str, tuple[tuple[str, ...], Callable, Callable]]:
     return out
 
 
+def _mla_layouts(hf: dict) -> dict:
+    """DeepSeek's MLA tensors (import only). Its RoPE rotates interleaved channel pairs (2i, 2i+1);
+    this model rotates halves (i, i + d/2): the RoPE channels of q and k^R are reordered alike,
+    which leaves every score unchanged. kv_a_proj_with_mqa (the latent and k^R) and kv_b_proj
+    (W_UK and W_UV) are each split in two (`_split`)."""
+    h, n, r, v = (
+        hf[k] for k in ("num_attention_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    )
+    halves = np.concatenate([np.arange(0, r, 2), np.arange(1, r, 2)])  # interleaved -> rotate-half
+    q_order = np.concatenate([np.arange(n), n + halves])
+    q = lambda w: w.reshape(h, n + r, -1)[:, q_order, :].transpose(2, 0, 1)  # [in, H, n + r]
+    up = lambda w: w.transpose(2, 0, 1)  # [H, width, d_c] -> [d_c, H, width]
+    t = lambda w: w.T
+    out = {
+        "self_attn.kv_a_proj_with_mqa.weight:latent": (("attn", "dkv", "kernel"), t, None),
+        "self_attn.kv_a_proj_with_mqa.weight:rope": (("attn", "kr", "kernel"), lambda w: w[halves].T, None),
+        "self_attn.kv_a_layernorm.weight": (("attn", "kv_norm", "scale"), lambda w: w, None),
+        "self_attn.kv_b_proj.weight:k": (("attn", "uk", "kernel"), up, None),
+        "self_attn.kv_b_proj.weight:v": (("attn", "uv", "kernel"), up, None),
+        "self_attn.o_proj.weight": (("attn", "o", "kernel"), lambda w: w.T.reshape(h, v, -1), None),
+    }
+    if hf.get("q_lora_rank"):
+        out |= {
+            "self_attn.q_a_proj.weight": (("attn", "dq", "kernel"), t, None),
+            "self_attn.q_a_layernorm.weight": (("attn", "q_norm", "scale"), lambda w: w, None),
+            "self_attn.q_b_proj.weight": (("attn", "q", "kernel"), q, None),
+        }
+    else:
+        out["self_attn.q_proj.weight"] = (("attn", "q", "kernel"), q, None)
+    return out
+
+
+def _split(tensors: Iterator[tuple[str, np.ndarray]], hf: dict, model_dir: Path):
+    """DeepSeek's fused tensors as the two parameters each holds (others unchanged)."""
+    for name, array in tensors:
+        if name.endswith("kv_a_proj_with_mqa.weight"):
+            c = hf["kv_lora_rank"]
+            yield f"{name}:latent", array[:c]
+            yield f"{name}:rope", array[c:]
+        elif name.endswith("kv_b_proj.weight"):
+            h, n, v = hf["num_attention_heads"], hf["qk_nope_head_dim"], hf["v_head_dim"]
+            if array.shape[0] != h * (n + v):
+                raise ConvertError(
+                    f"{model_dir}: tensor {name} of shape {array.shape} does not match its config "
+                    f"({h} heads of {n} + {v} rows)"
+                )
+            heads = array.reshape(h, n + v, -1)
+            yield f"{name}:k", heads[:, :n]
+            yield f"{name}:v", heads[:, n:]
+        else:
+            yield name, array
+
+
 def load_weights(model_dir: Path, hf: dict, abstract: dict) -> dict:
     """The model's parameters, each tensor read, laid out and placed into its sharding in turn
     (host memory: one tensor at a time); ConvertError naming the first tensor that is unknown,
@@ -201,7 +296,7 @@ def load_weights(model_dir: Path, hf: dict, abstract: dict) -> dict:
         for path, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]
     }
     layouts, done = _layouts(hf), {}
-    for name, array in _tensors(model_dir):
+    for name, array in _split(_tensors(model_dir), hf, model_dir):
         if name.endswith(IGNORED):
             continue
         if name not in layouts or layouts[name][0] not in flat:

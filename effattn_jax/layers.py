@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -51,11 +52,19 @@ class RMSNorm(nnx.Module):
         return (y * self.scale[...]).astype(x.dtype)
 
 
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature factor, 0.1 * mscale * ln(scale) + 1 (1 for scale <= 1)."""
+    return 0.1 * mscale * math.log(scale) + 1.0 if scale > 1 else 1.0
+
+
 @dataclass(frozen=True)
 class Rope:
-    """The rotary embedding's frequencies: base `theta`, and with `scaling="llama3"` Llama 3's
-    rescaling of the low frequencies for a longer context (`factor`, the band between
-    `low_freq_factor` and `high_freq_factor`, the `original_max_positions` trained on)."""
+    """The rotary embedding's frequencies: base `theta`, and a rescaling for a context beyond the
+    `original_max_positions` trained on. `scaling="llama3"`: Llama 3's (the low frequencies
+    divided by `factor`, a smooth band between `low_freq_factor` and `high_freq_factor`);
+    `"yarn"`: YaRN's (interpolation blended into extrapolation between the dimensions that turn
+    `beta_fast` and `beta_slow` times over the original context; the rotated channels scaled by
+    mscale(factor, `mscale`) / mscale(factor, `mscale_all_dim`))."""
 
     theta: float = 10000.0
     scaling: str = ""
@@ -63,10 +72,16 @@ class Rope:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_positions: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
 
     def frequencies(self, d: int) -> jax.Array:
         """[d / 2] float32 angular frequencies of a head of width d."""
         freq = self.theta ** (-jnp.arange(0, d, 2, dtype=jnp.float32) / d)
+        if self.scaling == "yarn":
+            return self._yarn(freq, d)
         if self.scaling != "llama3":
             return freq
         wavelen, trained = 2 * jnp.pi / freq, self.original_max_positions
@@ -76,14 +91,46 @@ class Rope:
         medium = (wavelen >= high) & (wavelen <= low)
         return jnp.where(medium, (1 - smooth) * scaled / self.factor + smooth * scaled, scaled)
 
+    def _yarn(self, freq: jax.Array, d: int) -> jax.Array:
+        def dim_of(rotations: float) -> float:  # the dimension turning `rotations` times over the context
+            turns = self.original_max_positions / (rotations * 2 * math.pi)
+            return d * math.log(turns) / (2 * math.log(self.theta))
+
+        low = max(math.floor(dim_of(self.beta_fast)), 0)
+        high = min(math.ceil(dim_of(self.beta_slow)), d - 1)
+        high = high + 0.001 if high == low else high
+        ramp = jnp.clip((jnp.arange(d // 2, dtype=jnp.float32) - low) / (high - low), 0.0, 1.0)
+        extrapolate = 1.0 - ramp
+        return freq / self.factor * (1.0 - extrapolate) + freq * extrapolate
+
+    @property
+    def attention_factor(self) -> float:
+        """What YaRN multiplies the rotated channels by (1 otherwise)."""
+        if self.scaling != "yarn":
+            return 1.0
+        if self.mscale and self.mscale_all_dim:
+            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor, self.mscale_all_dim)
+        return yarn_mscale(self.factor)
+
+    @property
+    def softmax_factor(self) -> float:
+        """What MLA (DeepSeek) multiplies its softmax scale by under YaRN: mscale(factor,
+        mscale_all_dim)², for the channels RoPE does not touch too (1 otherwise)."""
+        if self.scaling != "yarn" or not self.mscale_all_dim:
+            return 1.0
+        return yarn_mscale(self.factor, self.mscale_all_dim) ** 2
+
 
 def apply_rope(x: jax.Array, positions: jax.Array, rope: Rope | float) -> jax.Array:
     """Rotary embedding (rotate-half form). x: [B, S, H, D], positions: [B, S]; `rope`: a Rope,
     or its base theta."""
     d = x.shape[-1]
-    freq = (rope if isinstance(rope, Rope) else Rope(theta=rope)).frequencies(d)  # [D/2]
+    rope = rope if isinstance(rope, Rope) else Rope(theta=rope)
+    freq = rope.frequencies(d)  # [D/2]
     ang = positions.astype(jnp.float32)[..., None] * freq  # [B, S, D/2]
     cos, sin = jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
+    if rope.attention_factor != 1.0:
+        cos, sin = cos * rope.attention_factor, sin * rope.attention_factor
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
@@ -123,4 +170,8 @@ def rope_of(m) -> Rope:
         low_freq_factor=m.rope_low_freq_factor,
         high_freq_factor=m.rope_high_freq_factor,
         original_max_positions=m.rope_original_max_positions,
+        beta_fast=m.rope_beta_fast,
+        beta_slow=m.rope_beta_slow,
+        mscale=m.rope_mscale,
+        mscale_all_dim=m.rope_mscale_all_dim,
     )

@@ -26,6 +26,8 @@ KINDS = {
     "mha_moba": MOBA,
     "mla_moba": ["attention.kind=mla"] + MOBA,
     "gqa_qkv_bias_qk_norm": ["model.num_kv_heads=2", "model.qkv_bias=true", "model.qk_norm=true"],
+    "mla_yarn": ["attention.kind=mla", "model.rope_scaling=yarn", "model.rope_scaling_factor=4"]
+    + ["model.rope_original_max_positions=8", "model.rope_mscale_all_dim=0.8"],
 }
 
 

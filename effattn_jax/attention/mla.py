@@ -59,8 +59,8 @@ class MLA(nnx.Module):
             dtype=dtype,
         )
         self.core = core
-        self.scale = 1.0 / math.sqrt(self.nope + self.rope_dim)
         self.rope = rope_of(m)
+        self.scale = self.rope.softmax_factor / math.sqrt(self.nope + self.rope_dim)
         self.q_lora = bool(a.q_lora_rank)
         self.decode_impl = a.decode_impl
         self.rules = sharding_rules(cfg)
