@@ -266,6 +266,34 @@ def _mla_layouts(hf: dict) -> dict:
     return out
 
 
+def _mla_tensors(flat: dict, hf: dict) -> dict[str, np.ndarray]:
+    """DeepSeek's attention tensors of this model's MLA parameters (the inverse of
+    `_mla_layouts` and `_split`)."""
+    n, r = hf["qk_nope_head_dim"], hf["qk_rope_head_dim"]
+    interleaved = np.argsort(np.concatenate([np.arange(0, r, 2), np.arange(1, r, 2)]))
+    q_order = np.concatenate([np.arange(n), n + interleaved])
+    out = {}
+    for i in range(hf["num_hidden_layers"]):
+        p = lambda *path: np.asarray(flat[("blocks", str(i), "attn", *path)], np.float32)  # noqa: B023
+        name = f"model.layers.{i}.self_attn."
+        q = p("q", "kernel")  # [in, H, n + r]
+        q = q.transpose(1, 2, 0)[:, q_order, :].reshape(-1, q.shape[0])
+        if hf.get("q_lora_rank"):
+            out[name + "q_a_proj.weight"] = p("dq", "kernel").T
+            out[name + "q_a_layernorm.weight"] = p("q_norm", "scale")
+            out[name + "q_b_proj.weight"] = q
+        else:
+            out[name + "q_proj.weight"] = q
+        kr = p("kr", "kernel").T[interleaved]
+        out[name + "kv_a_proj_with_mqa.weight"] = np.concatenate([p("dkv", "kernel").T, kr])
+        out[name + "kv_a_layernorm.weight"] = p("kv_norm", "scale")
+        uk, uv = p("uk", "kernel").transpose(1, 2, 0), p("uv", "kernel").transpose(1, 2, 0)  # [H, width, d_c]
+        out[name + "kv_b_proj.weight"] = np.concatenate([uk, uv], axis=1).reshape(-1, uk.shape[-1])
+        o = p("o", "kernel")  # [H, v, D]
+        out[name + "o_proj.weight"] = o.reshape(-1, o.shape[-1]).T
+    return {k: np.ascontiguousarray(v) for k, v in out.items()}
+
+
 def _split(tensors: Iterator[tuple[str, np.ndarray]], hf: dict, model_dir: Path):
     """DeepSeek's fused tensors as the two parameters each holds (others unchanged)."""
     for name, array in tensors:
@@ -384,17 +412,24 @@ QWEN = {  # the same, for a model of this project with q/k/v biases (Qwen2) or q
 }
 
 
-def _base_config(cfg, source: dict | None) -> dict:
+DEEPSEEK = LLAMA | {  # an MLA model of this project, as DeepSeek-V2 (every MLP dense)
+    "architectures": ["DeepseekV2ForCausalLM"],
+    "model_type": "deepseek_v2",
+    "n_routed_experts": 1,  # unused: first_k_dense_replace makes every layer dense
+}
+
+
+def _base_config(cfg, source: dict | None, mla: bool) -> dict:
     """The family an export declares: the one it was converted from when its architecture still
-    fits, else the one the model's architecture names (Qwen3 with q/k norms, Qwen2 with q/k/v
-    biases, else Llama)."""
+    fits, else the one the model's architecture names (DeepSeek-V2 for MLA, Qwen3 with q/k
+    norms, Qwen2 with q/k/v biases, else Llama)."""
     m = cfg.model
     if m.qkv_bias and m.qk_norm:
         raise ConvertError("model.qkv_bias with model.qk_norm: no Hugging Face family has both")
-    want = "qwen3" if m.qk_norm else "qwen2" if m.qkv_bias else "llama"
+    want = "deepseek" if mla else "qwen3" if m.qk_norm else "qwen2" if m.qkv_bias else "llama"
     if source is not None and _family(source).replace("mistral", "llama") == want:
         return source
-    return QWEN.get(want, LLAMA)
+    return {"deepseek": DEEPSEEK, **QWEN}.get(want, LLAMA)
 
 
 def hf_config_of(cfg, base: dict) -> dict:
@@ -412,7 +447,29 @@ def hf_config_of(cfg, base: dict) -> dict:
         "rms_norm_eps": m.norm_eps,
         "max_position_embeddings": cfg.data.seq_len,
     }
+    if _family(hf) == "deepseek":
+        mla = cfg.mla
+        hf |= {
+            "kv_lora_rank": mla.kv_lora_rank,
+            "q_lora_rank": mla.q_lora_rank or None,
+            "qk_nope_head_dim": mla.qk_nope_head_dim,
+            "qk_rope_head_dim": mla.qk_rope_head_dim,
+            "v_head_dim": mla.v_head_dim,
+            "head_dim": mla.qk_rope_head_dim,
+            "num_key_value_heads": m.num_heads,
+            "first_k_dense_replace": m.num_layers,  # every MLP dense
+        }
     scaling = {"rope_type": "default"}
+    if m.rope_scaling == "yarn":
+        scaling = {
+            "rope_type": "yarn",
+            "factor": m.rope_scaling_factor,
+            "original_max_position_embeddings": m.rope_original_max_positions,
+            "beta_fast": m.rope_beta_fast,
+            "beta_slow": m.rope_beta_slow,
+            "mscale": m.rope_mscale,
+            "mscale_all_dim": m.rope_mscale_all_dim,
+        }
     if m.rope_scaling == "llama3":
         scaling = {
             "rope_type": "llama3",
@@ -450,12 +507,12 @@ def to_hf(run_dir: str | Path, out: str | Path, step: str = "latest") -> list[st
     kinds = {kind for kind, _ in specs}
     if "eg_mla" in kinds:
         raise ConvertError(f"{run_dir}: EG-MLA has no Hugging Face equivalent; it is not exported")
-    if kinds != {"mha"} or cfg.model.scan_layers:
-        why = "MLA (as DeepSeek-V2)" if "mla" in kinds else "model.scan_layers=true"
+    if len(kinds) > 1 or cfg.model.scan_layers:
+        why = "layers of two attention kinds" if len(kinds) > 1 else "model.scan_layers=true"
         raise ConvertError(f"{run_dir}: {why}: not exported yet")
     source = storage.path(run_dir) / HF_CONFIG
     converted = json.loads(storage.read_text(source)) if source.exists() else None
-    hf = hf_config_of(cfg, _base_config(cfg, converted))
+    hf = hf_config_of(cfg, _base_config(cfg, converted, mla=kinds == {"mla"}))
     notes = []
     if moba := [i for i, (_, core) in enumerate(specs) if core == "moba"]:
         hf["effattn_moba"] = {"layers": moba, "block_size": cfg.moba.block_size, "top_k": cfg.moba.top_k}
@@ -471,7 +528,10 @@ def to_hf(run_dir: str | Path, out: str | Path, step: str = "latest") -> list[st
     tensors = {
         name: np.ascontiguousarray(theirs(np.asarray(flat[key], np.float32)))
         for name, (key, _, theirs) in _layouts(hf).items()
+        if theirs is not None
     }
+    if _family(hf) == "deepseek":
+        tensors |= _mla_tensors(flat, hf)
     _, _, tokenizer = load_tokenizer(cfg.data.tokenizer)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})

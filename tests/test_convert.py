@@ -48,7 +48,7 @@ def _tensors(model_dir: Path) -> dict[str, np.ndarray]:
     return load_file(str(model_dir / "model.safetensors"))
 
 
-@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "deepseek_v2"])  # MLA: import only
+@pytest.mark.parametrize("family", FAMILIES)
 def test_export_writes_the_familys_files_and_imports_back_bit_for_bit(family, tmp_path, capsys):
     """to-hf of a converted model: the fixture's own tensor names, shapes and bytes, its config's
     keys and values; importing the export gives every parameter back bit for bit."""
@@ -70,9 +70,9 @@ def test_export_writes_the_familys_files_and_imports_back_bit_for_bit(family, tm
 
 
 @pytest.mark.slow
-def test_runs_of_this_project_export_as_llama_and_moba_says_so(tmp_path, corpus_dir, capsys):
-    """A model trained here (MoBA core) exports as Llama with its MoBA settings recorded and a
-    note; it imports back bit for bit; EG-MLA is refused in one line."""
+def test_runs_of_this_project_export_and_import_back(tmp_path, corpus_dir, capsys):
+    """Models trained here: MoBA exports as Llama with its MoBA settings recorded and a note, MLA
+    as DeepSeek-V2; both import back bit for bit; EG-MLA is refused in one line."""
     from conftest import TINY_MLA, tiny_overrides
 
     from effattn_jax.config import load_config
@@ -94,8 +94,19 @@ def test_runs_of_this_project_export_as_llama_and_moba_says_so(tmp_path, corpus_
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         assert np.array_equal(x, y)
 
-    eg = {"attention.kind": "eg_mla", "train.steps": 1}
     extra = dict(o.split("=", 1) for o in TINY_MLA if o.startswith(("mla.", "eg_mla.")))
+    mla = {"attention.kind": "mla", "mla.q_lora_rank": 12, "train.steps": 1}
+    run(load_config(None, tiny_overrides(corpus_dir, tmp_path / "mla", **mla, **extra)))
+    assert main(["to-hf", "--run", str(tmp_path / "mla"), "--out", str(tmp_path / "mla_hf")]) == 0
+    assert json.loads((tmp_path / "mla_hf" / "config.json").read_text())["architectures"] == [
+        "DeepseekV2ForCausalLM"
+    ]
+    assert main(["from-hf", "--model", str(tmp_path / "mla_hf"), "--out", str(tmp_path / "mla_back")]) == 0
+    a, b = checkpoint.load_params(tmp_path / "mla", 1)[2], checkpoint.load_params(tmp_path / "mla_back", 0)[2]
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        assert np.array_equal(x, y)
+
+    eg = {"attention.kind": "eg_mla", "train.steps": 1}
     run(load_config(None, tiny_overrides(corpus_dir, tmp_path / "eg", **eg, **extra)))
     capsys.readouterr()
     assert main(["to-hf", "--run", str(tmp_path / "eg"), "--out", str(tmp_path / "eg_hf")]) == 2
