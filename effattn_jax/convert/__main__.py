@@ -1,0 +1,5 @@
+import sys
+
+from effattn_jax.convert.cli import main
+
+sys.exit(main())

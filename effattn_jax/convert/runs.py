@@ -1,0 +1,129 @@
+"""A Hugging Face model directory into a run directory and back."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from effattn_jax import storage
+from effattn_jax.convert.hf_config import (
+    HF_CONFIG,
+    ConvertError,
+    base_config,
+    config_overrides,
+    family,
+    hf_config_of,
+    read_hf_config,
+)
+from effattn_jax.convert.weights import layouts, load_weights, mla_tensors
+
+
+def check_tokenizer(model_dir: Path, vocab_size: int) -> Path:
+    from effattn_jax.data.corpus import DataError
+    from effattn_jax.data.tokenizer import load_tokenizer
+
+    path = model_dir / "tokenizer.json"
+    if not path.exists():
+        raise ConvertError(f"{model_dir}: no tokenizer.json")
+    try:
+        tok, _, _ = load_tokenizer(str(path))
+    except DataError as e:
+        raise ConvertError(str(e)) from None
+    if (n := tok.get_vocab_size(True)) > vocab_size:
+        raise ConvertError(f"{path}: {n} tokens, more than the model's {vocab_size} vocabulary rows")
+    return path
+
+
+def from_hf(model_dir: str | Path, out: str | Path, overrides: list[str] = ()) -> Path:
+    """Converts `model_dir` into the run directory `out` (step 0); returns it. Everything is
+    checked (config, tokenizer, every tensor) before anything is written."""
+    from effattn_jax import checkpoint
+    from effattn_jax.config import load_config
+    from effattn_jax.sharding import make_mesh
+    from effattn_jax.train.loop import record_provenance
+    from effattn_jax.train.run_dir import exclusive
+    from effattn_jax.train.state import make_setup
+
+    model_dir, out = Path(model_dir), Path(out).absolute()
+    if out.exists() and any(out.iterdir()):
+        raise ConvertError(f"--out={out}: not empty; convert into a new run directory")
+    hf = read_hf_config(model_dir)
+    keys = config_overrides(hf, model_dir) | {"train.run_dir": str(out)}
+    keys["data.tokenizer"] = str(out / "tokenizer.json")
+    cfg = load_config(None, [f"{k}={v}" for k, v in keys.items()] + list(overrides))
+    source_tokenizer = check_tokenizer(model_dir, cfg.model.vocab_size)
+    setup = make_setup(cfg, make_mesh(1, 1, 1, devices=jax.local_devices()[:1]))
+    params = load_weights(model_dir, hf, setup.abstract_state["params"])
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(source_tokenizer, out / "tokenizer.json")
+    shutil.copyfile(model_dir / "config.json", out / HF_CONFIG)  # the family, for to-hf
+    with exclusive(out):
+        record_provenance(out, cfg)
+        # at most the largest tensor in flight while saving (whole GB, as Orbax counts), so host
+        # memory stays near the model's
+        largest = max(leaf.nbytes for leaf in jax.tree.leaves(params))
+        saver = checkpoint.Checkpoints(out, async_save=False, save_concurrent_gb=math.ceil(largest / 1e9))
+        try:
+            saver.save(0, {"params": params}, None, cfg.to_dict())  # no optimizer state: fresh on resume
+        finally:
+            saver.close()
+    return out
+
+
+def to_hf(run_dir: str | Path, out: str | Path, step: str = "latest") -> list[str]:
+    """Writes a run's step as a Hugging Face model directory (safetensors, config.json, the
+    tokenizer): MHA/GQA models as Llama, or as the family they were converted from. Returns
+    notes for the user (MoBA is exported as its dense architecture)."""
+    from safetensors.numpy import save_file
+
+    from effattn_jax import checkpoint
+    from effattn_jax.data.tokenizer import load_tokenizer
+
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise ConvertError(f"--out={out}: not empty; export into a new directory")
+    try:
+        step = checkpoint.select_steps(run_dir, step)[0]
+        cfg, _, params = checkpoint.load_params(run_dir, step)
+    except checkpoint.CheckpointError as e:
+        raise ConvertError(str(e)) from None
+    specs = [cfg.layer_spec(i) for i in range(cfg.model.num_layers)]
+    kinds = {kind for kind, _ in specs}
+    if "eg_mla" in kinds:
+        raise ConvertError(f"{run_dir}: EG-MLA has no Hugging Face equivalent; it is not exported")
+    if len(kinds) > 1 or cfg.model.scan_layers:
+        why = "layers of two attention kinds" if len(kinds) > 1 else "model.scan_layers=true"
+        raise ConvertError(f"{run_dir}: {why}: not exported yet")
+    source = storage.path(run_dir) / HF_CONFIG
+    converted = json.loads(storage.read_text(source)) if source.exists() else None
+    hf = hf_config_of(cfg, base_config(cfg, converted, mla=kinds == {"mla"}))
+    notes = []
+    if moba := [i for i, (_, core) in enumerate(specs) if core == "moba"]:
+        hf["effattn_moba"] = {"layers": moba, "block_size": cfg.moba.block_size, "top_k": cfg.moba.top_k}
+        notes.append(
+            "MoBA is an attention pattern the target library will not apply: the model is exported "
+            "as its dense architecture (the weights are the same); its MoBA settings are in "
+            "config.json's effattn_moba"
+        )
+    flat = {
+        tuple(str(getattr(k, "key", k)) for k in path): leaf
+        for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
+    }
+    tensors = {
+        name: np.ascontiguousarray(theirs(np.asarray(flat[key], np.float32)))
+        for name, (key, _, theirs) in layouts(hf).items()
+        if theirs is not None
+    }
+    if family(hf) == "deepseek":
+        tensors |= mla_tensors(flat, hf)
+    _, _, tokenizer = load_tokenizer(cfg.data.tokenizer)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    shutil.copyfile(tokenizer, out / "tokenizer.json")
+    return notes

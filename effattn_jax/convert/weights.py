@@ -1,0 +1,205 @@
+"""Tensors between safetensors files and this model's parameters: where each Hugging Face
+tensor goes and how it is laid out there, read one tensor at a time."""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from effattn_jax.convert.hf_config import ConvertError, family
+
+IGNORED = (".rotary_emb.inv_freq",)  # buffers some checkpoints carry; recomputed here
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        paths = [model_dir / f for f in files]
+    else:
+        paths = sorted(model_dir.glob("*.safetensors"))
+    if not paths:
+        raise ConvertError(f"{model_dir}: no *.safetensors weights")
+    if missing := [p.name for p in paths if not p.exists()]:
+        raise ConvertError(f"{model_dir}: {missing[0]} is missing (named by the index)")
+    return paths
+
+
+def _tensors(model_dir: Path) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, float32 array) of every tensor, one at a time (bf16 and fp16 widened). The files are
+    read, not memory-mapped: a mapping's pages would stay resident until the whole file is done.
+    The format: a little-endian u64 header length, the JSON header, the tensors' bytes."""
+    import ml_dtypes
+
+    dtypes = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
+    for path in _weight_files(model_dir):
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+            header.pop("__metadata__", None)
+            for name, entry in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+                if entry["dtype"] not in dtypes:
+                    raise ConvertError(f"{path}: tensor {name} is {entry['dtype']}; floating point expected")
+                start, end = entry["data_offsets"]
+                f.seek(8 + size + start)
+                raw = np.frombuffer(f.read(end - start), dtypes[entry["dtype"]]).reshape(entry["shape"])
+                yield name, raw.astype(np.float32)
+
+
+def layouts(hf: dict) -> dict[str, tuple[tuple[str, ...], Callable, Callable]]:
+    """Hugging Face tensor name -> (this model's parameter path, to ours, back to theirs), for
+    every tensor of a Llama-layout model. Hugging Face stores a linear layer as [out, in]; this
+    model as [in, ...out]."""
+    d, heads = hf["hidden_size"], hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or d // heads
+    kv = hf.get("num_key_value_heads") or heads
+    same = lambda w: w
+    t = lambda w: w.T
+    split = lambda *shape: lambda w: w.T.reshape(*shape)
+    split_bias = lambda *shape: lambda w: w.reshape(*shape)
+    flat = lambda w: w.reshape(-1)
+    merge_out = lambda w: w.reshape(d, -1).T  # [d, heads, head_dim] -> [heads * head_dim, d]
+    merge_in = lambda w: w.reshape(-1, d).T  # [heads, head_dim, d] -> [d, heads * head_dim]
+    per_layer = {
+        "self_attn.q_proj.weight": (("attn", "q", "kernel"), split(d, heads, head_dim), merge_out),
+        "self_attn.k_proj.weight": (("attn", "k", "kernel"), split(d, kv, head_dim), merge_out),
+        "self_attn.v_proj.weight": (("attn", "v", "kernel"), split(d, kv, head_dim), merge_out),
+        "self_attn.o_proj.weight": (("attn", "o", "kernel"), split(heads, head_dim, d), merge_in),
+        "mlp.gate_proj.weight": (("mlp", "gate", "kernel"), t, t),
+        "mlp.up_proj.weight": (("mlp", "up", "kernel"), t, t),
+        "mlp.down_proj.weight": (("mlp", "down", "kernel"), t, t),
+        "input_layernorm.weight": (("attn_norm", "scale"), same, same),
+        "post_attention_layernorm.weight": (("mlp_norm", "scale"), same, same),
+    }
+    if family(hf) == "qwen2":
+        for proj, n in (("q", heads), ("k", kv), ("v", kv)):
+            per_layer[f"self_attn.{proj}_proj.bias"] = (("attn", proj, "bias"), split_bias(n, head_dim), flat)
+    if family(hf) == "qwen3":
+        for proj in ("q", "k"):
+            per_layer[f"self_attn.{proj}_norm.weight"] = (("attn", f"{proj}_norm", "scale"), same, same)
+    if family(hf) == "deepseek":
+        per_layer = {k: v for k, v in per_layer.items() if not k.startswith("self_attn.")} | _mla_layouts(hf)
+    out = {
+        "model.embed_tokens.weight": (("embed",), same, same),
+        "model.norm.weight": (("final_norm", "scale"), same, same),
+    }
+    if not hf.get("tie_word_embeddings", False):
+        out["lm_head.weight"] = (("lm_head",), t, t)
+    for i in range(hf["num_hidden_layers"]):
+        for name, (path, ours, theirs) in per_layer.items():
+            out[f"model.layers.{i}.{name}"] = (("blocks", str(i), *path), ours, theirs)
+    return out
+
+
+def _mla_layouts(hf: dict) -> dict:
+    """DeepSeek's MLA tensors (import only). Its RoPE rotates interleaved channel pairs (2i, 2i+1);
+    this model rotates halves (i, i + d/2): the RoPE channels of q and k^R are reordered alike,
+    which leaves every score unchanged. kv_a_proj_with_mqa (the latent and k^R) and kv_b_proj
+    (W_UK and W_UV) are each split in two (`_split`)."""
+    h, n, r, v = (
+        hf[k] for k in ("num_attention_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    )
+    halves = np.concatenate([np.arange(0, r, 2), np.arange(1, r, 2)])  # interleaved -> rotate-half
+    q_order = np.concatenate([np.arange(n), n + halves])
+    q = lambda w: w.reshape(h, n + r, -1)[:, q_order, :].transpose(2, 0, 1)  # [in, H, n + r]
+    up = lambda w: w.transpose(2, 0, 1)  # [H, width, d_c] -> [d_c, H, width]
+    t = lambda w: w.T
+    out = {
+        "self_attn.kv_a_proj_with_mqa.weight:latent": (("attn", "dkv", "kernel"), t, None),
+        "self_attn.kv_a_proj_with_mqa.weight:rope": (("attn", "kr", "kernel"), lambda w: w[halves].T, None),
+        "self_attn.kv_a_layernorm.weight": (("attn", "kv_norm", "scale"), lambda w: w, None),
+        "self_attn.kv_b_proj.weight:k": (("attn", "uk", "kernel"), up, None),
+        "self_attn.kv_b_proj.weight:v": (("attn", "uv", "kernel"), up, None),
+        "self_attn.o_proj.weight": (("attn", "o", "kernel"), lambda w: w.T.reshape(h, v, -1), None),
+    }
+    if hf.get("q_lora_rank"):
+        out |= {
+            "self_attn.q_a_proj.weight": (("attn", "dq", "kernel"), t, None),
+            "self_attn.q_a_layernorm.weight": (("attn", "q_norm", "scale"), lambda w: w, None),
+            "self_attn.q_b_proj.weight": (("attn", "q", "kernel"), q, None),
+        }
+    else:
+        out["self_attn.q_proj.weight"] = (("attn", "q", "kernel"), q, None)
+    return out
+
+
+def mla_tensors(flat: dict, hf: dict) -> dict[str, np.ndarray]:
+    """DeepSeek's attention tensors of this model's MLA parameters (the inverse of
+    `_mla_layouts` and `_split`)."""
+    n, r = hf["qk_nope_head_dim"], hf["qk_rope_head_dim"]
+    interleaved = np.argsort(np.concatenate([np.arange(0, r, 2), np.arange(1, r, 2)]))
+    q_order = np.concatenate([np.arange(n), n + interleaved])
+    out = {}
+    for i in range(hf["num_hidden_layers"]):
+        p = lambda *path: np.asarray(flat[("blocks", str(i), "attn", *path)], np.float32)  # noqa: B023
+        name = f"model.layers.{i}.self_attn."
+        q = p("q", "kernel")  # [in, H, n + r]
+        q = q.transpose(1, 2, 0)[:, q_order, :].reshape(-1, q.shape[0])
+        if hf.get("q_lora_rank"):
+            out[name + "q_a_proj.weight"] = p("dq", "kernel").T
+            out[name + "q_a_layernorm.weight"] = p("q_norm", "scale")
+            out[name + "q_b_proj.weight"] = q
+        else:
+            out[name + "q_proj.weight"] = q
+        kr = p("kr", "kernel").T[interleaved]
+        out[name + "kv_a_proj_with_mqa.weight"] = np.concatenate([p("dkv", "kernel").T, kr])
+        out[name + "kv_a_layernorm.weight"] = p("kv_norm", "scale")
+        uk, uv = p("uk", "kernel").transpose(1, 2, 0), p("uv", "kernel").transpose(1, 2, 0)  # [H, width, d_c]
+        out[name + "kv_b_proj.weight"] = np.concatenate([uk, uv], axis=1).reshape(-1, uk.shape[-1])
+        o = p("o", "kernel")  # [H, v, D]
+        out[name + "o_proj.weight"] = o.reshape(-1, o.shape[-1]).T
+    return {k: np.ascontiguousarray(v) for k, v in out.items()}
+
+
+def _split(tensors: Iterator[tuple[str, np.ndarray]], hf: dict, model_dir: Path):
+    """DeepSeek's fused tensors as the two parameters each holds (others unchanged)."""
+    for name, array in tensors:
+        if name.endswith("kv_a_proj_with_mqa.weight"):
+            c = hf["kv_lora_rank"]
+            yield f"{name}:latent", array[:c]
+            yield f"{name}:rope", array[c:]
+        elif name.endswith("kv_b_proj.weight"):
+            h, n, v = hf["num_attention_heads"], hf["qk_nope_head_dim"], hf["v_head_dim"]
+            if array.shape[0] != h * (n + v):
+                raise ConvertError(
+                    f"{model_dir}: tensor {name} of shape {array.shape} does not match its config "
+                    f"({h} heads of {n} + {v} rows)"
+                )
+            heads = array.reshape(h, n + v, -1)
+            yield f"{name}:k", heads[:, :n]
+            yield f"{name}:v", heads[:, n:]
+        else:
+            yield name, array
+
+
+def load_weights(model_dir: Path, hf: dict, abstract: dict) -> dict:
+    """The model's parameters, each tensor read, laid out and placed into its sharding in turn
+    (host memory: one tensor at a time); ConvertError naming the first tensor that is unknown,
+    missing or of the wrong shape for the config."""
+    flat = {
+        tuple(str(getattr(k, "key", k)) for k in path): leaf
+        for path, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]
+    }
+    where, done = layouts(hf), {}
+    for name, array in _split(_tensors(model_dir), hf, model_dir):
+        if name.endswith(IGNORED):
+            continue
+        if name not in where or where[name][0] not in flat:
+            raise ConvertError(f"{model_dir}: tensor {name} is not one a {hf['architectures'][0]} has here")
+        key, layout, _ = where[name]
+        value, want = layout(array), flat[key]
+        if value.shape != want.shape:
+            raise ConvertError(
+                f"{model_dir}: tensor {name} of shape {array.shape} does not match its config "
+                f"(expected {want.shape} as {'/'.join(key)})"
+            )
+        done[key] = jax.device_put(np.asarray(value, want.dtype), want.sharding)
+        del array, value  # one tensor on the host at a time
+    if missing := [k for k in flat if k not in done]:
+        raise ConvertError(f"{model_dir}: no tensor for {'/'.join(missing[0])} ({len(missing)} missing)")
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(abstract), [done[k] for k in flat])
