@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from effattn_jax.config import ModelConfig
+
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -87,20 +89,7 @@ def config_overrides(hf: dict, model_dir: Path) -> dict:
             "mla.qk_rope_head_dim": hf["qk_rope_head_dim"],
             "mla.v_head_dim": hf["v_head_dim"],
         }
-    rescaled = {"llama3": _llama3_rope, "yarn": _yarn_rope}.get(kind)
-    return keys | (rescaled(scaling) if rescaled else {})
-
-
-def _yarn_rope(scaling: dict) -> dict:
-    return {
-        "model.rope_scaling": "yarn",
-        "model.rope_scaling_factor": float(scaling["factor"]),
-        "model.rope_original_max_positions": int(scaling["original_max_position_embeddings"]),
-        "model.rope_beta_fast": float(scaling.get("beta_fast") or 32.0),
-        "model.rope_beta_slow": float(scaling.get("beta_slow") or 1.0),
-        "model.rope_mscale": float(scaling.get("mscale") or 0.0),
-        "model.rope_mscale_all_dim": float(scaling.get("mscale_all_dim") or 0.0),
-    }
+    return keys | (_rope_keys(kind, scaling) if kind in ROPE_KEYS else {})
 
 
 def _moe_layers(hf: dict) -> list[int]:
@@ -111,13 +100,32 @@ def _moe_layers(hf: dict) -> list[int]:
     return [i for i in range(hf["num_hidden_layers"]) if i >= first and i % every == 0]
 
 
-def _llama3_rope(scaling: dict) -> dict:
-    return {
-        "model.rope_scaling": "llama3",
-        "model.rope_scaling_factor": float(scaling["factor"]),
-        "model.rope_low_freq_factor": float(scaling["low_freq_factor"]),
-        "model.rope_high_freq_factor": float(scaling["high_freq_factor"]),
-        "model.rope_original_max_positions": int(scaling["original_max_position_embeddings"]),
+# a RoPE rescaling's Hugging Face keys -> this project's model keys (both directions)
+ROPE_KEYS = {
+    "llama3": {
+        "factor": "rope_scaling_factor",
+        "original_max_position_embeddings": "rope_original_max_positions",
+        "low_freq_factor": "rope_low_freq_factor",
+        "high_freq_factor": "rope_high_freq_factor",
+    },
+    "yarn": {
+        "factor": "rope_scaling_factor",
+        "original_max_position_embeddings": "rope_original_max_positions",
+        "beta_fast": "rope_beta_fast",
+        "beta_slow": "rope_beta_slow",
+        "mscale": "rope_mscale",
+        "mscale_all_dim": "rope_mscale_all_dim",
+    },
+}
+
+
+def _rope_keys(kind: str, scaling: dict) -> dict:
+    """This project's keys of a Hugging Face RoPE rescaling (a key it leaves out: our default)."""
+    defaults = ModelConfig()
+    theirs = {hf_key: scaling.get(hf_key) for hf_key in ROPE_KEYS[kind]}
+    return {"model.rope_scaling": kind} | {
+        f"model.{ours}": getattr(defaults, ours) if theirs[hf_key] is None else theirs[hf_key]
+        for hf_key, ours in ROPE_KEYS[kind].items()
     }
 
 
@@ -189,25 +197,8 @@ def hf_config_of(cfg, base: dict) -> dict:
             "num_key_value_heads": m.num_heads,
             "first_k_dense_replace": m.num_layers,  # every MLP dense
         }
-    scaling = {"rope_type": "default"}
-    if m.rope_scaling == "yarn":
-        scaling = {
-            "rope_type": "yarn",
-            "factor": m.rope_scaling_factor,
-            "original_max_position_embeddings": m.rope_original_max_positions,
-            "beta_fast": m.rope_beta_fast,
-            "beta_slow": m.rope_beta_slow,
-            "mscale": m.rope_mscale,
-            "mscale_all_dim": m.rope_mscale_all_dim,
-        }
-    if m.rope_scaling == "llama3":
-        scaling = {
-            "rope_type": "llama3",
-            "factor": m.rope_scaling_factor,
-            "low_freq_factor": m.rope_low_freq_factor,
-            "high_freq_factor": m.rope_high_freq_factor,
-            "original_max_position_embeddings": m.rope_original_max_positions,
-        }
+    scaling = {"rope_type": m.rope_scaling or "default"}
+    scaling |= {hf_key: getattr(m, ours) for hf_key, ours in ROPE_KEYS.get(m.rope_scaling, {}).items()}
     if "rope_parameters" in hf:  # the newer layout (transformers 5)
         hf["rope_parameters"] = scaling | {"rope_theta": m.rope_theta}
     else:
