@@ -129,3 +129,23 @@ def test_a_saved_config_with_a_retired_key_still_loads():
     assert config_from_dict(saved).to_dict() == load_config().to_dict()
     with pytest.raises(ConfigError, match="moba.bwd_tile_chunk"):
         load_config(None, ["moba.bwd_tile_chunk=8"])
+
+
+def test_continual_configs_start_from_the_base_models_shapes():
+    """configs/continual/: each names its base run in train.init_from and keeps that model's
+    parameter shapes (the contract), changing only the attention core, context and RoPE base."""
+    import jax
+    from flax import nnx
+
+    from effattn_jax.model import new_model
+
+    shapes = lambda cfg: jax.tree.map(
+        lambda x: x.shape, jax.eval_shape(lambda: nnx.to_pure_dict(nnx.split(new_model(cfg))[1]))
+    )
+    base = load_config(ROOT / "configs/cpu/default.yaml", [])
+    continual = sorted((ROOT / "configs/continual").glob("*.yaml"))
+    assert continual
+    for path in continual:
+        cfg = load_config(path, [])
+        assert cfg.train.init_from == base.train.run_dir and cfg.data.seq_len == 4 * base.data.seq_len
+        assert shapes(cfg) == shapes(base), path.name
