@@ -17,7 +17,7 @@ from effattn_jax.data.tokenizer import load_tokenizer
 from effattn_jax.generate import Generator
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
-FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "deepseek_v2")
+FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "deepseek_v2", "deepseek_v3")
 
 
 @pytest.mark.parametrize("family", FAMILIES)

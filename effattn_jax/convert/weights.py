@@ -105,6 +105,8 @@ def _mla_layouts(hf: dict) -> dict:
         hf[k] for k in ("num_attention_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
     )
     halves = np.concatenate([np.arange(0, r, 2), np.arange(1, r, 2)])  # interleaved -> rotate-half
+    if not hf.get("rope_interleave", True):  # DeepSeek-V3 may rotate halves already
+        halves = np.arange(r)
     q_order = np.concatenate([np.arange(n), n + halves])
     q = lambda w: w.reshape(h, n + r, -1)[:, q_order, :].transpose(2, 0, 1)  # [in, H, n + r]
     up = lambda w: w.transpose(2, 0, 1)  # [H, width, d_c] -> [d_c, H, width]
@@ -133,6 +135,8 @@ def mla_tensors(flat: dict, hf: dict) -> dict[str, np.ndarray]:
     `_mla_layouts` and `_split`)."""
     n, r = hf["qk_nope_head_dim"], hf["qk_rope_head_dim"]
     interleaved = np.argsort(np.concatenate([np.arange(0, r, 2), np.arange(1, r, 2)]))
+    if not hf.get("rope_interleave", True):
+        interleaved = np.arange(r)
     q_order = np.concatenate([np.arange(n), n + interleaved])
     out = {}
     for i in range(hf["num_hidden_layers"]):
