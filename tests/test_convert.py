@@ -69,45 +69,51 @@ def test_export_writes_the_familys_files_and_imports_back_bit_for_bit(family, tm
         assert np.array_equal(x, y)
 
 
-@pytest.mark.slow
-def test_runs_of_this_project_export_and_import_back(tmp_path, corpus_dir, capsys):
-    """Models trained here: MoBA exports as Llama with its MoBA settings recorded and a note, MLA
-    as DeepSeek-V2; both import back bit for bit; EG-MLA is refused in one line."""
-    from conftest import TINY_MLA, tiny_overrides
+def _saved_run(run_dir: Path, overrides: list[str]) -> None:
+    """A run directory of this project holding one step (0) of a fresh model of `overrides`:
+    what export reads, without the cost of compiling a training step."""
+    from conftest import TINY_MODEL
 
     from effattn_jax.config import load_config
-    from effattn_jax.train.loop import run
+    from effattn_jax.model import new_model
 
-    moba = {"attention.core": "moba", "moba.block_size": 8, "moba.top_k": 2, "train.steps": 2}
-    moba["model.tie_embeddings"] = "false"  # an output head of its own, as the Llama fixture has
-    run(load_config(None, tiny_overrides(corpus_dir, tmp_path / "moba", **moba)))
-    capsys.readouterr()
-    assert main(["to-hf", "--run", str(tmp_path / "moba"), "--out", str(tmp_path / "hf")]) == 0
+    small = [o for o in TINY_MODEL if not o.startswith("model.vocab_size")]  # its tokenizer's rows
+    cfg = load_config(None, [*small, "data.seq_len=32", f"train.run_dir={run_dir}", *overrides])
+    saver = checkpoint.Checkpoints(run_dir, async_save=False)
+    saver.save(0, {"params": nnx.to_pure_dict(nnx.split(new_model(cfg))[1])}, None, cfg.to_dict())
+    saver.close()
+
+
+def _exports_and_imports_back(tmp_path: Path, name: str) -> dict:
+    """to-hf of run `name`, then from-hf of that: every parameter back bit for bit; the config.json."""
+    run_dir, exported, back = tmp_path / name, tmp_path / f"{name}_hf", tmp_path / f"{name}_back"
+    assert main(["to-hf", "--run", str(run_dir), "--out", str(exported)]) == 0
+    assert main(["from-hf", "--model", str(exported), "--out", str(back)]) == 0
+    a, b = checkpoint.load_params(run_dir, 0)[2], checkpoint.load_params(back, 0)[2]
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        assert np.array_equal(x, y)
+    return json.loads((exported / "config.json").read_text())
+
+
+def test_runs_of_this_project_export_and_import_back(tmp_path, capsys):
+    """Models of this project: MoBA exports as Llama with its MoBA settings recorded and a note,
+    MLA as DeepSeek-V2; both import back bit for bit; EG-MLA is refused in one line."""
+    from conftest import TINY_MLA
+
+    moba = ["attention.core=moba", "moba.block_size=8", "moba.top_k=2", "model.tie_embeddings=false"]
+    _saved_run(tmp_path / "moba", moba)  # an output head of its own, as the Llama fixture has
+    hf = _exports_and_imports_back(tmp_path, "moba")
     assert "MoBA is an attention pattern the target library will not apply" in capsys.readouterr().err
-    hf = json.loads((tmp_path / "hf" / "config.json").read_text())
     llama = json.loads((FIXTURES / "llama" / "config.json").read_text())
     assert hf["architectures"] == ["LlamaForCausalLM"] and hf["effattn_moba"]["top_k"] == 2
     assert {"hidden_size", "num_key_value_heads", "rms_norm_eps", "intermediate_size"} <= set(hf) & set(llama)
-    assert sorted(_tensors(tmp_path / "hf")) == sorted(_tensors(FIXTURES / "llama"))
-    assert main(["from-hf", "--model", str(tmp_path / "hf"), "--out", str(tmp_path / "back")]) == 0
-    a, b = checkpoint.load_params(tmp_path / "moba", 2)[2], checkpoint.load_params(tmp_path / "back", 0)[2]
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        assert np.array_equal(x, y)
+    assert sorted(_tensors(tmp_path / "moba_hf")) == sorted(_tensors(FIXTURES / "llama"))
 
-    extra = dict(o.split("=", 1) for o in TINY_MLA if o.startswith(("mla.", "eg_mla.")))
-    mla = {"attention.kind": "mla", "mla.q_lora_rank": 12, "train.steps": 1}
-    run(load_config(None, tiny_overrides(corpus_dir, tmp_path / "mla", **mla, **extra)))
-    assert main(["to-hf", "--run", str(tmp_path / "mla"), "--out", str(tmp_path / "mla_hf")]) == 0
-    assert json.loads((tmp_path / "mla_hf" / "config.json").read_text())["architectures"] == [
-        "DeepseekV2ForCausalLM"
-    ]
-    assert main(["from-hf", "--model", str(tmp_path / "mla_hf"), "--out", str(tmp_path / "mla_back")]) == 0
-    a, b = checkpoint.load_params(tmp_path / "mla", 1)[2], checkpoint.load_params(tmp_path / "mla_back", 0)[2]
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        assert np.array_equal(x, y)
+    mla = [o for o in TINY_MLA if o.startswith(("mla.", "eg_mla."))]
+    _saved_run(tmp_path / "mla", ["attention.kind=mla", "mla.q_lora_rank=12", *mla])
+    assert _exports_and_imports_back(tmp_path, "mla")["architectures"] == ["DeepseekV2ForCausalLM"]
 
-    eg = {"attention.kind": "eg_mla", "train.steps": 1}
-    run(load_config(None, tiny_overrides(corpus_dir, tmp_path / "eg", **eg, **extra)))
+    _saved_run(tmp_path / "eg", ["attention.kind=eg_mla", *mla])
     capsys.readouterr()
     assert main(["to-hf", "--run", str(tmp_path / "eg"), "--out", str(tmp_path / "eg_hf")]) == 2
     assert "EG-MLA has no Hugging Face equivalent" in capsys.readouterr().err
