@@ -83,16 +83,17 @@ def load_params(run_dir: str | Path, step: int, mesh=None):
     return cfg, graphdef, restore_params(run_dir, step, params)
 
 
-def restore_params(run_dir: str | Path, step: int, abstract: dict) -> dict:
-    """The parameters of a kept step (verified against its manifest), restored into `abstract`'s
-    shapes, dtypes and shardings; CheckpointError when they cannot be."""
+def restore_params(run_dir: str | Path, step: int, abstract: dict, *, verified: bool = False) -> dict:
+    """The parameters of a kept step (verified against its manifest unless the caller just did),
+    restored into `abstract`'s shapes, dtypes and shardings; CheckpointError when they cannot be."""
     mngr = manager(run_dir, read_only=True)
     item = {"params": abstract}
     args = ocp.args.PyTreeRestore(
         item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True
     )
     try:
-        checksums.verify(storage.path(mngr.directory) / str(step))
+        if not verified:
+            checksums.verify(storage.path(mngr.directory) / str(step))
         restored = mngr.restore(step, args=ocp.args.Composite(state=args))
     except Exception as e:  # noqa: BLE001 - any failure means this step cannot be used
         raise CheckpointError(

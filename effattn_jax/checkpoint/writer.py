@@ -113,7 +113,7 @@ class Checkpoints:
     def _restore(self, step: int, abstract_state, data_iter) -> dict:
         if (self._step_dir(step) / PARAMS_ONLY).is_dir():  # through a manager of its own: the
             # item "state" of this one must keep the handler that saves whole states
-            params = restore_params(self.directory.parent, step, abstract_state["params"])
+            params = restore_params(self.directory.parent, step, abstract_state["params"], verified=True)
             return {"state": {"params": params, "opt_state": None}}
         return self.mngr.restore(step, args=_restore_args(self._step_dir(step), abstract_state, data_iter))
 

@@ -22,10 +22,17 @@ def _source(paths: list[str]):
 
 
 class LocalShards:
-    """The shard files of a local corpus, behind one ArrayRecord source (opened on first read)."""
+    """The shard files of a local corpus, behind one ArrayRecord source (opened on first read);
+    a file missing or of another size than the manifest's is refused at once."""
 
-    def __init__(self, paths: list[str], record_start):
-        self.paths, self._record_start, self._source = paths, record_start, None
+    def __init__(self, root: Path, shards: list[dict], record_start):
+        for s in shards:
+            path = root / s["file"]
+            size = f"{path.stat().st_size} bytes" if path.exists() else "missing"
+            if size != f"{s['bytes']} bytes":
+                raise DataError(f"{path}: {size}, the manifest says {s['bytes']} bytes")
+        self.paths = [str(root / s["file"]) for s in shards]
+        self._record_start, self._source = record_start, None
 
     def read(self, shard: int, record: int) -> bytes:
         if self._source is None:
@@ -35,10 +42,11 @@ class LocalShards:
 
 class RemoteShards:
     """The shards of a corpus on an object store, each fetched whole on its first read into
-    `<cache>/remote-shards/<corpus>/process-<i>/` and checked against the manifest's size and
-    sha256. At most `budget_bytes` of shards are kept (the least recently read go first, always
-    keeping the one being read), so disk and memory stay flat. Rows are read in a global shuffle:
-    a corpus larger than the budget fetches evicted shards again (warned once at the start)."""
+    `<cache>/remote-shards/<corpus>/process-<i>/` and checked then against the manifest's size
+    and sha256 (not at start-up: that would cost two requests per shard). At most
+    `budget_bytes` of shards are kept (the least recently read go first, always keeping the one
+    being read), so disk and memory stay flat. Rows are read in a global shuffle: a corpus larger
+    than the budget fetches evicted shards again (warned once at the start)."""
 
     def __init__(self, root, shards: list[dict], budget_bytes: int):
         import jax
@@ -99,4 +107,4 @@ def shard_files(root, shards: list[dict], record_start, budget_bytes: int):
     """The reader of a corpus's shards: local files, or a cache of a remote corpus's."""
     if storage.is_remote(root):
         return RemoteShards(root, shards, budget_bytes)
-    return LocalShards([str(Path(root) / s["file"]) for s in shards], record_start)
+    return LocalShards(Path(root), shards, record_start)
