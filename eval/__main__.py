@@ -22,8 +22,6 @@ import contextlib
 import os
 import sys
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
 COMMANDS = {
     "lm-loss": "eval.lm_loss",
     "downstream": "eval.downstream",
@@ -74,12 +72,15 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     _persistent_compilation_cache()
+    from eval.processes import platform_line, writes
+
+    if writes():
+        print(platform_line(), file=sys.stderr)
     from absl import logging as absl_logging
 
     absl_logging.set_verbosity(absl_logging.ERROR)  # Orbax's read-only notices: not the user's concern
     from effattn_jax.checkpoint import CheckpointError
     from effattn_jax.data.corpus import DataError
-    from eval.processes import writes
     from eval.tasks import TaskError
 
     try:

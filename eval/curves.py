@@ -27,14 +27,18 @@ def _step_point(run_dir: Path, step: int, names: list[str], limit: int | None, b
         return run_downstream(nnx.merge(graphdef, params), cfg, names, limit=limit, progress=False)
 
     cfg = checkpoint.load_run_config(run_dir, step)
-    acc = cached(run_dir, step, "downstream", {"tasks": names, "limit": limit}, downstream)
+    # "acc_norm": the rule the cached figures were computed with (older caches are recomputed)
+    key = {"tasks": names, "limit": limit, "acc_norm": "harness"}
+    acc = cached(run_dir, step, "downstream", key, downstream)
     val = checkpoint_lm_loss(run_dir, step, seq_len=cfg.data.seq_len, bucket=bucket)
     tokens = step * cfg.data.batch_size * cfg.data.seq_len
     return {
         "step": step,
         "tokens": tokens,
         "avg_acc": acc["avg_acc"],
-        "avg_acc_stderr": acc.get("avg_acc_stderr", float("nan")),  # absent in older caches
+        "avg_acc_stderr": acc["avg_acc_stderr"],
+        "avg_chance": acc["avg_chance"],
+        "tasks": {t.pop("task"): t for t in acc["tasks"]},  # per task: acc, stderr, chance, ...
         "val_loss": val["loss"],
     }
 
@@ -72,6 +76,15 @@ def scale_note(runs: list[dict]) -> str:
     return f"scale: {min(params):,}-{max(params):,} params, up to {max(tokens):,} tokens"
 
 
+def draw_chance(ax, runs: list[dict]) -> None:
+    """The average's chance level (the same tasks and questions for every point) as a line;
+    summaries written before it was recorded have none to draw."""
+    chance = runs[0]["points"][-1].get("avg_chance")
+    if chance is None:
+        return
+    ax.axhline(100 * chance, color="0.5", linestyle=":", linewidth=1, label=f"chance ({100 * chance:.1f} %)")
+
+
 def plot(runs: list[dict], path: Path, limit: int | None) -> None:
     import matplotlib
 
@@ -83,6 +96,7 @@ def plot(runs: list[dict], path: Path, limit: int | None) -> None:
         tokens = [p["tokens"] for p in r["points"]]
         acc_ax.plot(tokens, [100 * p["avg_acc"] for p in r["points"]], "o-", label=r["label"])
         loss_ax.plot(tokens, [p["val_loss"] for p in r["points"]], "o-", label=r["label"])
+    draw_chance(acc_ax, runs)
     acc_ax.set_xlabel("training tokens")
     acc_ax.set_ylabel("avg. accuracy (%)" + (f", {limit} questions/task" if limit else ""))
     loss_ax.set_xlabel("training tokens")

@@ -3,9 +3,11 @@
 For each question every choice's continuation is scored given its context (eval/scoring.py);
 the prediction is the choice with the highest
 - `acc`: sum of the continuation's token log-probs,
-- `acc_norm`: that sum divided by the continuation's length in characters
-  (lm-evaluation-harness's per-character normalisation),
-each with its standard error sqrt(p (1 - p) / (n - 1)). The average is the EG-MLA paper's
+- `acc_norm`: that sum divided by the choice's length in characters, its leading space (the
+  delimiter between context and choice) not counted: lm-evaluation-harness's per-character
+  normalisation, so the two agree question for question,
+each with its standard error sqrt(p (1 - p) / (n - 1)) (the harness's), and the task's chance
+level: the mean over questions of 1 / its number of choices. The average is the EG-MLA paper's
 "Avg. Accuracy" (AVERAGE_RULE). SciQ and LAMBADA are reported beside it; LAMBADA's figures are
 last-word accuracy (every continuation token is the greedy choice) and perplexity
 exp(-mean log-likelihood of the last word).
@@ -36,8 +38,15 @@ def stderr(correct: np.ndarray) -> float:
     return math.sqrt(p * (1 - p) / (n - 1)) if n > 1 else 0.0
 
 
+def choice_chars(continuation: str) -> int:
+    """acc_norm's length of a choice: its characters without the leading delimiter space (the
+    harness divides by the length of the choice text, which it joins to the context with " ")."""
+    return len(continuation) - continuation.startswith(" ")
+
+
 def choice_metrics(logprobs: list[np.ndarray], char_lengths: list[np.ndarray], gold: np.ndarray) -> dict:
-    """acc / acc_norm and their standard errors from each question's per-choice scores."""
+    """acc / acc_norm, their standard errors and the chance level from each question's
+    per-choice scores."""
     pred = np.array([int(np.argmax(lp)) for lp in logprobs])
     pred_norm = np.array(
         [int(np.argmax(lp / np.maximum(n, 1))) for lp, n in zip(logprobs, char_lengths, strict=True)]
@@ -48,6 +57,7 @@ def choice_metrics(logprobs: list[np.ndarray], char_lengths: list[np.ndarray], g
         "acc_stderr": stderr(acc),
         "acc_norm": float(acc_norm.mean()),
         "acc_norm_stderr": stderr(acc_norm),
+        "chance": float(np.mean([1 / len(lp) for lp in logprobs])),
     }
 
 
@@ -88,7 +98,7 @@ def evaluate_task(
     else:
         bounds = np.cumsum([0] + [len(q.continuations) for q in task.questions])
         logprobs = [scores.logprob[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
-        chars = [np.array([len(x) for x in q.continuations]) for q in task.questions]
+        chars = [np.array([choice_chars(x) for x in q.continuations]) for q in task.questions]
         metrics = choice_metrics(logprobs, chars, np.array([q.gold for q in task.questions]))
     speed = {
         "seconds": seconds,
@@ -102,6 +112,12 @@ def evaluate_task(
 def average_accuracy(results: dict[str, TaskResult]) -> float:
     """The paper's average (AVERAGE_RULE) over the evaluated tasks that belong to it (nan if none)."""
     picks = [r.metrics[TASKS[name][1]] for name, r in results.items() if TASKS[name][1]]
+    return float(np.mean(picks)) if picks else float("nan")
+
+
+def average_chance(results: dict[str, TaskResult]) -> float:
+    """The average's chance level: the mean of its tasks' (nan if none)."""
+    picks = [r.metrics["chance"] for name, r in results.items() if TASKS[name][1]]
     return float(np.mean(picks)) if picks else float("nan")
 
 
@@ -129,6 +145,7 @@ def run_downstream(model, cfg, names: list[str], *, limit: int | None, progress:
     return {
         "avg_acc": average_accuracy(results),
         "avg_acc_stderr": average_stderr(results),
+        "avg_chance": average_chance(results),
         "average_rule": AVERAGE_RULE,
         "tasks": [results[n].row() for n in names],
         "limit": limit,
@@ -143,21 +160,24 @@ def run_downstream(model, cfg, names: list[str], *, limit: int | None, progress:
 
 def format_report(report: dict) -> str:
     """The table, the averaging rule, and the last line scripts parse."""
-    lines = [f"{'task':<14} {'split':<10} {'questions':>9} {'contin.':>8} {'acc':>15} {'acc_norm':>15}"]
+    head = f"{'task':<14} {'split':<10} {'questions':>9} {'contin.':>8} {'acc':>15} {'acc_norm':>15}"
+    lines = [f"{head} {'chance':>7}"]
     for r in report["tasks"]:
         norm = (
             f"{r['acc_norm']:.4f}±{r['acc_norm_stderr']:.4f}"
             if "acc_norm" in r
             else f"ppl {r['perplexity']:.2f}"
         )
+        chance = f"{r['chance']:.4f}" if "chance" in r else "-"
         lines.append(
             f"{r['task']:<14} {r['split']:<10} {r['questions']:>9} {r['continuations']:>8} "
-            f"{r['acc']:.4f}±{r['acc_stderr']:.4f} {norm:>15}"
+            f"{r['acc']:.4f}±{r['acc_stderr']:.4f} {norm:>15} {chance:>7}"
         )
     lines.append(report["average_rule"])
     lines.append(
         f"avg_acc={report['avg_acc']:.4f} tasks={len(report['tasks'])} "
-        f"continuations={report['continuations']} seconds={report['seconds']:.1f}"
+        f"continuations={report['continuations']} seconds={report['seconds']:.1f} "
+        f"avg_chance={report['avg_chance']:.4f}"
     )
     return "\n".join(lines)
 

@@ -38,6 +38,15 @@ def output_dir(out: str):
             storage.upload(f, storage.path(out) / f.name)
 
 
+def platform_line() -> str:
+    """What evaluation runs on, said at start-up: jax picks the machine's accelerator unless
+    JAX_PLATFORMS names one (the Makefile and the tests set cpu)."""
+    return (
+        f"jax {jax.__version__} on {jax.default_backend()}: {jax.device_count()} devices "
+        f"({jax.local_device_count()} on this process, {jax.process_count()} processes)"
+    )
+
+
 def share(n: int) -> np.ndarray:
     """Indices of the n work items this process evaluates."""
     return np.arange(jax.process_index(), n, jax.process_count())

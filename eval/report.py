@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from effattn_jax import checkpoint
+from eval.curves import draw_chance
 from eval.processes import output_dir, writes
 from eval.tasks import add_task_arguments
 
@@ -40,11 +41,12 @@ def plot(runs: list[dict], path: Path, context: int, note: str) -> None:
         a.errorbar(
             [p["tokens"] for p in r["points"]],
             [100 * p["avg_acc"] for p in r["points"]],
-            yerr=[100 * p.get("avg_acc_stderr", float("nan")) for p in r["points"]],
+            yerr=[100 * p["avg_acc_stderr"] for p in r["points"]],
             fmt="o-",
             capsize=2,
             label=r["label"],
         )
+    draw_chance(a, runs)
     a.set(xlabel="training tokens", ylabel="avg. accuracy (%, ± 1 s.e.)", title="(a) accuracy vs tokens")
     a.legend(fontsize=7)
     colour = {id(r): f"C{i}" for i, r in enumerate(runs)}  # one colour per run in every panel

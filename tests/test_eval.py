@@ -17,7 +17,7 @@ from effattn_jax.config import load_config
 from effattn_jax.model import Transformer
 from effattn_jax.train.loop import run
 from eval.__main__ import main as eval_main
-from eval.downstream import average_accuracy, choice_metrics
+from eval.downstream import average_accuracy, choice_chars, choice_metrics
 from eval.lm_loss import lm_loss, parse_mesh, position_report, token_nll
 from eval.scaling import fit_power_law
 from eval.scoring import direct_loglikelihood, score_requests
@@ -71,6 +71,12 @@ def test_accuracy_metrics_on_a_hand_made_task():
     # sample standard error of a mean of 0/1 values: sqrt(p (1 - p) / (n - 1))
     assert m["acc_stderr"] == pytest.approx(math.sqrt(2 / 9 / 2))
     assert m["acc_norm_stderr"] == pytest.approx(math.sqrt(2 / 9 / 2))
+    assert m["chance"] == pytest.approx((1 / 2 + 1 / 2 + 1 / 3) / 3)  # 1 / choices, per question
+
+
+def test_acc_norm_counts_the_choice_without_its_delimiter():
+    # the harness divides by len(choice); the continuation is " " + choice
+    assert choice_chars(" Paris") == 5 and choice_chars("Paris") == 5 and choice_chars("  x") == 2
 
 
 def test_average_takes_each_tasks_own_metric():
@@ -208,6 +214,9 @@ def test_figure_commands_write_png_and_data(tmp_path, tiny_runs, capsys):
         ("piqa", "validation", 3),
         ("winogrande", "validation", 3),
     ]
+    # per task: accuracy, its standard error and the chance level (PIQA 2 choices, WinoGrande 2)
+    assert [(t["chance"], "acc_stderr" in t) for t in d["tasks"]] == [(0.5, True), (0.5, True)]
+    assert d["avg_chance"] == 0.5 and last.endswith("avg_chance=0.5000")
 
     out = tmp_path / "out"
     assert (
@@ -215,6 +224,9 @@ def test_figure_commands_write_png_and_data(tmp_path, tiny_runs, capsys):
     )
     curves = json.loads((out / "c" / "curves.json").read_text())
     assert {r["label"]: len(r["points"]) for r in curves} == {"mha dense": 2, "eg_mla emb8 dense": 1}
+    point = curves[0]["points"][-1]
+    assert point["avg_chance"] == 0.5 and sorted(point["tasks"]) == ["piqa", "winogrande"]
+    assert {"acc", "acc_stderr", "chance"} <= set(point["tasks"]["piqa"])
     assert eval_main(["scaling", "--runs", f"{runs}/mha_*", "--out", str(out / "s")]) == 0
     scaling = json.loads((out / "s" / "scaling.json").read_text())
     assert scaling["fits"]["mha dense"]["points"] == 2

@@ -13,20 +13,18 @@ a kernel the compiler refuses (e.g. short of VMEM) fails the compile with its me
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import topologies
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.experimental import topologies  # noqa: E402
-
-from effattn_jax.ops.moba import BlockSizes  # noqa: E402
-from effattn_jax.ops.routing import moba_routing  # noqa: E402
-from eval.bench.common import compiled_bytes  # noqa: E402
-from pallas_kernels.moba.attention import moba_pallas  # noqa: E402
+from effattn_jax.ops.moba import BlockSizes
+from effattn_jax.ops.routing import moba_routing
+from eval.bench.common import compiled_bytes
+from eval.processes import platform_line
+from pallas_kernels.moba.attention import moba_pallas
 
 
 def grad_fn(kernel, block_sizes, head_dim, block_size=512, top_k=3):
@@ -50,6 +48,7 @@ def main(argv=None):
     p.add_argument("--top-k", type=int, default=3)
     p.add_argument("--no-gpu", action="store_true", help="skip the CUDA export")
     args = p.parse_args(argv)
+    print(platform_line())
     topo = topologies.get_topology_desc(platform="tpu", topology_name=args.topology)
     mesh = jax.sharding.Mesh(np.array(topo.devices[:1]), ("x",))
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())

@@ -47,18 +47,16 @@ import statistics
 import sys
 import time
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import jax
 
-import jax  # noqa: E402
-
-from effattn_jax.cli import ArgumentParser, positive_int, positive_int_list  # noqa: E402
-from effattn_jax.config import ConfigError, load_config  # noqa: E402
-from effattn_jax.memory import DoesNotFit, check_fits  # noqa: E402
-from effattn_jax.sharding import make_mesh  # noqa: E402
-from effattn_jax.train.state import init_state, make_setup  # noqa: E402
-from effattn_jax.train.step import make_train_step  # noqa: E402
-from eval.bench.common import compiled_bytes, synthetic_batch  # noqa: E402
-from eval.decoding import (  # noqa: E402
+from effattn_jax.cli import ArgumentParser, positive_int, positive_int_list
+from effattn_jax.config import ConfigError, load_config
+from effattn_jax.memory import DoesNotFit, check_fits
+from effattn_jax.sharding import make_mesh
+from effattn_jax.train.state import init_state, make_setup
+from effattn_jax.train.step import make_train_step
+from eval.bench.common import compiled_bytes, synthetic_batch
+from eval.decoding import (
     PAPER,
     copy_bandwidth,
     decode_latency,
@@ -67,6 +65,7 @@ from eval.decoding import (  # noqa: E402
     moba_decode_cases,
     moba_vs_dense_decode,
 )
+from eval.processes import platform_line
 
 # (label, config file, overrides, decode with absorbed weights)
 PAPER_DECODE = [
@@ -133,6 +132,7 @@ def main(argv=None) -> int:
     tc.add_argument("--config", action="append", default=[])
     tc.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
+    print(platform_line(), file=sys.stderr)  # stdout may be --json
     try:
         if args.command == "decode-latency":
             return _print_decode_latency(args)
