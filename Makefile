@@ -11,7 +11,7 @@ CONFIG ?= configs/cpu/default.yaml
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev,tpu]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev,tpu,lm-eval]'
 	touch $(STAMP)
 
 data: $(STAMP)

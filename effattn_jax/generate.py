@@ -20,6 +20,7 @@ first device (same seed, same tokens) and process 0 prints it.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -71,11 +72,17 @@ class Generator:
         temperature: float = 0.0,
         top_p: float = 1.0,
         seed: int = 0,
+        prompt_width: int = 0,
+        stop: Callable[[np.ndarray], bool] | None = None,
+        stop_every: int = 16,
     ) -> list[list[int]]:
+        """`max_new_tokens` tokens per prompt, or fewer when `stop(tokens so far [B, t])`,
+        asked every `stop_every` tokens, says every row is done. Prompts are right-padded to
+        `prompt_width` if wider than the longest (fewer prefill shapes to compile)."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         lens = np.array([len(p) for p in prompts])
-        b, lp = len(prompts), int(lens.max())
+        b, lp = len(prompts), max(int(lens.max()), prompt_width)
         tokens = np.zeros((b, lp), np.int32)
         for i, p in enumerate(prompts):
             tokens[i, : len(p)] = p
@@ -92,6 +99,8 @@ class Generator:
             key, sub = jax.random.split(key)
             nxt = sample(last, sub, temperature, top_p)
             out.append(nxt)
+            if stop is not None and (step + 1) % stop_every == 0 and stop(np.stack(out, axis=1)):
+                break
             if step + 1 < max_new_tokens:
                 logits, caches = self._decode(self.params, nxt[:, None], pos[:, None], caches)
                 last, pos = logits[:, 0], pos + 1

@@ -12,7 +12,7 @@ Otherwise the run is one process. On CPU the processes' collectives go through g
     python -m effattn_jax.launch --processes 2 [--devices-per-process 2] -- <train.py args>
     python -m effattn_jax.launch --processes 2 --module eval -- downstream --run DIR
 
-starts N train.py processes (or `python -m <module>`: eval, effattn_jax.generate) on loopback
+starts N train.py processes (or `python -m <module>`: eval, eval.harness, effattn_jax.generate) on loopback
 (a free port; simulated CPU devices per process, else the caller's XLA_FLAGS), streams process
 0's output (the others' goes to `--log-dir`, named in the first line), forwards SIGTERM/SIGINT to
 all, and stops the rest when one fails (or when they do not follow one that exited within two
@@ -42,7 +42,7 @@ ENV = {
     "process_id": "JAX_PROCESS_ID",
 }
 ROOT = Path(__file__).resolve().parents[1]
-MODULES = ("eval", "effattn_jax.generate")  # the other programs that join a multi-process run
+MODULES = ("eval", "eval.harness", "effattn_jax.generate")  # the other programs that join a multi-process run
 
 
 def _env_int(name: str, unset: int) -> int:

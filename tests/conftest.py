@@ -102,6 +102,23 @@ def tiny_overrides(root, run_dir, **extra):
     return [f"{k}={v}" for k, v in o.items()]
 
 
+def saved_fresh_run(run_dir, overrides: list[str]) -> None:
+    """A run directory holding one step (0) of a fresh model of `overrides` (the tiny model at
+    context 32, the default tokenizer's vocabulary): what readers of runs need, without the
+    cost of compiling a training step."""
+    from flax import nnx
+
+    from effattn_jax import checkpoint
+    from effattn_jax.config import load_config
+    from effattn_jax.model import new_model
+
+    small = [o for o in TINY_MODEL if not o.startswith("model.vocab_size")]  # its tokenizer's rows
+    cfg = load_config(None, [*small, "data.seq_len=32", f"train.run_dir={run_dir}", *overrides])
+    saver = checkpoint.Checkpoints(run_dir, async_save=False)
+    saver.save(0, {"params": nnx.to_pure_dict(nnx.split(new_model(cfg))[1])}, None, cfg.to_dict())
+    saver.close()
+
+
 def random_batch(seed=0, batch=4, seq=32, mask_keep=1.0):
     """A synthetic training batch: two packed documents per row (20 + 12 tokens at seq 32)."""
     rng = np.random.default_rng(seed)

@@ -9,6 +9,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from conftest import saved_fresh_run
 from flax import nnx
 
 from effattn_jax import checkpoint
@@ -69,21 +70,6 @@ def test_export_writes_the_familys_files_and_imports_back_bit_for_bit(family, tm
         assert np.array_equal(x, y)
 
 
-def _saved_run(run_dir: Path, overrides: list[str]) -> None:
-    """A run directory of this project holding one step (0) of a fresh model of `overrides`:
-    what export reads, without the cost of compiling a training step."""
-    from conftest import TINY_MODEL
-
-    from effattn_jax.config import load_config
-    from effattn_jax.model import new_model
-
-    small = [o for o in TINY_MODEL if not o.startswith("model.vocab_size")]  # its tokenizer's rows
-    cfg = load_config(None, [*small, "data.seq_len=32", f"train.run_dir={run_dir}", *overrides])
-    saver = checkpoint.Checkpoints(run_dir, async_save=False)
-    saver.save(0, {"params": nnx.to_pure_dict(nnx.split(new_model(cfg))[1])}, None, cfg.to_dict())
-    saver.close()
-
-
 def _exports_and_imports_back(tmp_path: Path, name: str) -> dict:
     """to-hf of run `name`, then from-hf of that: every parameter back bit for bit; the config.json."""
     run_dir, exported, back = tmp_path / name, tmp_path / f"{name}_hf", tmp_path / f"{name}_back"
@@ -101,7 +87,7 @@ def test_runs_of_this_project_export_and_import_back(tmp_path, capsys):
     from conftest import TINY_MLA
 
     moba = ["attention.core=moba", "moba.block_size=8", "moba.top_k=2", "model.tie_embeddings=false"]
-    _saved_run(tmp_path / "moba", moba)  # an output head of its own, as the Llama fixture has
+    saved_fresh_run(tmp_path / "moba", moba)  # an output head of its own, as the Llama fixture has
     hf = _exports_and_imports_back(tmp_path, "moba")
     assert "MoBA is an attention pattern the target library will not apply" in capsys.readouterr().err
     llama = json.loads((FIXTURES / "llama" / "config.json").read_text())
@@ -110,10 +96,10 @@ def test_runs_of_this_project_export_and_import_back(tmp_path, capsys):
     assert sorted(_tensors(tmp_path / "moba_hf")) == sorted(_tensors(FIXTURES / "llama"))
 
     mla = [o for o in TINY_MLA if o.startswith(("mla.", "eg_mla."))]
-    _saved_run(tmp_path / "mla", ["attention.kind=mla", "mla.q_lora_rank=12", *mla])
+    saved_fresh_run(tmp_path / "mla", ["attention.kind=mla", "mla.q_lora_rank=12", *mla])
     assert _exports_and_imports_back(tmp_path, "mla")["architectures"] == ["DeepseekV2ForCausalLM"]
 
-    _saved_run(tmp_path / "eg", ["attention.kind=eg_mla", *mla])
+    saved_fresh_run(tmp_path / "eg", ["attention.kind=eg_mla", *mla])
     capsys.readouterr()
     assert main(["to-hf", "--run", str(tmp_path / "eg"), "--out", str(tmp_path / "eg_hf")]) == 2
     assert "EG-MLA has no Hugging Face equivalent" in capsys.readouterr().err

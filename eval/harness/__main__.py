@@ -1,0 +1,58 @@
+"""`python -m eval.harness [run] --model effattn --model_args run=DIR[,step=N] --tasks ...`:
+lm-evaluation-harness's own command line (every option of `lm_eval`) with this project's model
+registered first (importing this package registers it). With a harness release that discovers
+plugins, plain `lm_eval` finds the model by its entry point; lm-eval 0.4.13 (the newest on PyPI)
+does not, so this runs it.
+
+Multi-process (`python -m effattn_jax.launch --processes N --module eval.harness -- ...`): every
+process evaluates (eval/harness/__init__.py splits the work); processes other than 0 print
+nothing and write their --output_path files to a temporary directory, so one process writes
+the results.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import tempfile
+
+
+def _output_path_to(argv: list[str], directory: str) -> list[str]:
+    """argv with --output_path (if given) pointing at `directory` instead."""
+    out, replace_next = [], False
+    for arg in argv:
+        if replace_next:
+            arg, replace_next = directory, False
+        elif arg in ("--output_path", "-o"):
+            replace_next = True
+        elif arg.startswith("--output_path="):
+            arg = f"--output_path={directory}"
+        out.append(arg)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    from effattn_jax.config import DistributedConfig
+    from effattn_jax.launch import initialize
+
+    initialize(DistributedConfig())  # before anything touches a jax backend
+    from lm_eval.__main__ import cli_evaluate
+
+    from eval.processes import writes
+
+    with contextlib.ExitStack() as quiet:
+        if not writes():  # the same run, its files dropped (--log_samples needs a path)
+            argv = _output_path_to(argv, quiet.enter_context(tempfile.TemporaryDirectory()))
+            quiet.enter_context(contextlib.redirect_stdout(quiet.enter_context(open(os.devnull, "w"))))
+        saved, sys.argv = sys.argv, ["lm_eval", *argv]
+        try:
+            cli_evaluate()
+        finally:
+            sys.argv = saved
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
