@@ -31,18 +31,6 @@ COMMANDS = {
 }
 
 
-def _persistent_compilation_cache() -> None:
-    """Compiled scoring programs are kept across runs (a rerun, or curves over many checkpoints in
-    separate processes, compiles nothing): jax's persistent cache under the data cache, unless
-    JAX_COMPILATION_CACHE_DIR already says where."""
-    import jax
-
-    from effattn_jax.data.fetch import cache_root
-
-    if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-        jax.config.update("jax_compilation_cache_dir", str(cache_root() / "jax_compilation_cache"))
-
-
 def main(argv=None) -> int:
     import importlib
 
@@ -71,8 +59,9 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    _persistent_compilation_cache()
-    from eval.processes import platform_line, writes
+    from eval.processes import persistent_compilation_cache, platform_line, writes
+
+    persistent_compilation_cache()
 
     if writes():
         print(platform_line(), file=sys.stderr)

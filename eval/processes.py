@@ -4,11 +4,15 @@ summed over processes, and process 0 alone prints, draws and writes files. With 
 every function here is the identity.
 
 A share is a round-robin slice of the work items (documents, questions); each result array
-holds the process's own items and zeros elsewhere, so the sum over processes is exact."""
+holds the process's own items and zeros elsewhere, so the sum over processes is exact.
+
+Also what every evaluation entry point (`python -m eval`, the harness model) does at start-up:
+the persistent compilation cache, and a line naming the platform."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import tempfile
 from pathlib import Path
 
@@ -36,6 +40,16 @@ def output_dir(out: str):
         yield Path(tmp)
         for f in sorted(Path(tmp).iterdir()):
             storage.upload(f, storage.path(out) / f.name)
+
+
+def persistent_compilation_cache() -> None:
+    """Compiled scoring programs are kept across runs (a rerun, or curves over many checkpoints in
+    separate processes, compiles nothing): jax's persistent cache under the data cache, unless
+    JAX_COMPILATION_CACHE_DIR already says where."""
+    from effattn_jax.data.fetch import cache_root
+
+    if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        jax.config.update("jax_compilation_cache_dir", str(cache_root() / "jax_compilation_cache"))
 
 
 def platform_line() -> str:

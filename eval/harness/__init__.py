@@ -32,7 +32,7 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from eval.processes import platform_line, share, total, writes
+from eval.processes import persistent_compilation_cache, platform_line, share, total, writes
 
 DEFAULT_GENERATE_BATCH = 16  # prompts generated together for batch_size=auto
 DEFAULT_MAX_GEN_TOKS = 256  # the harness's default for a task that does not say
@@ -85,6 +85,7 @@ class EffattnLM(LM):
         if not jax.distributed.is_initialized():
             initialize(DistributedConfig())
         absl_logging.set_verbosity(absl_logging.ERROR)  # Orbax's read-only notices
+        persistent_compilation_cache()  # as `python -m eval`: a rerun compiles nothing
         if writes():
             print(platform_line(), file=sys.stderr)
         del max_batch_size, device  # the harness passes them to every model; jax places by mesh
