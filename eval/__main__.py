@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     persistent_compilation_cache()
 
     if writes():
-        print(platform_line(), file=sys.stderr)
+        print(platform_line(), flush=True)
     from absl import logging as absl_logging
 
     absl_logging.set_verbosity(absl_logging.ERROR)  # Orbax's read-only notices: not the user's concern

@@ -33,6 +33,35 @@ def test_the_model_is_registered_and_declared_as_a_plugin():
     assert plugin.load() is EffattnLM  # what harness releases with plugin discovery read
 
 
+def test_generation_settings_follow_the_harness_and_refuse_what_cannot_fit():
+    from eval.harness import _generation_settings
+
+    assert _generation_settings({"until": "\n\n", "max_gen_toks": 8}, 32) == (("\n\n",), 8, 0.0, 1.0)
+    sampled = {"until": [".", "?"], "do_sample": True, "temperature": 0.7, "top_p": 0.9}
+    assert _generation_settings(sampled, 512) == ((".", "?"), 256, 0.7, 0.9)
+    assert _generation_settings({"temperature": 0.7}, 512)[2] == 0.0  # greedy unless do_sample
+    with pytest.raises(ValueError, match="max_gen_toks=32: .* context of 32 tokens"):
+        _generation_settings({"max_gen_toks": 32}, 32)
+
+
+def test_bad_model_args_are_one_line_and_exit_2(harness_inputs, capsys, monkeypatch):
+    from eval.harness.__main__ import main
+
+    root, _, _ = harness_inputs
+    monkeypatch.chdir(root / "work")
+    base = ["--model", "effattn", "--tasks", "offline_arc_challenge", "--include_path", str(HARNESS_TASKS)]
+    run = root / "run"
+    for model_args, says in (
+        (f"run={run},step=7", "no checkpoint at step 7; kept steps: [0]"),
+        (f"run={run},stepp=3", "unknown key ['stepp']; allowed: run, step"),
+        ("step=0", "run=RUN_DIR is required"),
+        (f"run={root / 'nothing'}", "not a run directory"),
+    ):
+        assert main([*base, "--model_args", model_args]) == 2
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert last.startswith("error: ") and says in last, last
+
+
 def _texts(rng, n, words):
     return [" ".join(WORDS[int(i)] for i in rng.integers(0, len(WORDS), k)).capitalize() for k in words[:n]]
 
@@ -89,7 +118,7 @@ def test_harness_figures_equal_the_suites(harness_inputs):
 
     root, docs, prompts = harness_inputs
     p = _harness(root, root / "one")
-    assert " on cpu: " in p.stderr  # the start-up line naming the platform
+    assert " on cpu: " in p.stdout.splitlines()[0]  # the start-up line naming the platform
     results, samples = _outputs(root / "one")
     cfg, graphdef, params = checkpoint.load_params(root / "run", 0)
     model = nnx.merge(graphdef, params)

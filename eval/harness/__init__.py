@@ -66,14 +66,20 @@ class EffattnLM(LM):
 
     def __init__(
         self,
-        run: str,
+        run: str | None = None,
         step: int | str = "latest",
         mesh: str | None = None,
         batch_size: int | str | None = None,
         max_batch_size: int | None = None,
         device: str | None = None,
+        **unknown,
     ) -> None:
         super().__init__()
+        if unknown or run is None:
+            what = f"unknown key {sorted(unknown)}" if unknown else "run=RUN_DIR is required"
+            raise ValueError(
+                f"--model_args for effattn: {what}; allowed: run, step (N or latest), mesh (DxFxT[xC])"
+            )
         from absl import logging as absl_logging
         from flax import nnx
 
@@ -87,7 +93,7 @@ class EffattnLM(LM):
         absl_logging.set_verbosity(absl_logging.ERROR)  # Orbax's read-only notices
         persistent_compilation_cache()  # as `python -m eval`: a rerun compiles nothing
         if writes():
-            print(platform_line(), file=sys.stderr)
+            print(platform_line(), flush=True)
         del max_batch_size, device  # the harness passes them to every model; jax places by mesh
         self.run = str(run)
         (self.step,) = checkpoint.select_steps(self.run, step)

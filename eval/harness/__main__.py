@@ -32,7 +32,8 @@ def _output_path_to(argv: list[str], directory: str) -> list[str]:
     return out
 
 
-def _index_only_include_path_when_it_suffices(argv: list[str]) -> None:
+@contextlib.contextmanager
+def _index_only_include_path_when_it_suffices(argv: list[str]):
     """The harness's command line indexes its ~15,000 built-in task YAMLs on every run (8 s on a
     2-core VM); when every task asked for is a task defined under --include_path, index only
     that (the harness's own `TaskManager(include_defaults=False)`). Anything else (a built-in
@@ -46,11 +47,14 @@ def _index_only_include_path_when_it_suffices(argv: list[str]) -> None:
     p.add_argument("--include_path", default=None)
     known, _ = p.parse_known_args(argv)
     names = [n.strip() for arg in known.tasks for n in arg.split(",") if n.strip()]
-    if not known.include_path or not names:
-        return
     harness_manager = lm_eval.tasks.TaskManager
-    local = harness_manager(include_path=known.include_path, include_defaults=False)
-    if not set(names) <= set(local.all_subtasks):
+    local = (
+        harness_manager(include_path=known.include_path, include_defaults=False)
+        if known.include_path
+        else None
+    )
+    if local is None or not names or not set(names) <= set(local.all_subtasks):
+        yield
         return
 
     class LocalTasks(harness_manager):
@@ -58,11 +62,17 @@ def _index_only_include_path_when_it_suffices(argv: list[str]) -> None:
             super().__init__(*args, **{**kwargs, "include_defaults": False})
 
     lm_eval.tasks.TaskManager = LocalTasks
+    try:
+        yield
+    finally:
+        lm_eval.tasks.TaskManager = harness_manager
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    from effattn_jax.config import DistributedConfig
+    from effattn_jax.checkpoint import CheckpointError
+    from effattn_jax.config import ConfigError, DistributedConfig
+    from effattn_jax.data.corpus import DataError
     from effattn_jax.launch import initialize
 
     initialize(DistributedConfig())  # before anything touches a jax backend
@@ -70,14 +80,17 @@ def main(argv: list[str] | None = None) -> int:
 
     from eval.processes import writes
 
-    _index_only_include_path_when_it_suffices(argv)
     with contextlib.ExitStack() as quiet:
+        quiet.enter_context(_index_only_include_path_when_it_suffices(argv))
         if not writes():  # the same run, its files dropped (--log_samples needs a path)
             argv = _output_path_to(argv, quiet.enter_context(tempfile.TemporaryDirectory()))
             quiet.enter_context(contextlib.redirect_stdout(quiet.enter_context(open(os.devnull, "w"))))
         saved, sys.argv = sys.argv, ["lm_eval", *argv]
         try:
             cli_evaluate()
+        except (CheckpointError, ConfigError, DataError, ValueError, FileNotFoundError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         finally:
             sys.argv = saved
     return 0
