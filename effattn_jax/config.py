@@ -28,7 +28,7 @@ ATTENTION_CORES = ("dense", "moba")  # which keys each query sees (effattn_jax.a
 MOBA_IMPLS = ("auto", "reference", "xla", "pallas", "pallas_tpu", "pallas_gpu")  # effattn_jax.ops.moba
 DENSE_IMPLS = ("auto", "xla", "splash", "cudnn")  # effattn_jax.ops.dense
 MLA_DECODE_IMPLS = ("auto", "xla", "pallas", "pallas_tpu", "pallas_gpu")  # effattn_jax.ops.mla_decode
-EG_MLA_GATE_AT = ("latent", "heads")
+EG_MLA_GATE_AT = ("latent", "heads", "projected")
 
 
 class ConfigError(ValueError):
@@ -118,7 +118,9 @@ class EgMlaConfig:
 
     gate_dim: int = 64  # d_e: width of the per-layer [vocab, d_e] gate table ("emb size")
     # latent: gate a d_e-wide latent (keeps MLA's absorbed decoding; default) | heads: gate each head's K/V
+    # | projected: gate a latent of width projected_dim with W_G E[x] (a hypothesis, docs/eg_mla.md)
     gate_at: str = "latent"
+    projected_dim: int = 0  # d_g: gate_at=projected's gate and latent width (independent of d_e)
 
 
 @dataclass
@@ -603,6 +605,13 @@ def _validate_attention(cfg: Config) -> None:
         "eg_mla.gate_at",
         cfg.eg_mla.gate_at,
         f"allowed: {', '.join(EG_MLA_GATE_AT)}",
+    )
+    _positive(cfg.eg_mla, "eg_mla", ["projected_dim"], allow_zero=True)
+    _check(
+        (cfg.eg_mla.gate_at == "projected") == (cfg.eg_mla.projected_dim > 0),
+        "eg_mla.projected_dim",
+        cfg.eg_mla.projected_dim,
+        "set it (> 0) exactly when eg_mla.gate_at=projected: the width of the projected gate",
     )
 
     moba = cfg.moba

@@ -241,6 +241,15 @@ def init_cache(model: Transformer, batch: int, max_len: int, dtype=jnp.float32) 
     return caches
 
 
+def fold_gates(model: Transformer) -> Transformer:
+    """Readies a model that no longer trains for decoding, in place: EG-MLA's projected gates
+    (`eg_mla.gate_at=projected`) become one [vocab, d_g] table per layer (attention/eg_mla.py)."""
+    for block in model.layers():
+        if hasattr(block.attn, "fold_gate"):
+            block.attn.fold_gate()
+    return model
+
+
 def param_counts(model: Transformer) -> dict[str, int]:
     """Parameter counts: total; embedding (input table and untied output head); embedding_gate
     (EG-MLA's per-layer token tables, the x-axis of the paper's figure); non_embedding (the rest)."""

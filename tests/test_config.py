@@ -24,6 +24,8 @@ from effattn_jax.config import ConfigError, config_from_dict, load_config, to_ya
         ("mesh.data=0", "mesh.data"),
         ("model.remat=yes please", "model.remat"),
         ("eg_mla.gate_at=middle", "eg_mla.gate_at"),
+        ("eg_mla.gate_at=projected", "eg_mla.projected_dim"),
+        ("eg_mla.projected_dim=16", "eg_mla.projected_dim"),
         ("mla.decode_impl=triton", "mla.decode_impl"),
         ("moba.kv_block=12", "moba.kv_block"),
         ("moba.key_tile=0", "moba.key_tile"),

@@ -23,6 +23,7 @@ KINDS = {
     "mla_q_lora": ["attention.kind=mla", "mla.q_lora_rank=12"],
     "eg_mla_heads": ["attention.kind=eg_mla"],
     "eg_mla_latent": ["attention.kind=eg_mla", "eg_mla.gate_at=latent"],
+    "eg_mla_projected": ["attention.kind=eg_mla", "eg_mla.gate_at=projected", "eg_mla.projected_dim=12"],
     "mha_moba": MOBA,
     "mla_moba": ["attention.kind=mla"] + MOBA,
     "gqa_qkv_bias_qk_norm": ["model.num_kv_heads=2", "model.qkv_bias=true", "model.qk_norm=true"],

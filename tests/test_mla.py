@@ -19,6 +19,7 @@ VARIANTS = {
     "mla_q_lora": ["attention.kind=mla", "mla.q_lora_rank=12"],
     "eg_mla_heads": ["attention.kind=eg_mla"],
     "eg_mla_latent": ["attention.kind=eg_mla", "eg_mla.gate_at=latent"],
+    "eg_mla_projected": ["attention.kind=eg_mla", "eg_mla.gate_at=projected", "eg_mla.projected_dim=12"],
 }
 
 
@@ -50,8 +51,10 @@ def by_hand(attn, x, tokens, seg, kind, gate_at, q_lora):
         )
         v = ln(jnp.einsum("bsc,che->bshe", c, W(attn.uv)) * gv, attn.v_ln.scale[...], attn.v_ln.bias[...])
     else:
+        gate = attn.gate_table[...][tokens]  # E[x]; projected: W_G E[x]
+        gate = jnp.einsum("bse,eg->bsg", gate, W(attn.g)) if gate_at == "projected" else gate
         ct = ln(
-            jnp.einsum("bsc,cg->bsg", c, W(attn.u)) * attn.gate_table[...][tokens],
+            jnp.einsum("bsc,cg->bsg", c, W(attn.u)) * gate,
             attn.c_ln.scale[...],
             attn.c_ln.bias[...],
         )
@@ -92,6 +95,27 @@ def test_packed_documents_and_core_switch(name):
         (p, v.shape) for p, v in nnx.to_flat_state(nnx.state(Transformer(c, rngs=nnx.Rngs(0)), nnx.Param))
     ]
     assert paths(moba) == paths(cfg)
+
+
+def test_a_projected_gate_folds_into_one_table_for_decoding():
+    """gate_at=projected: E W_G folded into a [vocab, d_g] table gives the same decode steps, and
+    the table's width is d_g whatever d_e is; W_G counts as a non-embedding matmul."""
+    from effattn_jax.model import fold_gates, init_cache
+
+    counts = {}
+    for d_e in (8, 32):
+        cfg = load_config(None, TINY + VARIANTS["eg_mla_projected"] + [f"eg_mla.gate_dim={d_e}"])
+        model = Transformer(cfg, rngs=nnx.Rngs(0))
+        counts[d_e] = param_counts(model)
+        tokens = jnp.asarray(np.random.default_rng(2).integers(0, 128, (2, 9)))
+        positions = jnp.broadcast_to(jnp.arange(9), (2, 9))
+        plain, _ = model.decode(tokens, positions, init_cache(model, 2, 16), prefill=True)
+        fold_gates(model)
+        assert model.blocks[0].attn.folded_gate[...].shape == (128, 12)
+        folded, _ = model.decode(tokens, positions, init_cache(model, 2, 16), prefill=True)
+        np.testing.assert_allclose(folded, plain, atol=1e-5, rtol=1e-5)
+    assert counts[32]["embedding_gate"] - counts[8]["embedding_gate"] == 2 * 128 * 24  # the tables
+    assert counts[32]["non_embedding"] - counts[8]["non_embedding"] == 2 * 24 * 12  # W_G [d_e, d_g]
 
 
 def test_gate_tables_are_counted_apart():

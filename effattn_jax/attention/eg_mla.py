@@ -8,7 +8,12 @@ followed by layer normalization") — our reading, chosen with `eg_mla.gate_at`:
 
 * latent (default): c~ = LN(W_U c * E_l[x]) of width d_e (E_l: [vocab, d_e],
   one per layer), then k_i = [W_UK,i c~ ; k^R], v_i = W_UV,i c~. Keeps MLA's
-  weight absorption over c~, and so the paper's decode latency (+4 % over MLA).
+  weight absorption over c~; a decode step then costs what MLA's would with a
+  d_e-wide latent (measured 1.02-2.85x MLA for d_e 16-128 against d_c 48: the
+  paper's +4 % holds where d_e is close to MLA's latent width).
+* projected (a hypothesis): c~ = LN(W_U c * W_G E_l[x]) of a fixed width d_g
+  (`eg_mla.projected_dim`), K/V from c~ as in latent. For decoding, E_l W_G folds
+  into a [vocab, d_g] table (`fold_gate`), so a step's cost does not grow with d_e.
 * heads (the literal reading): e = E_l[x]; g^K = W_GK e, g^V = W_GV e; per head
   k_i = [LN(W_UK,i c * g^K_i) ; k^R], v_i = LN(W_UV,i c * g^V_i), LayerNorm over
   each head's width (scale and bias shared by the heads). Weight absorption is
@@ -33,6 +38,10 @@ from effattn_jax.attention.mla import MLA
 from effattn_jax.layers import Dense, LayerNorm
 
 
+class FoldedGate(nnx.Variable):
+    """gate_at=projected: E_l W_G as one [vocab, d_g] table, made for decoding (not trained or saved)."""
+
+
 class EGMLA(MLA):
     cached_token_ids = True  # decode reads cache["token_ids"], which the model keeps and passes
 
@@ -52,26 +61,41 @@ class EGMLA(MLA):
             self.gv = Dense([e.gate_dim], [h, self.v_dim], gate_axes, rngs=rngs, std=gate_std, dtype=dtype)
             self.k_ln, self.v_ln = LayerNorm(self.nope, eps=m.norm_eps), LayerNorm(self.v_dim, eps=m.norm_eps)
         else:
-            self.u = Dense(
-                [a.kv_lora_rank], [e.gate_dim], ("kv_lora", "gate"), rngs=rngs, std=std, dtype=dtype
-            )
-            self.c_ln = LayerNorm(e.gate_dim, eps=m.norm_eps)
-            self.init_up_projections(cfg, rngs, e.gate_dim, "gate")  # W_UK, W_UV from the gated latent
+            width, axis = (e.projected_dim, "gate_proj") if e.gate_at == "projected" else (e.gate_dim, "gate")
+            if e.gate_at == "projected":
+                self.g = Dense([e.gate_dim], [width], ("gate", axis), rngs=rngs, std=gate_std, dtype=dtype)
+                self.folded_gate = None
+            self.u = Dense([a.kv_lora_rank], [width], ("kv_lora", axis), rngs=rngs, std=std, dtype=dtype)
+            self.c_ln = LayerNorm(width, eps=m.norm_eps)
+            self.init_up_projections(cfg, rngs, width, axis)  # W_UK, W_UV from the gated latent
 
     def absorbed_latent(self, cache):
-        """gate_at=latent: c~ recomputed from (c, token id) for every cached token; heads: none."""
-        if self.gate_at != "latent":
+        """latent, projected: c~ recomputed from (c, token id) for every cached token; heads: none."""
+        if self.gate_at == "heads":
             return None
         return self.c_ln(self.u(cache["c"]) * self.gate(cache["token_ids"]).astype(cache["c"].dtype))
 
     def absorbed_width(self):
-        return self.c_ln.scale.shape[0] if self.gate_at == "latent" else None
+        return None if self.gate_at == "heads" else self.c_ln.scale.shape[-1]
 
     def gate(self, token_ids):
-        """E_l[x]: [B, S, d_e]."""
+        """E_l[x] [B, S, d_e]; for gate_at=projected W_G E_l[x] [B, S, d_g] (from the folded table
+        once `fold_gate` has made it)."""
         if token_ids is None:
             raise ValueError("eg_mla needs the token ids (the shared attention signature passes them)")
-        return jnp.take(self.gate_table[...], token_ids, axis=0)
+        if self.gate_at == "projected" and self.folded_gate is not None:
+            return jnp.take(self.folded_gate[...], token_ids, axis=0)
+        e = jnp.take(self.gate_table[...], token_ids, axis=0)
+        return self.g(e) if self.gate_at == "projected" else e
+
+    def fold_gate(self) -> None:
+        """gate_at=projected, for decoding: E_l W_G as one [vocab, d_g] table, so a decode step
+        reads a d_g-wide row per cached token whatever d_e is. A snapshot of the parameters:
+        for a model that no longer trains (generation, decode benchmarks). Layers stacked by
+        model.scan_layers keep computing W_G E_l[x]."""
+        if self.gate_at == "projected" and self.gate_table[...].ndim == 2:
+            table = jnp.einsum("ve,eg->vg", self.gate_table[...], self.g.kernel[...].astype(jnp.float32))
+            self.folded_gate = nnx.data(FoldedGate(table))  # was None: a static attribute until now
 
     def kv_heads(self, c, token_ids):
         e = self.gate(token_ids).astype(c.dtype)
