@@ -9,8 +9,10 @@ the positions of a full-length row: t + 1 for dense causal attention; for MoBA
 the own block's causal part plus min(top_k - 1, earlier blocks) full blocks.
 The MoBA gate (S * blocks * D per head) is not counted: it is small next to the
 attention, and the papers do not count it either.
-Compute for scaling laws follows the papers: 6 * N * D with N the non-embedding
-parameters, in PFLOP/s-days (1 PFLOP/s-day = 8.64e19 FLOP).
+Compute for scaling laws, in PFLOP/s-days (1 PFLOP/s-day = 8.64e19 FLOP), is one of
+COMPUTE_MEASURES: `full`, the training FLOPs above (every matmul, the output head and
+attention at its real key count included), or `6nd`, the papers' 6 * N * D with N the
+non-embedding parameters, which at small sizes leaves out most of the work.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 from effattn_jax.config import Config
 
 PFLOPS_DAY = 8.64e19
+COMPUTE_MEASURES = ("full", "6nd")
 
 
 def mean_attended_keys(seq_len: int, core: str, block_size: int = 0, top_k: int = 0) -> float:
@@ -57,17 +60,18 @@ def pflops_days(non_embedding_params: int, tokens: float) -> float:
     return 6.0 * non_embedding_params * tokens / PFLOPS_DAY
 
 
-def run_pflops_days(cfg: Config, non_embedding_params: int, step: int, *, attention: bool = False) -> float:
-    """Training compute of a run up to `step`: 6 N D, plus (attention=True) the attention matmuls
-    with MoBA's sparsity, counting the steps after a MoBA -> dense switch as dense."""
+def run_pflops_days(cfg: Config, non_embedding_params: int, step: int, *, compute: str = "full") -> float:
+    """Training compute of a run up to `step` (COMPUTE_MEASURES); with `full`, the steps after a
+    MoBA -> dense switch count as dense."""
+    if compute not in COMPUTE_MEASURES:
+        raise ValueError(f"compute={compute!r}: allowed: {', '.join(COMPUTE_MEASURES)}")
     tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
-    total = pflops_days(non_embedding_params, step * tokens_per_step)
-    if attention:
-        switch = cfg.full_attention_from_step or step
-        before, after = min(step, switch), max(step - switch, 0)
-        flops = (
-            attention_flops_per_token(cfg) * before
-            + attention_flops_per_token(cfg.with_full_attention()) * after
-        )
-        total += flops * tokens_per_step / PFLOPS_DAY
-    return total
+    if compute == "6nd":
+        return pflops_days(non_embedding_params, step * tokens_per_step)
+    switch = cfg.full_attention_from_step or step
+    before, after = min(step, switch), max(step - switch, 0)
+    flops = (
+        train_flops_per_token(cfg, non_embedding_params) * before
+        + train_flops_per_token(cfg.with_full_attention(), non_embedding_params) * after
+    )
+    return flops * tokens_per_step / PFLOPS_DAY

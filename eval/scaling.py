@@ -1,9 +1,10 @@
 """Loss against training compute, with a power law L(C) = a * C^b fitted per attention kind
 (the MoBA paper's scaling figure).
 
-C is in PFLOP/s-days: 6 N D with N the non-embedding parameters and D the tokens trained on
-(`--compute attention` adds the attention matmuls, with MoBA's sparsity and MLA / EG-MLA's
-real head widths, effattn_jax/flops.py). Each run contributes its newest checkpoint; the loss
+C is training compute in PFLOP/s-days (effattn_jax/flops.py): by default every matmul of
+training, the output head and the attention at its real key count (MoBA's sparsity, MLA /
+EG-MLA's head widths) included; `--compute 6nd` is the papers' 6 N D (N non-embedding
+parameters, D tokens trained on), labelled as such. Each run contributes its newest checkpoint; the loss
 is `--loss overall`, `trailing` or `bucket:A-B` (in-document positions A..B-1, eval/lm_loss.py),
 computed once per checkpoint and cached. The fit is least squares on log L = log a + b log C;
 uncertainties are standard errors from the residuals (none with two points).
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from effattn_jax.flops import COMPUTE_MEASURES
 from eval.processes import output_dir, writes
 from eval.runs import attention_label, expand_runs, model_param_counts
 
@@ -82,7 +84,7 @@ def run_point(run_dir: Path, *, loss: str, seq_len: int | None, bucket: int, com
         "step": step,
         "non_embedding_params": n,
         "tokens": step * cfg.data.batch_size * cfg.data.seq_len,
-        "pflops_days": run_pflops_days(cfg, n, step, attention=compute == "attention"),
+        "pflops_days": run_pflops_days(cfg, n, step, compute=compute),
         "loss": pick_loss(report, kind, a, b),
     }
 
@@ -122,7 +124,13 @@ def draw_fits(ax, points: list[dict], fits: dict, value=lambda p: p["loss"]) -> 
     ax.set_yscale("log")
 
 
-def plot(points: list[dict], fits: dict, loss: str, path: Path) -> None:
+COMPUTE_LABELS = {
+    "full": "training compute, every matmul (PFLOP/s-days)",
+    "6nd": "6·N·D, N non-embedding (PFLOP/s-days)",
+}
+
+
+def plot(points: list[dict], fits: dict, loss: str, path: Path, compute: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -132,7 +140,7 @@ def plot(points: list[dict], fits: dict, loss: str, path: Path) -> None:
     draw_fits(ax, points, fits)
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("training compute (PFLOP/s-days)")
+    ax.set_xlabel(COMPUTE_LABELS[compute])
     ax.set_ylabel(f"LM loss ({loss})")
     n = [p["non_embedding_params"] for p in points]
     d = [p["tokens"] for p in points]
@@ -149,7 +157,10 @@ def add_arguments(p) -> None:
     p.add_argument("--runs", required=True, help="glob(s) of run directories, comma-separated")
     p.add_argument("--loss", default="overall", help="overall, trailing or bucket:A-B")
     p.add_argument(
-        "--compute", choices=("params", "attention"), default="params", help="6ND, or 6ND + attention FLOPs"
+        "--compute",
+        choices=COMPUTE_MEASURES,
+        default="full",
+        help="full: every matmul of training (default); 6nd: 6 x non-embedding params x tokens",
     )
     p.add_argument("--seq-len", type=int, default=None, help="evaluation context (default: each run's)")
     p.add_argument("--bucket", type=int, default=2048, help="positions of the trailing bucket")
@@ -178,7 +189,7 @@ def command(args) -> int:
                 f.write(
                     f"{p['label']},{p['run']},{p['step']},{p['non_embedding_params']},{p['tokens']},{p['pflops_days']:.6g},{p['loss']:.6f}\n"
                 )
-        plot(points, fits, args.loss, out / "scaling.png")
+        plot(points, fits, args.loss, out / "scaling.png", args.compute)
     for label, fit in fits.items():
         if fit:
             print(

@@ -245,20 +245,22 @@ def test_figure_commands_write_png_and_data(tmp_path, tiny_runs, capsys):
     assert "scale:" in (out / "r" / "report.md").read_text()
 
 
-def test_training_compute_counts_6nd_and_optionally_sparse_attention():
+def test_training_compute_counts_every_matmul_or_6nd():
     from effattn_jax.flops import PFLOPS_DAY, attention_flops_per_token, run_pflops_days
 
     cfg = load_config(None, ["attention.core=moba", "moba.block_size=64", "moba.top_k=2"])
     tokens = 10 * cfg.data.batch_size * cfg.data.seq_len
-    assert run_pflops_days(cfg, 1000, 10) == pytest.approx(6 * 1000 * tokens / PFLOPS_DAY)
+    assert run_pflops_days(cfg, 1000, 10, compute="6nd") == pytest.approx(6 * 1000 * tokens / PFLOPS_DAY)
     moba, dense = attention_flops_per_token(cfg), attention_flops_per_token(cfg.with_full_attention())
     assert 0 < moba < dense
-    with_attention = run_pflops_days(cfg, 1000, 10, attention=True)
-    assert with_attention == pytest.approx((6 * 1000 + moba) * tokens / PFLOPS_DAY)
+    head = cfg.model.d_model * cfg.model.vocab_size  # the output head is a matmul too
+    assert run_pflops_days(cfg, 1000, 10) == pytest.approx((6 * (1000 + head) + moba) * tokens / PFLOPS_DAY)
     # a MoBA -> dense switch at step 4: 4 steps sparse, 6 dense
     switched = load_config(
         None, ["attention.core=moba", "moba.block_size=64", "moba.top_k=2", "moba.full_attention_from_step=4"]
     )
     per_step = cfg.data.batch_size * cfg.data.seq_len
-    expected = (6 * 1000 * 10 * per_step + (4 * moba + 6 * dense) * per_step) / PFLOPS_DAY
-    assert run_pflops_days(switched, 1000, 10, attention=True) == pytest.approx(expected)
+    expected = (6 * (1000 + head) * 10 * per_step + (4 * moba + 6 * dense) * per_step) / PFLOPS_DAY
+    assert run_pflops_days(switched, 1000, 10) == pytest.approx(expected)
+    with pytest.raises(ValueError, match="allowed: full, 6nd"):
+        run_pflops_days(cfg, 1000, 10, compute="attention")
