@@ -39,7 +39,8 @@ def _step_point(run_dir: Path, step: int, names: list[str], limit: int | None, b
         "avg_acc_stderr": acc["avg_acc_stderr"],
         "avg_chance": acc["avg_chance"],
         "tasks": {t.pop("task"): t for t in acc["tasks"]},  # per task: acc, stderr, chance, ...
-        "val_loss": val["loss"],
+        "val_loss": val["every_token"]["loss"],  # every token of the validation documents
+        "val_tokens": val["every_token"]["tokens"],
     }
 
 

@@ -6,7 +6,10 @@ length L (`--seq-len`, default the run's `data.seq_len`). The position of a pred
 in-document index i (0-based) of the token that predicts token i + 1. Bucket [a, b) averages
 the predictions at positions a..b-1 over the documents long enough to have them, and reports
 how many tokens (and documents) that was. Trailing loss is the last bucket of the documents
-that fill the whole context (at least L + 1 tokens).
+that fill the whole context (at least L + 1 tokens). Those figures read each document's first
+window; `every_token` scores every token of every document, in consecutive windows of L
+predictions (each predicted from the tokens before it in its window), for the validation loss
+over the whole documents.
 """
 
 from __future__ import annotations
@@ -43,6 +46,14 @@ def document_rows(docs: list[np.ndarray], seq_len: int) -> tuple[np.ndarray, np.
         tokens[i, : len(d)] = d
         counts[i] = max(len(d) - 1, 0)
     return tokens, counts
+
+
+def window_rows(docs: list[np.ndarray], seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """`document_rows` of every document cut into consecutive windows of seq_len predictions
+    (window k holds tokens k*L .. (k+1)*L): every token after each document's first is predicted
+    exactly once."""
+    pieces = [d[start : start + seq_len + 1] for d in docs for start in range(0, max(len(d) - 1, 1), seq_len)]
+    return document_rows(pieces, seq_len)
 
 
 def token_nll(nll_fn, tokens: np.ndarray, counts: np.ndarray, batch_size: int, progress: bool = True):
@@ -132,7 +143,15 @@ def lm_loss(cfg, graphdef, params, mesh, *, seq_len: int, bucket: int, progress:
     batch = -(-batch // rows) * rows
     nll_fn = make_nll_fn(cfg, graphdef, params, mesh, batch, seq_len)
     nll, mask = token_nll(nll_fn, tokens, counts, batch, progress)
-    return position_report(nll, mask, bucket)
+    report = position_report(nll, mask, bucket)
+    tokens, counts = window_rows(docs, seq_len)
+    nll, mask = token_nll(nll_fn, tokens, counts, batch, progress)
+    report["every_token"] = {
+        "loss": float(nll[mask].mean()),
+        "tokens": int(mask.sum()),
+        "windows": len(tokens),
+    }
+    return report
 
 
 def add_arguments(p) -> None:
@@ -176,7 +195,8 @@ def checkpoint_lm_loss(run_dir, step: int, *, seq_len: int, bucket: int) -> dict
         cfg, graphdef, params = checkpoint.load_params(run_dir, step, mesh)
         return lm_loss(cfg, graphdef, params, mesh, seq_len=seq_len, bucket=bucket, progress=False)
 
-    return cached(run_dir, step, "lm_loss", {"seq_len": seq_len, "bucket": bucket}, evaluate)
+    key = {"seq_len": seq_len, "bucket": bucket, "every_token": True}  # older caches lack it
+    return cached(run_dir, step, "lm_loss", key, evaluate)
 
 
 def command(args) -> int:
@@ -199,6 +219,10 @@ def command(args) -> int:
         for b in [*r["buckets"], r["trailing"] | {"label": "trailing"}]:
             label = b.get("label", f"{b['start']}-{b['end']}")
             print(f"{label:>13} {b['loss']:8.4f} {b['tokens']:9d} {b['documents']:9d}")
+        every = r["every_token"]
+        print(
+            f"every token, {every['windows']} windows: loss {every['loss']:.4f} over {every['tokens']} tokens"
+        )
         print(
             f"loss={r['loss']:.4f} trailing_loss={r['trailing']['loss']:.4f} tokens={r['tokens']} step={step}"
         )

@@ -1,8 +1,10 @@
 """The EG-MLA paper's four-panel figure from our own runs, and a Markdown table beside it:
 (a) average accuracy vs training tokens (every kept checkpoint, as `curves`); (b) final
-validation loss vs gate-table parameters (EG-MLA runs as a curve, the others as flat lines);
-(c) KV-cache elements per token (counted from the cache each model allocates); (d) decode
-ms/token at `--context` (batch 1, synthetic cache, `eval.decoding.decode_latency`).
+validation loss (every token of the validation documents) vs gate-table parameters (EG-MLA runs
+as a curve per gate placement, the others as flat lines); (c) KV-cache elements per token
+(counted from the cache each model allocates); (d) decode ms/token at `--context` (batch 1,
+synthetic cache, `eval.decoding.decode_latency`). Runs of one configuration with different
+seeds share a label: (b) and the table give their mean ± standard error.
 """
 
 from __future__ import annotations
@@ -29,6 +31,22 @@ def efficiency(run: str, context: int) -> dict:
     }
 
 
+def by_label(runs: list[dict]) -> dict[str, list[dict]]:
+    """Runs grouped by label (one configuration, its seeds), in order of first appearance."""
+    groups: dict[str, list[dict]] = {}
+    for r in runs:
+        groups.setdefault(r["label"], []).append(r)
+    return groups
+
+
+def mean_and_stderr(values: list[float]) -> tuple[float, float]:
+    """Mean and its standard error over seeds (nan for one run)."""
+    n = len(values)
+    mean = sum(values) / n
+    var = sum((v - mean) ** 2 for v in values) / (n - 1) if n > 1 else float("nan")
+    return mean, (var / n) ** 0.5
+
+
 def plot(runs: list[dict], path: Path, context: int, note: str) -> None:
     import matplotlib
 
@@ -36,62 +54,88 @@ def plot(runs: list[dict], path: Path, context: int, note: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ((a, b), (c, d)) = plt.subplots(2, 2, figsize=(11, 8))
-    labels = [r["label"] for r in runs]
-    for r in runs:
-        a.errorbar(
-            [p["tokens"] for p in r["points"]],
-            [100 * p["avg_acc"] for p in r["points"]],
-            yerr=[100 * p["avg_acc_stderr"] for p in r["points"]],
-            fmt="o-",
-            capsize=2,
-            label=r["label"],
-        )
+    groups = by_label(runs)
+    colour = {label: f"C{i}" for i, label in enumerate(groups)}  # one colour per configuration
+    for label, members in groups.items():
+        for i, r in enumerate(members):
+            a.errorbar(
+                [p["tokens"] for p in r["points"]],
+                [100 * p["avg_acc"] for p in r["points"]],
+                yerr=[100 * p["avg_acc_stderr"] for p in r["points"]],
+                fmt="o-",
+                capsize=2,
+                color=colour[label],
+                alpha=1.0 if i == 0 else 0.4,
+                label=label if i == 0 else None,
+            )
     draw_chance(a, runs)
     a.set(xlabel="training tokens", ylabel="avg. accuracy (%, ± 1 s.e.)", title="(a) accuracy vs tokens")
     a.legend(fontsize=7)
-    colour = {id(r): f"C{i}" for i, r in enumerate(runs)}  # one colour per run in every panel
-    gated = sorted(
-        (r for r in runs if r["params"]["embedding_gate"]), key=lambda r: r["params"]["embedding_gate"]
-    )
-    if gated:
-        sizes, losses = (
-            [r["params"]["embedding_gate"] for r in gated],
-            [r["points"][-1]["val_loss"] for r in gated],
-        )
-        b.plot(sizes, losses, "-", color="0.6", label="EG-MLA")
-        b.scatter(sizes, losses, c=[colour[id(r)] for r in gated], zorder=3)
+    final = {label: mean_and_stderr([r["points"][-1]["val_loss"] for r in m]) for label, m in groups.items()}
+    placements: dict[str, list[str]] = {}
+    for label, members in groups.items():
+        if members[0]["params"]["embedding_gate"]:
+            placements.setdefault(members[0].get("gate_at", "latent"), []).append(label)
+    for placement, labels in placements.items():
+        labels = sorted(labels, key=lambda lb: groups[lb][0]["params"]["embedding_gate"])
+        sizes = [groups[lb][0]["params"]["embedding_gate"] for lb in labels]
+        means = [final[lb][0] for lb in labels]
+        style = "-" if placement == "latent" else ":"
+        b.plot(sizes, means, style, color="0.6", label=f"EG-MLA, gate_at={placement}")
+        for size, lb in zip(sizes, labels, strict=True):
+            mean, se = final[lb]
+            b.errorbar([size], [mean], yerr=[0 if se != se else se], fmt="o", color=colour[lb], capsize=3)
         b.set_xscale("log")
-    for r in runs:
-        if not r["params"]["embedding_gate"]:
-            b.axhline(r["points"][-1]["val_loss"], ls="--", color=colour[id(r)], label=r["label"])
-    b.set(xlabel="gate-table parameters", ylabel="validation loss", title="(b) loss vs gate-table size")
+    for label, members in groups.items():
+        if not members[0]["params"]["embedding_gate"]:
+            mean, se = final[label]
+            b.axhline(mean, ls="--", color=colour[label], label=label)
+            if se == se:
+                b.axhspan(mean - se, mean + se, color=colour[label], alpha=0.15)
+    b.set(
+        xlabel="gate-table parameters",
+        ylabel="validation loss, every token (± 1 s.e. over seeds)",
+        title="(b) loss vs gate-table size",
+    )
     b.legend(fontsize=7)
-    c.bar(labels, [r["kv_elements_per_token"] for r in runs], color=[colour[id(r)] for r in runs])
+    labels = list(groups)
+    c.bar(
+        labels, [groups[lb][0]["kv_elements_per_token"] for lb in labels], color=[colour[lb] for lb in labels]
+    )
     c.set(ylabel="KV-cache elements / token", title="(c) KV cache")
-    d.bar(labels, [r["decode_ms_per_token"] for r in runs], color=[colour[id(r)] for r in runs])
+    d.bar(
+        labels, [groups[lb][0]["decode_ms_per_token"] for lb in labels], color=[colour[lb] for lb in labels]
+    )
     d.set(ylabel="ms / token", title=f"(d) decode latency, context {context}, batch 1")
     for ax in (c, d):
-        ax.tick_params(axis="x", labelrotation=20, labelsize=7)
+        ax.tick_params(axis="x", labelrotation=30, labelsize=6)
     fig.suptitle(note, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
+def _with_stderr(value: float, se: float, fmt: str) -> str:
+    """'value ± se' in `fmt`, or the value alone for a single run."""
+    return format(value, fmt) + ("" if se != se else " ± " + format(se, fmt))
+
+
 def markdown(runs: list[dict], context: int, note: str) -> str:
     lines = [
-        f"{note}; decode at context {context}, batch 1",
+        f"{note}; decode at context {context}, batch 1; over seeds: mean ± standard error",
         "",
-        "| attention | params | gate-table params | tokens | val loss | avg acc | KV elements/token "
-        "| decode ms/token |",
-        "|---|---|---|---|---|---|---|---|",
+        "| attention | seeds | params | gate-table params | tokens | val loss (every token) | avg acc % "
+        "(chance) | KV elements/token | decode ms/token |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in runs:
-        last = r["points"][-1]
+    for label, members in by_label(runs).items():
+        r, last = members[0], members[0]["points"][-1]
+        loss = _with_stderr(*mean_and_stderr([m["points"][-1]["val_loss"] for m in members]), ".4f")
+        acc = _with_stderr(*mean_and_stderr([100 * m["points"][-1]["avg_acc"] for m in members]), ".2f")
+        chance = f" ({100 * last['avg_chance']:.1f})" if "avg_chance" in last else ""
         lines.append(
-            f"| {r['label']} | {r['params']['total']:,} | {r['params']['embedding_gate']:,} "
-            f"| {last['tokens']:,} | "
-            f"{last['val_loss']:.4f} | {100 * last['avg_acc']:.2f} % | {r['kv_elements_per_token']:,} | "
+            f"| {label} | {len(members)} | {r['params']['total']:,} | {r['params']['embedding_gate']:,} "
+            f"| {last['tokens']:,} | {loss} | {acc}{chance} | {r['kv_elements_per_token']:,} | "
             f"{r['decode_ms_per_token']:.2f} |"
         )
     return "\n".join(lines) + "\n"

@@ -57,6 +57,10 @@ def attention_label(cfg: Config) -> str:
     kind = "+".join(kinds)
     if kinds == ["eg_mla"]:
         kind += f" emb{cfg.eg_mla.gate_dim}"
+        if cfg.eg_mla.gate_at != "latent":  # the default goes unnamed
+            kind += f" {cfg.eg_mla.gate_at}" + (
+                f"{cfg.eg_mla.projected_dim}" if cfg.eg_mla.projected_dim else ""
+            )
     if len(set(cores)) == 1:
         label = f"{kind} {cores[0]}"
     else:

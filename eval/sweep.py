@@ -2,20 +2,26 @@
 small summary per run under `results/<recipe>/`, and draw the recipe's figure from those
 summaries alone.
 
-    python -m eval.sweep --recipe moba-scaling-cpu [--root DIR] [--results results]
-                         [--only full_s1,moba_s1] [--override train.steps=2 ...] [--redraw]
+    python -m eval.sweep --recipe moba-scaling-1k [--root DIR] [--results results]
+                         [--only full_53k,moba_53k] [--override train.steps=2 ...] [--redraw]
 
 A run whose summary exists is skipped (even on a fresh clone, where its run directory is gone),
-so rerunning a finished recipe only redraws. Run directories live under `--root` (default
-$EFFATTN_SWEEP_ROOT or ~/.cache/effattn_jax/sweeps), outside the checkout; an interrupted
-training resumes from its run directory. Recipes:
+so rerunning a finished recipe only redraws; `--only` runs a recipe in pieces. Run directories
+live under `--root` (default $EFFATTN_SWEEP_ROOT or ~/.cache/effattn_jax/sweeps), outside the
+checkout; an interrupted training resumes from its run directory. A run named `<config>.seed<k>`
+is that config with `train.seed=k` (the repeats that give gaps their standard errors). Recipes:
 
-- moba-scaling-cpu: 4 sizes x {full, moba} (configs/moba/cpu/scaling/), then the MoBA paper's
-  scaling figure: LM loss (overall and trailing) against training compute, log-log, a power
-  law fitted per attention kind, the paper's fitted laws drawn beside for shape.
-- egmla-cpu: MHA, MLA and EG-MLA with 4 gate-table widths (configs/egmla/cpu/), then the EG-MLA
-  paper's four panels (`eval report`): accuracy vs tokens at every kept checkpoint (50 seeded
-  questions per task, standard errors), loss vs gate-table size, KV cache, decode latency.
+- moba-scaling-1k: 4 sizes x {full, MoBA} at 1,024-token rows (configs/moba/cpu/scaling/), each
+  at >= 10 tokens per parameter, plus two more seeds of both at two sizes; the MoBA paper's
+  scaling figure: each run's loss at every kept checkpoint against training compute (every
+  matmul), power laws fitted over each kind's lower envelope, the paper's laws beside.
+- moba-scaling-4k: 2 sizes x {full, MoBA} at 4,096-token rows, block 256, top-3 (the paper's
+  geometry; configs/moba/cpu/scaling_4k/): the trailing loss over the last 1,024 positions.
+- egmla-cpu: MHA, MLA and EG-MLA with 4 gate-table widths (configs/egmla/cpu/), the projected
+  gate at the same widths (docs/eg_mla.md), and two more seeds of MLA, EG-MLA emb16 and the
+  projected emb128; the EG-MLA paper's four panels (`eval report`): accuracy vs tokens at every
+  kept checkpoint (50 seeded questions per task, per-task figures and chance levels kept),
+  validation loss over every token vs gate-table size, KV cache, decode latency.
 """
 
 from __future__ import annotations
@@ -40,16 +46,31 @@ class Recipe:
     draw: str  # and the figure from all summaries, (summaries, out_dir) -> None
 
 
+def _seeded(stems: list[str], seeds=(1, 2)) -> tuple[str, ...]:
+    return tuple(f"{stem}.seed{k}" for stem in stems for k in seeds)
+
+
+MOBA_SIZES = ("13k", "53k", "107k", "240k")
+EGMLA_WIDTHS = (16, 32, 64, 128)
 RECIPES = {
-    "moba-scaling-cpu": Recipe(
+    "moba-scaling-1k": Recipe(
         "configs/moba/cpu/scaling",
-        tuple(f"{core}_s{i}" for i in (1, 2, 3, 4) for core in ("full", "moba")),
+        tuple(f"{core}_{size}" for size in MOBA_SIZES for core in ("full", "moba"))
+        + _seeded([f"{core}_{size}" for size in ("53k", "107k") for core in ("full", "moba")]),
+        "summarize_losses",
+        "draw_moba_scaling",
+    ),
+    "moba-scaling-4k": Recipe(
+        "configs/moba/cpu/scaling_4k",
+        tuple(f"{core}_{size}" for size in ("53k", "107k") for core in ("full", "moba")),
         "summarize_losses",
         "draw_moba_scaling",
     ),
     "egmla-cpu": Recipe(
         "configs/egmla/cpu",
-        ("mha", "mla", "eg_mla_emb16", "eg_mla_emb32", "eg_mla_emb64", "eg_mla_emb128"),
+        ("mha", "mla", *(f"eg_mla_emb{w}" for w in EGMLA_WIDTHS))
+        + tuple(f"eg_mla_proj_emb{w}" for w in EGMLA_WIDTHS)
+        + _seeded(["mla", "eg_mla_emb16", "eg_mla_proj_emb128"]),
         "summarize_report",
         "draw_egmla_report",
     ),
@@ -61,6 +82,7 @@ EGMLA_DECODE_CONTEXT = 2048
 PAPER_MOBA_LAWS = {
     "LM loss @8K": {"moba": (2.625, -0.063), "full": (2.622, -0.063)},
     "positions 0-2K": {"moba": (3.075, -0.078), "full": (3.068, -0.078)},
+    "trailing (last 2K of 32K)": {"moba": (1.546, -0.108), "full": (1.464, -0.097)},
 }
 
 
@@ -79,27 +101,46 @@ def train_run(config: Path, run_dir: Path, overrides: list[str]) -> float:
 
 
 def summarize_losses(run_dir: Path) -> dict:
-    """Sizes, tokens, compute, and the losses (overall, by position, trailing) of the final checkpoint."""
+    """Sizes, tokens per parameter, the attention geometry and, at every kept checkpoint, the
+    training compute (every matmul, and 6ND) with the validation loss over every token and the
+    trailing loss; the final checkpoint's losses by position."""
     from effattn_jax import checkpoint
     from effattn_jax.flops import run_pflops_days
     from eval.lm_loss import checkpoint_lm_loss
     from eval.runs import attention_label, model_param_counts
 
-    step = checkpoint.kept_steps(run_dir)[-1]
-    cfg = checkpoint.load_run_config(run_dir, step)
-    report = checkpoint_lm_loss(run_dir, step, seq_len=cfg.data.seq_len, bucket=cfg.data.seq_len // 4)
+    steps = checkpoint.kept_steps(run_dir)
+    cfg = checkpoint.load_run_config(run_dir, steps[-1])
     n = model_param_counts(cfg)["non_embedding"]
+    points, report = [], None
+    for step in steps:
+        report = checkpoint_lm_loss(run_dir, step, seq_len=cfg.data.seq_len, bucket=cfg.data.seq_len // 4)
+        points.append(
+            {
+                "step": step,
+                "tokens": step * cfg.data.batch_size * cfg.data.seq_len,
+                "pflops_days": run_pflops_days(cfg, n, step),
+                "pflops_days_6nd": run_pflops_days(cfg, n, step, compute="6nd"),
+                "loss": report["every_token"]["loss"],
+                "trailing_loss": report["trailing"]["loss"],
+            }
+        )
+    last = points[-1]
     return {
         "label": attention_label(cfg),
-        "step": step,
+        "core": cfg.attention.core,
+        "context": cfg.data.seq_len,
+        "block_size": cfg.moba.block_size,
+        "top_k": cfg.moba.top_k,
+        "seed": cfg.train.seed,
         "non_embedding_params": n,
-        "tokens": step * cfg.data.batch_size * cfg.data.seq_len,
-        "pflops_days": run_pflops_days(cfg, n, step),
-        "pflops_days_with_attention": run_pflops_days(cfg, n, step, attention=True),
-        "loss": report["loss"],
+        "tokens_per_param": last["tokens"] / n,
+        **{k: last[k] for k in ("step", "tokens", "pflops_days", "pflops_days_6nd", "loss")},
+        "every_token": report["every_token"],
+        "first_window_loss": report["loss"],
         "trailing": report["trailing"],
         "buckets": report["buckets"],
-        "eval_context": cfg.data.seq_len,
+        "points": points,
     }
 
 
@@ -116,13 +157,16 @@ def summarize_report(run_dir: Path) -> dict:
     return collect([run_dir], parse_tasks(None), EGMLA_LIMIT)[0] | {
         "kv_elements_per_token": kv_cache_report(cfg)["kv_elements_per_token"],
         "kind": cfg.attention.kind,
+        "gate_at": cfg.eg_mla.gate_at if cfg.attention.kind == "eg_mla" else None,
+        "seed": cfg.train.seed,
     }
 
 
 def measure_decode(summaries: list[dict], out: Path) -> dict:
     """run -> decode ms/token at EGMLA_DECODE_CONTEXT (batch 1, synthetic cache: it depends on the
-    config only), every run measured in one process so the ratios compare like with like; kept
-    in decode_latency.json and remeasured only when the set of runs changes."""
+    config only, so a config's seeds are measured once), every run measured in one process so the
+    ratios compare like with like; kept in decode_latency.json and remeasured only when the set of
+    runs changes."""
     import datetime
 
     import jax
@@ -134,10 +178,13 @@ def measure_decode(summaries: list[dict], out: Path) -> dict:
     from effattn_jax.config import load_config
     from eval.decoding import decode_latency
 
-    ms = {}
-    for s in summaries:
-        cfg = load_config(REPO / s["config"], s["overrides"])
-        ms[s["run"]] = decode_latency(cfg, [EGMLA_DECODE_CONTEXT], absorb=True)[EGMLA_DECODE_CONTEXT]
+    ms, by_config = {}, {}
+    for s in summaries:  # a config's seeds decode alike: measured once
+        key = (s["config"], tuple(s["overrides"]))
+        if key not in by_config:
+            cfg = load_config(REPO / s["config"], s["overrides"])
+            by_config[key] = decode_latency(cfg, [EGMLA_DECODE_CONTEXT], absorb=True)[EGMLA_DECODE_CONTEXT]
+        ms[s["run"]] = by_config[key]
     record = {
         "context": EGMLA_DECODE_CONTEXT,
         "batch": 1,
@@ -148,6 +195,12 @@ def measure_decode(summaries: list[dict], out: Path) -> dict:
     }
     path.write_text(json.dumps(record, indent=1) + "\n")
     return ms
+
+
+def _config_and_seed(run: str) -> tuple[str, list[str]]:
+    """`<config>.seed<k>` -> (config stem, [train.seed=k]); a plain name is its own config."""
+    stem, _, seed = run.partition(".seed")
+    return stem, [f"train.seed={int(seed)}"] if seed else []
 
 
 def run_recipe(name: str, *, root: Path, results: Path, only=None, overrides=(), redraw=False) -> list[dict]:
@@ -163,9 +216,10 @@ def run_recipe(name: str, *, root: Path, results: Path, only=None, overrides=(),
         if summary_path.exists():
             print(f"{run}: summary exists, skipped", flush=True)
             continue
-        config = REPO / recipe.config_dir / f"{run}.yaml"
+        stem, seed = _config_and_seed(run)
+        config = REPO / recipe.config_dir / f"{stem}.yaml"
         run_dir = root / name / run
-        seconds = train_run(config, run_dir, list(overrides))
+        seconds = train_run(config, run_dir, [*seed, *overrides])
         start = time.perf_counter()
         summary = globals()[recipe.summarize](run_dir) | {  # "run": the name, not the directory
             "recipe": name,
@@ -185,61 +239,165 @@ def run_recipe(name: str, *, root: Path, results: Path, only=None, overrides=(),
     return summaries
 
 
+KIND_NAMES = {"dense": "full attention", "moba": "MoBA"}
+
+
+def lower_envelope(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The (compute, loss) points no point of less compute beats: the frontier a law is fitted to."""
+    out, best = [], float("inf")
+    for c, loss in sorted(points):
+        if loss < best:
+            out.append((c, loss))
+            best = loss
+    return out
+
+
+def seed_gaps(summaries: list[dict], value) -> list[dict]:
+    """Per size with several seeds: each kind's final value (mean ± s.e. over seeds) and the
+    MoBA - full gap (mean ± s.e. of the seed-paired differences)."""
+    import numpy as np
+
+    by = {}
+    for s in summaries:
+        by.setdefault(s["non_embedding_params"], {}).setdefault(s["core"], {})[s["seed"]] = value(s)
+    rows = []
+    for n, cores in sorted(by.items()):
+        seeds = sorted(set(cores.get("dense", {})) & set(cores.get("moba", {})))
+        if len(seeds) < 2:
+            continue
+        stat = lambda xs: (float(np.mean(xs)), float(np.std(xs, ddof=1) / np.sqrt(len(xs))))
+        diffs = [cores["moba"][k] - cores["dense"][k] for k in seeds]
+        rows.append(
+            {
+                "non_embedding_params": n,
+                "seeds": seeds,
+                "full": stat([cores["dense"][k] for k in seeds]),
+                "moba": stat([cores["moba"][k] for k in seeds]),
+                "gap_moba_minus_full": stat(diffs),
+            }
+        )
+    return rows
+
+
 def draw_moba_scaling(summaries: list[dict], out: Path) -> None:
-    """scaling.png: overall and trailing loss vs compute with fits, and the paper's laws;
-    fits.json: the fitted (a, b) per attention kind and loss."""
+    """scaling.png: every run's overall and trailing loss at each kept checkpoint against
+    training compute (every matmul), a power law per attention kind fitted over its lower
+    envelope, seed means ± s.e. at the final checkpoints, and the paper's laws for shape;
+    fits.json: the fits, the seed gaps and tokens per parameter."""
     import matplotlib
 
-    from eval.scaling import draw_fits, fits_per_label
+    from eval.scaling import fit_power_law
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
 
-    losses = {"overall": lambda p: p["loss"], "trailing": lambda p: p["trailing"]["loss"]}
-    fits = {name: fits_per_label(summaries, key) for name, key in losses.items()}
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.6))
+    losses = {"overall": "loss", "trailing": "trailing_loss"}
+    colors = {"dense": "C3", "moba": "C0"}
+    fits, gaps = {}, {}
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    trailing = summaries[0]["trailing"]
     for ax, (name, key) in zip(axes, losses.items(), strict=False):
-        draw_fits(ax, summaries, fits[name], key)
-        trailing = summaries[0]["trailing"]
+        fits[name] = {}
+        for core in ("dense", "moba"):
+            runs = [s for s in summaries if s["core"] == core]
+            for s in runs:
+                ax.plot(
+                    [p["pflops_days"] for p in s["points"]],
+                    [p[key] for p in s["points"]],
+                    "-",
+                    color=colors[core],
+                    alpha=0.35,
+                    linewidth=1,
+                )
+            frontier = lower_envelope([(p["pflops_days"], p[key]) for s in runs for p in s["points"]])
+            if len(frontier) >= 2:
+                fit = fit_power_law(*zip(*frontier, strict=True))
+                fits[name][KIND_NAMES[core]] = fit
+                cs = np.array([c for c, _ in frontier])
+                grid = np.geomspace(cs.min() / 2, cs.max() * 2, 50)
+                ax.scatter(*zip(*frontier, strict=True), color=colors[core], s=12)
+                ax.plot(
+                    grid,
+                    fit["a"] * grid ** fit["b"],
+                    "--",
+                    color=colors[core],
+                    label=f"{KIND_NAMES[core]}: {fit['a']:.3g}·C^{fit['b']:.3f} ({len(frontier)} points)",
+                )
+        gaps[name] = seed_gaps(summaries, lambda s, key=key: s["points"][-1][key])
+        for row in gaps[name]:
+            c = np.mean(
+                [
+                    s["pflops_days"]
+                    for s in summaries
+                    if s["non_embedding_params"] == row["non_embedding_params"]
+                ]
+            )
+            for core in ("dense", "moba"):
+                mean, se = row["full" if core == "dense" else "moba"]
+                ax.errorbar([c], [mean], yerr=[se], fmt="s", color=colors[core], capsize=3, markersize=4)
         what = (
-            "all positions" if name == "overall" else f"last {trailing['end'] - trailing['start']} positions"
+            "every validation token"
+            if name == "overall"
+            else f"last {trailing['end'] - trailing['start']} positions, {trailing['documents']} documents "
+            f"of >= {trailing['end'] + 1} tokens"
         )
         ax.set(
-            xlabel="training compute (PFLOP/s-days, 6ND)",
+            xscale="log",
+            yscale="log",
+            xlabel="training compute, every matmul (PFLOP/s-days)",
             ylabel=f"LM loss ({what})",
             title=f"ours: {name} loss",
         )
         ax.legend(fontsize=7)
     ax = axes[2]
     grid = np.geomspace(0.1, 10, 50)
-    for (loss, laws), style in zip(PAPER_MOBA_LAWS.items(), ("-", ":"), strict=True):
-        for i, (kind, (a, b)) in enumerate(laws.items()):
-            ax.plot(grid, a * grid**b, style, color=f"C{1 - i}", label=f"paper {kind}, {loss}: {a}·C^{b}")
+    for (loss, laws), style in zip(PAPER_MOBA_LAWS.items(), ("-", ":", "-."), strict=True):
+        for core, (a, b) in laws.items():
+            color = colors["moba" if core == "moba" else "dense"]
+            ax.plot(
+                grid,
+                a * grid**b,
+                style,
+                color=color,
+                label=f"paper {KIND_NAMES['moba' if core == 'moba' else 'dense']}, {loss}: {a}·C^{b}",
+            )
     ax.set(
         xscale="log",
         yscale="log",
-        xlabel="PFLOP/s-days",
+        xlabel="PFLOP/s-days (the paper's 6ND)",
         ylabel="LM loss",
         title="the paper's fitted laws (545M-2.1B, for shape)",
     )
     ax.legend(fontsize=7)
-    n = [p["non_embedding_params"] for p in summaries]
-    d = sorted({p["tokens"] for p in summaries})
-    tokens = ", ".join(f"{t:,}" for t in d)
+    s0 = summaries[0]
+    n = [s["non_embedding_params"] for s in summaries]
+    tpp = [s["tokens_per_param"] for s in summaries]
     fig.suptitle(
-        f"CPU scale: {min(n):,}-{max(n):,} non-embedding params, {tokens} tokens per run "
-        "(fixed budget, not compute-optimal)",
+        f"CPU scale: context {s0['context']:,}, MoBA block {s0['block_size']}, top-{s0['top_k']}; "
+        f"{min(n):,}-{max(n):,} non-embedding params, {min(tpp):.3g}-{max(tpp):.3g} tokens per parameter; "
+        f"{len(summaries)} runs",
         fontsize=9,
     )
     fig.tight_layout()
     fig.savefig(out / "scaling.png", dpi=100)
     plt.close(fig)
-    (out / "fits.json").write_text(json.dumps(fits, indent=1) + "\n")
-    for name, per_label in fits.items():
-        for label, fit in per_label.items():
-            if fit:
-                print(f"{name} {label}: L = {fit['a']:.4g} * C^{fit['b']:.4f} (±{fit['b_stderr']:.2g})")
+    record = {
+        "fits": fits,
+        "seed_gaps": gaps,
+        "tokens_per_param": {s["run"]: round(s["tokens_per_param"], 2) for s in summaries},
+    }
+    (out / "fits.json").write_text(json.dumps(record, indent=1) + "\n")
+    for name, per_kind in fits.items():
+        for kind, fit in per_kind.items():
+            print(f"{name} {kind}: L = {fit['a']:.4g} * C^{fit['b']:.4f} (±{fit['b_stderr']:.2g})")
+    for name, rows in gaps.items():
+        for row in rows:
+            mean, se = row["gap_moba_minus_full"]
+            print(
+                f"{name} {row['non_embedding_params']:,} params: MoBA - full = {mean:+.4f} ± {se:.4f} "
+                f"({len(row['seeds'])} seeds)"
+            )
     print(f"wrote {out / 'scaling.png'} {out / 'fits.json'}")
 
 

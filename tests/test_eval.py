@@ -93,6 +93,16 @@ def test_average_takes_each_tasks_own_metric():
     assert average_accuracy(results) == pytest.approx(0.6)
 
 
+def test_every_token_windows_predict_each_token_once():
+    from eval.lm_loss import window_rows
+
+    docs = [np.arange(1, n + 1, dtype=np.int32) for n in (1, 2, 9, 10, 11, 25)]
+    tokens, counts = window_rows(docs, 4)
+    predicted = [int(t) for row, n in zip(tokens, counts, strict=True) for t in row[1 : 1 + n]]
+    assert sorted(predicted) == sorted(int(t) for d in docs for t in d[1:])
+    assert counts.max() == 4 and len(tokens) == 1 + 1 + 2 + 3 + 3 + 6
+
+
 def test_position_wise_loss_of_a_constant_model_is_analytic():
     rng = np.random.default_rng(0)
     vocab, seq_len, bucket = 11, 20, 8

@@ -21,25 +21,47 @@ def test_recipe_trains_summarizes_then_only_redraws(tmp_path, corpus_dir, monkey
         "model.vocab_size=50304",
         "moba.block_size=8",
         "train.steps=2",
+        "checkpoint.every_steps=1",
+        "checkpoint.keep_every=1",  # a point per step: each run's curve
     ]
-    kw = dict(root=tmp_path / "runs", results=tmp_path / "results", only=["full_s1", "moba_s1"])
-    summaries = sweep.run_recipe("moba-scaling-cpu", overrides=overrides, **kw)
-    assert [s["run"] for s in summaries] == ["full_s1", "moba_s1"]
-    assert [s["label"] for s in summaries] == ["mha dense", "mha moba"]
+    runs = ["full_53k", "moba_53k", "full_53k.seed1", "moba_53k.seed1"]  # a size with two seeds
+    kw = dict(root=tmp_path / "runs", results=tmp_path / "results", only=runs)
+    summaries = sweep.run_recipe("moba-scaling-1k", overrides=overrides, **kw)
+    assert [s["run"] for s in summaries] == runs
+    assert [(s["label"], s["seed"]) for s in summaries] == [
+        ("mha dense", 0),
+        ("mha moba", 0),
+        ("mha dense", 1),
+        ("mha moba", 1),
+    ]
     for s in summaries:
         assert s["step"] == 2 and s["tokens"] == 2 * 4 * 32 and s["overrides"] == overrides
-        assert s["loss"] > 0 and s["trailing"]["loss"] > 0 and s["pflops_days"] > 0
-    out = tmp_path / "results" / "moba-scaling-cpu"
-    assert json.loads((out / "full_s1.json").read_text()) == summaries[0]
+        assert [p["step"] for p in s["points"]] == [1, 2]  # every kept checkpoint
+        assert s["points"][0]["pflops_days"] < s["points"][1]["pflops_days"] == s["pflops_days"]
+        assert s["pflops_days_6nd"] < s["pflops_days"]  # the head and attention counted
+        assert s["loss"] > 0 and s["trailing"]["loss"] > 0
+        assert s["every_token"]["tokens"] > s["trailing"]["tokens"]
+        assert s["tokens_per_param"] == pytest.approx(s["tokens"] / s["non_embedding_params"])
+    assert summaries[0]["points"][-1]["loss"] != summaries[2]["points"][-1]["loss"]  # another seed
+    out = tmp_path / "results" / "moba-scaling-1k"
+    assert json.loads((out / "full_53k.json").read_text()) == summaries[0]
+    fits = json.loads((out / "fits.json").read_text())
+    (gap,) = fits["seed_gaps"]["overall"]
+    assert gap["seeds"] == [0, 1] and gap["gap_moba_minus_full"][1] >= 0
     assert (out / "scaling.png").stat().st_size > 0
     # a fresh clone: the summaries without their run directories; nothing trains, the figure is redrawn
     shutil.rmtree(tmp_path / "runs")
     (out / "scaling.png").unlink()
     monkeypatch.setattr(sweep, "train_run", lambda *a: pytest.fail("trained a finished run"))
-    assert sweep.run_recipe("moba-scaling-cpu", overrides=overrides, **kw) == summaries
+    assert sweep.run_recipe("moba-scaling-1k", overrides=overrides, **kw) == summaries
     assert (out / "scaling.png").stat().st_size > 0
     with pytest.raises(SystemExit, match="full_s9"):
-        sweep.run_recipe("moba-scaling-cpu", **kw | {"only": ["full_s9"]})
+        sweep.run_recipe("moba-scaling-1k", **kw | {"only": ["full_s9"]})
+
+
+def test_lower_envelope_keeps_only_points_nothing_cheaper_beats():
+    points = [(1.0, 5.0), (2.0, 4.0), (2.5, 4.5), (3.0, 3.9), (4.0, 4.2), (5.0, 3.0)]
+    assert sweep.lower_envelope(points) == [(1.0, 5.0), (2.0, 4.0), (3.0, 3.9), (5.0, 3.0)]
 
 
 def test_small_bpe_is_deterministic():
