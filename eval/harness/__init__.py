@@ -41,18 +41,13 @@ STOP_CHECK_EVERY = 16  # decode steps between checks whether every row has reach
 
 def _parse_mesh(spec: str | None):
     """`mesh=DxFxT[xC]` (the harness splits model_args at commas) -> this process's mesh."""
-    from effattn_jax.sharding import make_mesh
     from eval.lm_loss import parse_mesh
 
-    if spec is None:
-        return make_mesh(1, 1, 1, devices=jax.local_devices())
-    return parse_mesh(str(spec).replace("x", ","))
+    return parse_mesh(str(spec or "1x1x1").replace("x", ","))
 
 
 def _batch_size(value) -> int:
-    if value in (None, "auto"):
-        return DEFAULT_GENERATE_BATCH
-    if isinstance(value, str) and value.startswith("auto"):  # "auto:N": the harness's re-detection
+    if value is None or str(value).startswith("auto"):  # also "auto:N", the harness's re-detection
         return DEFAULT_GENERATE_BATCH
     size = int(value)
     if size < 1:
@@ -98,7 +93,6 @@ class EffattnLM(LM):
         self.run = str(run)
         (self.step,) = checkpoint.select_steps(self.run, step)
         cfg, graphdef, params = checkpoint.load_params(self.run, self.step, _parse_mesh(mesh))
-        self.cfg = cfg
         self.model = nnx.merge(graphdef, params)
         self.tokenizer, self.eos, _ = load_tokenizer(cfg.data.tokenizer)
         self.max_length = cfg.data.seq_len
