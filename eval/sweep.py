@@ -252,31 +252,56 @@ def lower_envelope(points: list[tuple[float, float]]) -> list[tuple[float, float
     return out
 
 
+def _mean_stderr(xs: list[float]) -> tuple[float, float]:
+    import numpy as np
+
+    return float(np.mean(xs)), float(np.std(xs, ddof=1) / np.sqrt(len(xs)))
+
+
+def paired_gap(a: dict[int, float], b: dict[int, float]) -> dict | None:
+    """seed -> value of two configurations: each one's mean ± s.e. over the seeds both have, and
+    the gap a - b as mean ± s.e. of the seed-paired differences; None below two shared seeds."""
+    seeds = sorted(set(a) & set(b))
+    if len(seeds) < 2:
+        return None
+    return {
+        "seeds": seeds,
+        "a": _mean_stderr([a[k] for k in seeds]),
+        "b": _mean_stderr([b[k] for k in seeds]),
+        "gap": _mean_stderr([a[k] - b[k] for k in seeds]),
+    }
+
+
 def seed_gaps(summaries: list[dict], value) -> list[dict]:
     """Per size with several seeds: each kind's final value (mean ± s.e. over seeds) and the
     MoBA - full gap (mean ± s.e. of the seed-paired differences)."""
-    import numpy as np
-
     by = {}
     for s in summaries:
         by.setdefault(s["non_embedding_params"], {}).setdefault(s["core"], {})[s["seed"]] = value(s)
     rows = []
     for n, cores in sorted(by.items()):
-        seeds = sorted(set(cores.get("dense", {})) & set(cores.get("moba", {})))
-        if len(seeds) < 2:
-            continue
-        stat = lambda xs: (float(np.mean(xs)), float(np.std(xs, ddof=1) / np.sqrt(len(xs))))
-        diffs = [cores["moba"][k] - cores["dense"][k] for k in seeds]
-        rows.append(
-            {
-                "non_embedding_params": n,
-                "seeds": seeds,
-                "full": stat([cores["dense"][k] for k in seeds]),
-                "moba": stat([cores["moba"][k] for k in seeds]),
-                "gap_moba_minus_full": stat(diffs),
-            }
-        )
+        if pair := paired_gap(cores.get("moba", {}), cores.get("dense", {})):
+            rows.append(
+                {
+                    "non_embedding_params": n,
+                    "seeds": pair["seeds"],
+                    "full": pair["b"],
+                    "moba": pair["a"],
+                    "gap_moba_minus_full": pair["gap"],
+                }
+            )
     return rows
+
+
+def gaps_to_mla(summaries: list[dict]) -> dict[str, dict]:
+    """label -> its final validation loss minus MLA's, paired by seed, for every configuration
+    that shares at least two seeds with MLA."""
+    by: dict[str, dict[int, float]] = {}
+    for s in summaries:
+        by.setdefault(s["label"], {})[s["seed"]] = s["points"][-1]["val_loss"]
+    mla = next((s["label"] for s in summaries if s["kind"] == "mla"), None)
+    pairs = {label: paired_gap(values, by[mla]) for label, values in by.items() if mla and label != mla}
+    return {label: pair for label, pair in pairs.items() if pair}
 
 
 def draw_moba_scaling(summaries: list[dict], out: Path) -> None:
@@ -409,9 +434,15 @@ def draw_egmla_report(summaries: list[dict], out: Path) -> None:
     ms = measure_decode(summaries, out)
     summaries = [s | {"decode_ms_per_token": ms[s["run"]]} for s in summaries]
     note = scale_note(summaries) + f", {EGMLA_LIMIT} questions/task (fixed budget, not compute-optimal)"
-    (out / "report.md").write_text(markdown(summaries, EGMLA_DECODE_CONTEXT, note))
+    table = markdown(summaries, EGMLA_DECODE_CONTEXT, note)
+    if gaps := gaps_to_mla(summaries):
+        table += "\nFinal validation loss minus MLA's, paired by seed (mean ± standard error):\n\n"
+        for label, pair in gaps.items():
+            mean, se = pair["gap"]
+            table += f"- {label}: {mean:+.4f} ± {se:.4f} ({len(pair['seeds'])} seeds)\n"
+    (out / "report.md").write_text(table)
     plot(summaries, out / "report.png", EGMLA_DECODE_CONTEXT, note)
-    print(markdown(summaries, EGMLA_DECODE_CONTEXT, note), end="")
+    print(table, end="")
     print(f"wrote {out / 'report.png'} {out / 'report.md'}")
 
 
