@@ -18,7 +18,8 @@ the decode step (compiled once per model, cache donated as generation donates it
 position `context` over a cache filled synthetically with random entries (a real prefill of
 16K tokens is far too slow on a CPU); median of repeated runs after a warm-up. Without
 --config it compares the paper models: MHA, MLA, EG-MLA emb256 with the gate at
-the heads and at the latent, plus MLA decoding naively (no weight absorption).
+the heads and at the latent, emb256 and emb2048 with the gate at the latent and projected to
+256 (docs/eg_mla.md), plus MLA decoding naively (no weight absorption).
 
 moba-decode: ms per decode step of one model with core=moba against the same model with
 core=dense (same parameters, one shared synthetic cache, block means taken from its keys),
@@ -67,13 +68,18 @@ from eval.decoding import (
 )
 from eval.processes import platform_line
 
+LATENT = ["eg_mla.gate_at=latent"]
+PROJECTED_256 = ["eg_mla.gate_at=projected", "eg_mla.projected_dim=256"]  # MLA-Base's latent width
 # (label, config file, overrides, decode with absorbed weights)
 PAPER_DECODE = [
     ("MHA", "mha_base.yaml", [], True),
     ("MLA (absorbed)", "mla_base.yaml", [], True),
     ("MLA (naive)", "mla_base.yaml", [], False),
     ("EG-MLA emb256, gate at heads", "eg_mla_kv64_emb256.yaml", ["eg_mla.gate_at=heads"], True),
-    ("EG-MLA emb256, gate at latent (absorbed)", "eg_mla_kv64_emb256.yaml", ["eg_mla.gate_at=latent"], True),
+    ("EG-MLA emb256, gate at latent (absorbed)", "eg_mla_kv64_emb256.yaml", LATENT, True),
+    ("EG-MLA emb2048, gate at latent (absorbed)", "eg_mla_kv64_emb2048.yaml", LATENT, True),
+    ("EG-MLA emb256, gate projected to 256 (folded)", "eg_mla_kv64_emb256.yaml", PROJECTED_256, True),
+    ("EG-MLA emb2048, gate projected to 256 (folded)", "eg_mla_kv64_emb2048.yaml", PROJECTED_256, True),
 ]
 
 
