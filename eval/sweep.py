@@ -197,6 +197,17 @@ def measure_decode(summaries: list[dict], out: Path) -> dict:
     return ms
 
 
+def summarize_in_child(function: str, run_dir: Path) -> dict:
+    """A run's summary computed in a fresh process, as its training is: evaluating every run of a
+    recipe in one long-lived process piles up compiled programs until the JIT cannot map more
+    memory (a segfault after 8 egmla-cpu runs)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(globals()[function], run_dir).result()
+
+
 def _config_and_seed(run: str) -> tuple[str, list[str]]:
     """`<config>.seed<k>` -> (config stem, [train.seed=k]); a plain name is its own config."""
     stem, _, seed = run.partition(".seed")
@@ -221,7 +232,7 @@ def run_recipe(name: str, *, root: Path, results: Path, only=None, overrides=(),
         run_dir = root / name / run
         seconds = train_run(config, run_dir, [*seed, *overrides])
         start = time.perf_counter()
-        summary = globals()[recipe.summarize](run_dir) | {  # "run": the name, not the directory
+        summary = summarize_in_child(recipe.summarize, run_dir) | {  # "run": the name, not the directory
             "recipe": name,
             "run": run,
             "config": str(config.relative_to(REPO)),
