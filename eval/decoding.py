@@ -106,6 +106,26 @@ def decode_latency(cfg, contexts: list[int], *, absorb: bool, repeats: int = 5) 
     return out
 
 
+def decode_latency_alternated(cfgs: dict[str, object], context: int, *, rounds: int = 30) -> dict[str, float]:
+    """name -> median ms per absorbed decode step at `context` (synthetic cache, batch 1). The
+    models take turns, so the machine's drift falls on all of them alike (a sub-millisecond step
+    measured alone swings by 2x here); each turn is two steps and only the second is timed, as in
+    generation, where a step follows a step of the same model (timing the first charges a model
+    for the caches its predecessor evicted: 1.5x after a heavy one)."""
+    steps = {name: compiled_decode_step(cfg, context, absorb=True) for name, cfg in cfgs.items()}
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for i in range(rounds + 1):  # the first round warms up
+        for name, (step, (params, tokens, pos, caches)) in steps.items():
+            for timed in (False, True):
+                t = time.perf_counter()
+                logits, caches = step(params, tokens, pos, caches)  # each step writes the same slot
+                jax.block_until_ready(logits)
+                if i and timed:
+                    times[name].append(time.perf_counter() - t)
+            steps[name] = (step, (params, tokens, pos, caches))  # the donated cache, returned
+    return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+
+
 MOBA_DECODE_MODEL = [
     "model.num_layers=12",
     "model.d_model=768",

@@ -76,7 +76,8 @@ RECIPES = {
     ),
 }
 EGMLA_LIMIT = 50  # seeded questions per task at every kept checkpoint
-EGMLA_DECODE_CONTEXT = 2048
+EGMLA_DECODE_CONTEXT = 16384  # long enough that the cache, not dispatch, sets a step's time
+EGMLA_DECODE_ROUNDS = 30
 
 # The MoBA paper's fitted laws L = a * C^b (C in PFLOP/s-days), drawn beside ours for shape.
 PAPER_MOBA_LAWS = {
@@ -164,9 +165,9 @@ def summarize_report(run_dir: Path) -> dict:
 
 def measure_decode(summaries: list[dict], out: Path) -> dict:
     """run -> decode ms/token at EGMLA_DECODE_CONTEXT (batch 1, synthetic cache: it depends on the
-    config only, so a config's seeds are measured once), every run measured in one process so the
-    ratios compare like with like; kept in decode_latency.json and remeasured only when the set of
-    runs changes."""
+    config only, so a config's seeds are measured once), every config stepped in turn in one
+    process (`decode_latency_alternated`) so the ratios compare like with like; kept in
+    decode_latency.json and remeasured only when the set of runs changes."""
     import datetime
 
     import jax
@@ -176,25 +177,22 @@ def measure_decode(summaries: list[dict], out: Path) -> dict:
     if path.exists() and sorted(json.loads(path.read_text())["ms_per_token"]) == sorted(runs):
         return json.loads(path.read_text())["ms_per_token"]
     from effattn_jax.config import load_config
-    from eval.decoding import decode_latency
+    from eval.decoding import decode_latency_alternated
 
-    ms, by_config = {}, {}
-    for s in summaries:  # a config's seeds decode alike: measured once
-        key = (s["config"], tuple(s["overrides"]))
-        if key not in by_config:
-            cfg = load_config(REPO / s["config"], s["overrides"])
-            by_config[key] = decode_latency(cfg, [EGMLA_DECODE_CONTEXT], absorb=True)[EGMLA_DECODE_CONTEXT]
-        ms[s["run"]] = by_config[key]
+    key = lambda s: json.dumps([s["config"], s["overrides"]])  # a config's seeds decode alike
+    cfgs = {key(s): load_config(REPO / s["config"], s["overrides"]) for s in summaries}
+    by_config = decode_latency_alternated(cfgs, EGMLA_DECODE_CONTEXT, rounds=EGMLA_DECODE_ROUNDS)
     record = {
         "context": EGMLA_DECODE_CONTEXT,
         "batch": 1,
+        "rounds": EGMLA_DECODE_ROUNDS,
         "date": datetime.date.today().isoformat(),
         "jax": jax.__version__,
         "backend": jax.default_backend(),
-        "ms_per_token": ms,
+        "ms_per_token": {s["run"]: by_config[key(s)] for s in summaries},
     }
     path.write_text(json.dumps(record, indent=1) + "\n")
-    return ms
+    return record["ms_per_token"]
 
 
 def summarize_in_child(function: str, run_dir: Path) -> dict:

@@ -6,7 +6,7 @@ import pytest
 
 from effattn_jax.config import load_config
 from eval.bench.efficiency import main, train_cost
-from eval.decoding import decode_bytes_accessed, decode_latency, kv_cache_report
+from eval.decoding import decode_bytes_accessed, decode_latency, decode_latency_alternated, kv_cache_report
 
 PAPER = Path(__file__).resolve().parents[1] / "configs" / "egmla" / "paper"
 
@@ -71,6 +71,9 @@ def test_absorbed_decode_reads_less_than_naive():
     assert per_token["eg_mla", False] > per_token["eg_mla", True]
     ms = decode_latency(cfg, [64, 128], absorb=True, repeats=1)
     assert list(ms) == [64, 128]  # one median per context asked, in order
+    cfgs = {kind: load_config(None, TINY_LATENT + [f"attention.kind={kind}"]) for kind in ("mla", "eg_mla")}
+    ms = decode_latency_alternated(cfgs, 64, rounds=2)  # each model's donated cache carried over
+    assert list(ms) == ["mla", "eg_mla"] and all(v > 0 for v in ms.values())
 
 
 @pytest.mark.slow
