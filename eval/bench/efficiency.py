@@ -18,7 +18,7 @@ the decode step (compiled once per model, cache donated as generation donates it
 position `context` over a cache filled synthetically with random entries (a real prefill of
 16K tokens is far too slow on a CPU); median of repeated runs after a warm-up. Without
 --config it compares the paper models: MHA, MLA, EG-MLA emb256 with the gate at
-the heads and at the latent, emb256 and emb2048 with the gate at the latent and projected to
+the heads and at the latent, emb256 and emb1024 with the gate at the latent and projected to
 256 (docs/eg_mla.md), plus MLA decoding naively (no weight absorption).
 
 moba-decode: ms per decode step of one model with core=moba against the same model with
@@ -77,16 +77,20 @@ PAPER_DECODE = [
     ("MLA (naive)", "mla_base.yaml", [], False),
     ("EG-MLA emb256, gate at heads", "eg_mla_kv64_emb256.yaml", ["eg_mla.gate_at=heads"], True),
     ("EG-MLA emb256, gate at latent (absorbed)", "eg_mla_kv64_emb256.yaml", LATENT, True),
-    ("EG-MLA emb2048, gate at latent (absorbed)", "eg_mla_kv64_emb2048.yaml", LATENT, True),
+    ("EG-MLA emb1024, gate at latent (absorbed)", "eg_mla_kv64_emb1024.yaml", LATENT, True),
     ("EG-MLA emb256, gate projected to 256 (folded)", "eg_mla_kv64_emb256.yaml", PROJECTED_256, True),
-    ("EG-MLA emb2048, gate projected to 256 (folded)", "eg_mla_kv64_emb2048.yaml", PROJECTED_256, True),
+    ("EG-MLA emb1024, gate projected to 256 (folded)", "eg_mla_kv64_emb1024.yaml", PROJECTED_256, True),
 ]
 
 
 def _variants(configs, extra):
     if configs:
         return [(c, c, list(extra), True) for c in configs]
-    return [(label, os.path.join(PAPER, f), o + list(extra), absorb) for label, f, o, absorb in PAPER_DECODE]
+    unrolled = ["model.scan_layers=false"]  # `model.fold_gates` folds only unstacked layers' gates
+    return [
+        (label, os.path.join(PAPER, f), unrolled + o + list(extra), absorb)
+        for label, f, o, absorb in PAPER_DECODE
+    ]
 
 
 def train_cost(cfg, steps: int = 3) -> dict:
