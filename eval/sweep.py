@@ -21,7 +21,8 @@ is that config with `train.seed=k` (the repeats that give gaps their standard er
   gate at the same widths (docs/eg_mla.md), and two more seeds of MLA, EG-MLA emb16 and the
   projected emb128; the EG-MLA paper's four panels (`eval report`): accuracy vs tokens at every
   kept checkpoint (50 seeded questions per task, per-task figures and chance levels kept),
-  validation loss over every token vs gate-table size, KV cache, decode latency.
+  validation loss over every token vs gate-table size, KV cache, decode latency at 16K context;
+  report.md adds each seeded configuration's loss gap to MLA, paired by seed.
 """
 
 from __future__ import annotations
