@@ -29,7 +29,7 @@ from flax import nnx
 
 from effattn_jax.cli import ArgumentParser, non_negative_float, positive_int, probability
 from effattn_jax.memory import fit_checked
-from effattn_jax.model import Transformer, fold_gates, init_cache
+from effattn_jax.model import Transformer, init_cache, ready_for_decoding
 from effattn_jax.ops.cache import cache_length
 
 
@@ -49,7 +49,7 @@ class Generator:
     """Jitted prefill and decode step for one model; `generate` runs a batch of prompts."""
 
     def __init__(self, model: Transformer, *, absorb: bool = True, cache_dtype=jnp.float32):
-        fold_gates(model)  # EG-MLA's projected gates as one table per layer (the model is not trained)
+        ready_for_decoding(model)  # layers unstacked, projected gates folded (the model is not trained)
         self.graphdef, self.params = nnx.split(model)
         self.model = model
         self.cache_dtype = cache_dtype

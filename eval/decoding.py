@@ -16,7 +16,7 @@ from flax import nnx
 
 from effattn_jax.config import load_config
 from effattn_jax.memory import check_fits
-from effattn_jax.model import Transformer, fold_gates, init_cache, param_counts
+from effattn_jax.model import Transformer, init_cache, param_counts, ready_for_decoding
 from effattn_jax.ops.moba_decode import prefill_block_means
 
 PAPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "egmla", "paper")
@@ -48,7 +48,7 @@ def compiled_decode_step(cfg, context: int, *, absorb: bool):
     """(compiled decode step, its arguments): one new token at position `context` over a cache
     of `context` earlier tokens filled with random entries (batch 1). The step returns (logits,
     cache) and donates the cache, as generation does (else each step would copy it)."""
-    model = fold_gates(Transformer(cfg, rngs=nnx.Rngs(0)))  # as generation decodes
+    model = ready_for_decoding(Transformer(cfg, rngs=nnx.Rngs(0)))  # as generation does
     graphdef, params = nnx.split(model)
     step = jax.jit(
         lambda p, t, pos, c: nnx.merge(graphdef, p).decode(t, pos, c, absorb=absorb), donate_argnums=3
@@ -199,7 +199,7 @@ def latent_decode(
     for label, name in LATENT_MODELS:
         extra = [f"data.seq_len={context + 1}", "model.dtype=float32", *overrides]
         cfg = load_config(os.path.join(PAPER, name), extra)
-        model = fold_gates(Transformer(cfg, rngs=nnx.Rngs(0)))
+        model = ready_for_decoding(Transformer(cfg, rngs=nnx.Rngs(0)))
         graphdef, params = nnx.split(model)
         step = jax.jit(lambda p, t, pos, c, g=graphdef: nnx.merge(g, p).decode(t, pos, c), donate_argnums=3)
         steps[label] = functools.partial(step, params)

@@ -99,18 +99,20 @@ def test_packed_documents_and_core_switch(name):
 
 def test_a_projected_gate_folds_into_one_table_for_decoding():
     """gate_at=projected: E W_G folded into a [vocab, d_g] table gives the same decode steps, and
-    the table's width is d_g whatever d_e is; W_G counts as a non-embedding matmul."""
-    from effattn_jax.model import fold_gates, init_cache
+    the table's width is d_g whatever d_e is, also for stacked layers (unstacked first); W_G
+    counts as a non-embedding matmul."""
+    from effattn_jax.model import init_cache, ready_for_decoding
 
     counts = {}
-    for d_e in (8, 32):
-        cfg = load_config(None, TINY + VARIANTS["eg_mla_projected"] + [f"eg_mla.gate_dim={d_e}"])
+    for d_e, scan in ((8, False), (32, True)):
+        extra = [f"eg_mla.gate_dim={d_e}", f"model.scan_layers={str(scan).lower()}"]
+        cfg = load_config(None, TINY + VARIANTS["eg_mla_projected"] + extra)
         model = Transformer(cfg, rngs=nnx.Rngs(0))
         counts[d_e] = param_counts(model)
         tokens = jnp.asarray(np.random.default_rng(2).integers(0, 128, (2, 9)))
         positions = jnp.broadcast_to(jnp.arange(9), (2, 9))
         plain, _ = model.decode(tokens, positions, init_cache(model, 2, 16), prefill=True)
-        fold_gates(model)
+        ready_for_decoding(model)
         assert model.blocks[0].attn.folded_gate[...].shape == (128, 12)
         folded, _ = model.decode(tokens, positions, init_cache(model, 2, 16), prefill=True)
         np.testing.assert_allclose(folded, plain, atol=1e-5, rtol=1e-5)

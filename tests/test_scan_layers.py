@@ -9,7 +9,7 @@ from conftest import TINY_MODEL
 from flax import nnx
 
 from effattn_jax.config import load_config
-from effattn_jax.model import Transformer, init_cache, layer_groups
+from effattn_jax.model import Transformer, init_cache, layer_groups, ready_for_decoding
 from effattn_jax.sharding import make_mesh
 from effattn_jax.train.state import init_state, make_setup
 from effattn_jax.train.step import loss_sums, make_train_step
@@ -114,3 +114,17 @@ def test_a_sharded_train_step_equals_one_device():
     assert float(metrics_8["loss"]) == pytest.approx(float(metrics_1["loss"]), rel=1e-5)
     for a, b in zip(jax.tree.leaves(state_8["params"]), jax.tree.leaves(state_1["params"]), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_ready_for_decoding_unstacks_the_layers_once():
+    """Decoding a scanned model slices its layers out of the stacks once (not at every step):
+    one Block per layer after, decoding and the forward pass unchanged."""
+    loop, scanned = models()
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 128, (1, 16)), jnp.int32)
+    positions = jnp.arange(16)[None]
+    before = scanned.decode(tokens, positions, init_cache(scanned, 1, 16), prefill=True)[0]
+    ready_for_decoding(scanned)
+    assert not scanned.scan_layers and len(scanned.blocks) == 4
+    after = scanned.decode(tokens, positions, init_cache(scanned, 1, 16), prefill=True)[0]
+    np.testing.assert_allclose(after, before, atol=1e-5)
+    np.testing.assert_allclose(scanned(tokens), loop(tokens), atol=1e-5)

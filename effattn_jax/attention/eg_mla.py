@@ -91,9 +91,9 @@ class EGMLA(MLA):
     def fold_gate(self) -> None:
         """gate_at=projected, for decoding: E_l W_G as one [vocab, d_g] table, so a decode step
         reads a d_g-wide row per cached token whatever d_e is. A snapshot of the parameters:
-        for a model that no longer trains (generation, decode benchmarks). Layers stacked by
-        model.scan_layers keep computing W_G E_l[x]."""
-        if self.gate_at == "projected" and self.gate_table[...].ndim == 2:
+        for a model that no longer trains (`model.ready_for_decoding`, which unstacks scanned
+        layers first)."""
+        if self.gate_at == "projected":
             table = jnp.einsum("ve,eg->vg", self.gate_table[...], self.g.kernel[...].astype(jnp.float32))
             self.folded_gate = nnx.data(FoldedGate(table))  # was None: a static attribute until now
 

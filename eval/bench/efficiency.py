@@ -19,8 +19,7 @@ position `context` over a cache filled synthetically with random entries (a real
 16K tokens is far too slow on a CPU); median of repeated runs after a warm-up. Without
 --config it compares the paper models: MHA, MLA, EG-MLA emb256 with the gate at
 the heads and at the latent, emb256 and emb1024 with the gate at the latent and projected to
-256 (docs/eg_mla.md), plus MLA decoding naively (no weight absorption); their layers
-unrolled, as `model.fold_gates` folds only unstacked layers.
+256 (docs/eg_mla.md), plus MLA decoding naively (no weight absorption).
 
 moba-decode: ms per decode step of one model with core=moba against the same model with
 core=dense (same parameters, one shared synthetic cache, block means taken from its keys),
@@ -87,11 +86,7 @@ PAPER_DECODE = [
 def _variants(configs, extra):
     if configs:
         return [(c, c, list(extra), True) for c in configs]
-    unrolled = ["model.scan_layers=false"]  # `model.fold_gates` folds only unstacked layers' gates
-    return [
-        (label, os.path.join(PAPER, f), unrolled + o + list(extra), absorb)
-        for label, f, o, absorb in PAPER_DECODE
-    ]
+    return [(label, os.path.join(PAPER, f), o + list(extra), absorb) for label, f, o, absorb in PAPER_DECODE]
 
 
 def train_cost(cfg, steps: int = 3) -> dict:
