@@ -37,6 +37,21 @@ def test_cli(capsys):
     assert main(["kv-cache", "--config", str(PAPER / "mla_base.yaml")]) == 0
     assert "3,840 elements/token" in capsys.readouterr().out
     assert main(["kv-cache", "--config", str(PAPER / "mla_base.yaml"), "mla.bogus=1"]) == 2
+    assert main(["decode-latency", "--alternate"]) == 2  # it compares --config models
+    assert "--alternate compares the --config models" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_decode_latency_alternates_the_named_models(capsys):
+    cpu = PAPER.parent / "cpu"
+    configs = [str(cpu / "mla.yaml"), str(cpu / "eg_mla_proj_emb16.yaml")]
+    args = ["decode-latency", "--alternate", "--repeats", "1", "--context", "32,64"]
+    assert main(args + [a for c in configs for a in ("--config", c)]) == 0
+    rows = [
+        line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "ctx" not in line
+    ]
+    assert [row.split(" | ")[0][2:] for row in rows] == configs  # one row per model, two contexts
+    assert all(len(row.split(" | ")) == 3 for row in rows)
 
 
 TINY_LATENT = [

@@ -19,7 +19,9 @@ position `context` over a cache filled synthetically with random entries (a real
 16K tokens is far too slow on a CPU); median of repeated runs after a warm-up. Without
 --config it compares the paper models: MHA, MLA, EG-MLA emb256 with the gate at
 the heads and at the latent, emb256 and emb1024 with the gate at the latent and projected to
-256 (docs/eg_mla.md), plus MLA decoding naively (no weight absorption).
+256 (docs/eg_mla.md), plus MLA decoding naively (no weight absorption). --alternate: the
+--config models (absorbed) stepped in turn, --repeats turns, medians (for ratios of close
+steps, which one model after another measures with the machine's drift between them).
 
 moba-decode: ms per decode step of one model with core=moba against the same model with
 core=dense (same parameters, one shared synthetic cache, block means taken from its keys),
@@ -61,6 +63,7 @@ from eval.decoding import (
     PAPER,
     copy_bandwidth,
     decode_latency,
+    decode_latency_alternated,
     kv_cache_report,
     latent_decode,
     moba_decode_cases,
@@ -120,6 +123,9 @@ def main(argv=None) -> int:
     dl.add_argument("--config", action="append", default=[])
     dl.add_argument("--context", type=positive_int_list, default="1024,4096,16384")
     dl.add_argument("--repeats", type=positive_int, default=5)
+    dl.add_argument(
+        "--alternate", action="store_true", help="the --config models stepped in turn, --repeats turns"
+    )
     dl.add_argument("overrides", nargs="*")
     md = sub.add_parser("moba-decode", help="ms/token of MoBA vs dense decoding, one model size")
     md.add_argument("--context", type=positive_int_list, default="8192,32768,131072")
@@ -182,6 +188,14 @@ def _print_decode_latency(args) -> int:
     )
     print("| model | " + " | ".join(f"{c:,} ctx ms/token" for c in contexts) + " |")
     print("|---|" + "---|" * len(contexts))
+    if args.alternate:
+        if not args.config:
+            raise ConfigError("--alternate compares the --config models (absorbed): name at least one")
+        cfgs = {path: load_config(path, args.overrides) for path in args.config}
+        ms = {c: decode_latency_alternated(cfgs, c, rounds=args.repeats) for c in contexts}
+        for path in cfgs:
+            print(f"| {path} | " + " | ".join(f"{ms[c][path]:.1f}" for c in contexts) + " |", flush=True)
+        return 0
     for label, path, overrides, absorb in _variants(args.config, args.overrides):
         ms = decode_latency(load_config(path, overrides), contexts, absorb=absorb, repeats=args.repeats)
         print(f"| {label} | " + " | ".join(f"{ms[c]:.1f}" for c in contexts) + " |", flush=True)
