@@ -144,6 +144,8 @@ def main(argv=None) -> int:
     tc.add_argument("--config", action="append", default=[])
     tc.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
+    if args.command == "decode-latency" and args.alternate and not args.config:
+        p.error("--alternate compares the --config models (absorbed): name at least one")
     print(platform_line(), file=sys.stderr)  # stdout may be --json
     try:
         if args.command == "decode-latency":
@@ -189,8 +191,6 @@ def _print_decode_latency(args) -> int:
     print("| model | " + " | ".join(f"{c:,} ctx ms/token" for c in contexts) + " |")
     print("|---|" + "---|" * len(contexts))
     if args.alternate:
-        if not args.config:
-            raise ConfigError("--alternate compares the --config models (absorbed): name at least one")
         cfgs = {path: load_config(path, args.overrides) for path in args.config}
         ms = {c: decode_latency_alternated(cfgs, c, rounds=args.repeats) for c in contexts}
         for path in cfgs:
