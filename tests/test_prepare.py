@@ -244,7 +244,8 @@ def test_a_corrupt_shard_stops_in_one_line_or_is_skipped(tmp_path, corpus_dir, c
     err = capsys.readouterr().err
     reported = [line for line in err.splitlines() if line.startswith("data: ")]
     assert reported and len(reported) == len(set(reported)) and "Traceback" not in err
-    assert read_scalars(tmp_path / "full")["skipped_records"][-1][1] == len(reported)
+    # counted at the last logged step; grain's prefetch threads may meet a record or two after it
+    assert 0 < read_scalars(tmp_path / "full")["skipped_records"][-1][1] <= len(reported)
     with pytest.raises(Preempted):
         run(load_config(None, tiny_overrides(corpus_dir, tmp_path / "cut") + skip), stop_at=3)
     resumed = run(load_config(None, tiny_overrides(corpus_dir, tmp_path / "cut") + skip))
