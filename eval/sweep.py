@@ -262,23 +262,19 @@ def lower_envelope(points: list[tuple[float, float]]) -> list[tuple[float, float
     return out
 
 
-def _mean_stderr(xs: list[float]) -> tuple[float, float]:
-    import numpy as np
-
-    return float(np.mean(xs)), float(np.std(xs, ddof=1) / np.sqrt(len(xs)))
-
-
 def paired_gap(a: dict[int, float], b: dict[int, float]) -> dict | None:
     """seed -> value of two configurations: each one's mean ± s.e. over the seeds both have, and
     the gap a - b as mean ± s.e. of the seed-paired differences; None below two shared seeds."""
+    from eval.report import mean_and_stderr
+
     seeds = sorted(set(a) & set(b))
     if len(seeds) < 2:
         return None
     return {
         "seeds": seeds,
-        "a": _mean_stderr([a[k] for k in seeds]),
-        "b": _mean_stderr([b[k] for k in seeds]),
-        "gap": _mean_stderr([a[k] - b[k] for k in seeds]),
+        "a": mean_and_stderr([a[k] for k in seeds]),
+        "b": mean_and_stderr([b[k] for k in seeds]),
+        "gap": mean_and_stderr([a[k] - b[k] for k in seeds]),
     }
 
 
