@@ -25,6 +25,7 @@ import yaml
 
 ATTENTION_KINDS = ("mha", "mla", "eg_mla")  # projections and cache (effattn_jax.attention.KINDS)
 ATTENTION_CORES = ("dense", "moba")  # which keys each query sees (effattn_jax.attention.CORES)
+IntOrAuto = int | str  # a config value that is an integer or the string "auto"
 MOBA_IMPLS = ("auto", "reference", "xla", "pallas", "pallas_tpu", "pallas_gpu")  # effattn_jax.ops.moba
 DENSE_IMPLS = ("auto", "xla", "splash", "cudnn")  # effattn_jax.ops.dense
 MLA_DECODE_IMPLS = ("auto", "xla", "pallas", "pallas_tpu", "pallas_gpu")  # effattn_jax.ops.mla_decode
@@ -130,10 +131,15 @@ class MobaConfig:
     block_size: int = 512
     top_k: int = 3  # counts the query's own block
     impl: str = "auto"  # one of MOBA_IMPLS
-    q_tile: int = 128  # query rows per tile of the GPU own-block kernel
-    kv_block: int = 128  # GPU kernels: keys per step
-    past_q_tile: int = 256  # query rows per step on a selected earlier block (whole-block kernels, XLA path)
-    key_tile: int = 512  # TPU kernels: the most keys (and own-block rows) of one inner step
+    # Kernel tiles, a positive int or auto (chosen per backend, head dim, dtype and device: on TPU
+    # and the XLA path 128 / 128 / 256 / 512; on GPU the largest set whose shared memory fits the
+    # device, 64 / 64 / 64 on an H100/H200 at head dim 128; pallas_kernels/moba/schedule.py)
+    q_tile: IntOrAuto = "auto"  # query rows per tile of the GPU own-block kernel
+    kv_block: IntOrAuto = "auto"  # GPU kernels: keys per step
+    past_q_tile: IntOrAuto = "auto"  # query rows per step on a selected earlier block (both backends, XLA)
+    key_tile: IntOrAuto = "auto"  # TPU kernels: the most keys (and own-block rows) of one inner step
+    num_warps: IntOrAuto = "auto"  # Triton's warps per GPU kernel program (auto: 4)
+    num_stages: IntOrAuto = "auto"  # Triton's software pipeline depth in the GPU kernels (auto: 2)
     routing_chunk: int = 512  # gate scores are computed this many queries at a time (bounds memory)
     # Schedule hybrid: MoBA layers switch to dense attention from this step on
     # (0 = never); or from the step at which this many tokens have been seen.
@@ -397,6 +403,10 @@ def _coerce(key: str, value: Any, tp) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(key, value, "must be a mapping")
         return {str(k): _coerce(f"{key}.{k}", v, v_tp) for k, v in value.items()}
+    if tp == IntOrAuto:
+        if value != "auto" and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ConfigError(key, value, "must be an integer or auto")
+        return value
     if tp is bool:
         if not isinstance(value, bool):
             raise ConfigError(key, value, "must be true or false")
@@ -620,12 +630,20 @@ def _validate_attention(cfg: Config) -> None:
     _check(moba.impl in MOBA_IMPLS, "moba.impl", moba.impl, f"allowed: {', '.join(MOBA_IMPLS)}")
     impl = cfg.attention.dense_impl
     _check(impl in DENSE_IMPLS, "attention.dense_impl", impl, f"allowed: {', '.join(DENSE_IMPLS)}")
-    _positive(moba, "moba", ["q_tile", "past_q_tile", "key_tile"])  # each backend's own needs: check_backend
+    for name in (
+        "q_tile",
+        "past_q_tile",
+        "key_tile",
+        "num_warps",
+        "num_stages",
+    ):  # a backend's: check_backend
+        value = getattr(moba, name)
+        _check(value == "auto" or value > 0, f"moba.{name}", value, "must be > 0 or auto")
     _check(
-        moba.kv_block > 0 and moba.kv_block % 8 == 0,
+        moba.kv_block == "auto" or (moba.kv_block > 0 and moba.kv_block % 8 == 0),
         "moba.kv_block",
         moba.kv_block,
-        "must be a positive multiple of 8",
+        "must be a positive multiple of 8 or auto",
     )
     uses_moba = any(cfg.layer_spec(i)[1] == "moba" for i in range(num_layers))
     if uses_moba:

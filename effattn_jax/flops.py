@@ -21,6 +21,23 @@ from effattn_jax.config import Config
 
 PFLOPS_DAY = 8.64e19
 COMPUTE_MEASURES = ("full", "6nd")
+# Peak dense bf16 FLOP/s of one device (vendors' data sheets), MFU's denominator: (a fragment of
+# jax's device_kind, peak), the first fragment found wins
+PEAK_BF16_FLOPS = (
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),  # SXM
+    ("H200", 989e12),
+    ("A100", 312e12),
+    ("TPU v4", 275e12),
+    ("TPU v5 lite", 197e12),  # v5e
+    ("TPU v5", 459e12),  # v5p
+    ("TPU v6 lite", 918e12),  # v6e
+)
+
+
+def peak_flops(device_kind: str) -> float | None:
+    """Peak dense bf16 FLOP/s of a device of this kind, None when not in PEAK_BF16_FLOPS (a CPU)."""
+    return next((peak for fragment, peak in PEAK_BF16_FLOPS if fragment in device_kind), None)
 
 
 def mean_attended_keys(seq_len: int, core: str, block_size: int = 0, top_k: int = 0) -> float:

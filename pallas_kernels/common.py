@@ -36,11 +36,15 @@ def tpu_interpret(interpret):
     return pltpu.InterpretParams() if interpret == "tpu" else bool(interpret)
 
 
-def triton_params(num_warps: int = 4):
-    """Compiler parameters of the GPU kernels (Pallas -> Triton)."""
+TRITON_WARPS, TRITON_STAGES = 4, 2  # the GPU kernels' defaults (`moba.num_warps`, `moba.num_stages`: auto)
+
+
+def triton_params(num_warps: int = TRITON_WARPS, num_stages: int = TRITON_STAGES):
+    """Compiler parameters of the GPU kernels (Pallas -> Triton). `num_stages` is the software
+    pipeline's depth: the buffers of each tile a loop step loads (pallas_kernels/gpu_memory.py)."""
     from jax.experimental.pallas import triton as pltriton
 
-    return pltriton.CompilerParams(num_warps=num_warps, num_stages=2)
+    return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
 def attention_cost(pairs: int, qk_dim: int, v_dim: int, bytes_read: int):

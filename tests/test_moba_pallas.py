@@ -144,7 +144,7 @@ def test_padded_length_holds_every_window(s):
     """The whole-block kernels fetch the block plus at most ALIGN keys per step, also on the padding steps
     of a sequence shorter than a block (no earlier blocks): the padded length must hold one. Catches:
     padding to the block without the slack."""
-    bs = BlockSizes()
+    bs = BlockSizes().resolve("tpu")
     pad = padded_length(s, 512, bs)
     assert pad % 512 == 0 and pad >= max(s, 512) + ALIGN
 

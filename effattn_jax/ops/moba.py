@@ -21,10 +21,28 @@ from effattn_jax.ops.platform import resolve_impl
 from effattn_jax.ops.routing import Routing, moba_routing
 from effattn_jax.ops.segments import block_starts
 from effattn_jax.sharding import Rules, shard_over_batch_heads
+from pallas_kernels import gpu_memory
 
 # re-exported: the model's remat policy and the attention registry reach the kernels only through ops
 from pallas_kernels.moba.schedule import SCHEDULE_NAME as SCHEDULE_NAME
 from pallas_kernels.moba.schedule import BlockSizes as BlockSizes
+
+
+def gpu_tiles_fit(
+    block_sizes: BlockSizes, *, block_size: int, head_dim: int, v_head_dim: int, itemsize: int, device=None
+) -> str:
+    """Checks MoBA's GPU kernel tiles against the shared memory of `device` (a CUDA device; None: an
+    H100/H200) before anything compiles: ValueError, one line naming the moba.* keys and a set that
+    fits, when over; else one line saying what the tiles resolved to and their largest kernel."""
+    capability = gpu_memory.device_capability(device) if device is not None else None
+    capability = capability or gpu_memory.DEFAULT_CAPABILITY
+    limit = gpu_memory.smem_limit(capability)
+    name = f"{device.device_kind if device is not None else 'an H100/H200'} (compute capability {capability})"
+    shape = dict(head_dim=head_dim, v_head_dim=v_head_dim, itemsize=itemsize)
+    sizes = block_sizes.resolve("gpu", block_size=block_size, smem_limit=limit, **shape)
+    sizes.check_backend("gpu", block_size, smem_limit=limit, device=name, **shape)
+    kernel, need = sizes.gpu_smem(head_dim, v_head_dim, itemsize)
+    return f"{sizes.tiles_text()}: {kernel} asks about {need:,} of {limit:,} bytes on {name}"
 
 
 def check_args(q, k, v, block_size, top_k, segment_ids, impl):
@@ -82,7 +100,8 @@ def moba_attention(
     `scale` defaults to 1/sqrt(D). impl: "reference" (dense mask), "xla"
     (sub-quadratic), "pallas" / "pallas_tpu" / "pallas_gpu" (kernels; see
     `resolve_impl`), "auto". `block_sizes`: tile sizes of the kernels (all
-    fields) and of the XLA path (past_q_tile). `routing_chunk`: queries per chunk of
+    fields) and of the XLA path (past_q_tile); `auto` fields are chosen per backend, head dim,
+    dtype and device (BlockSizes.resolve). `routing_chunk`: queries per chunk of
     gate scores. `rules`: logical sharding rules; under a context mesh the
     kernels run per (batch, head) shard through shard_map. Over a `context` axis (q, k, v in
     the balanced layout) the XLA path or the kernels run per shard; `kv_whole`: see
@@ -112,7 +131,7 @@ def moba_attention(
                 )  # fmt: skip
             return moba_xla_local(
                 q, k, v, r, firsts=firsts, block_size=block_size, segment_ids=k_seg, scale=scale,
-                q_tile=block_sizes.past_q_tile,
+                q_tile=block_sizes.resolve("xla").past_q_tile,
             )  # fmt: skip
 
         return context_attention(local, q, k, v, segment_ids, rules, kv_whole)
@@ -141,5 +160,5 @@ def moba_attention(
         block_size=block_size,
         segment_ids=segment_ids,
         scale=scale,
-        q_tile=block_sizes.past_q_tile,
+        q_tile=block_sizes.resolve("xla").past_q_tile,
     )

@@ -14,8 +14,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from effattn_jax.attention import check_moba_gpu_tiles
 from effattn_jax.collectives import collective_bytes
-from effattn_jax.config import MESH_AXES, Config, ConfigError, check_batch_divides, check_context_split
+from effattn_jax.config import (
+    MESH_AXES,
+    Config,
+    ConfigError,
+    check_batch_divides,
+    check_context_split,
+    moba_block_size,
+)
 from effattn_jax.flops import PFLOPS_DAY, pflops_days, train_flops_per_token
 from effattn_jax.memory import program_bytes
 from effattn_jax.model import Transformer, param_counts
@@ -127,6 +135,12 @@ def dry_run(cfg: Config, *, compile: bool = True) -> dict:
             check_batch_divides(cfg, sizes)
             check_context_split(cfg, sizes)
         print("no mesh.topology: the ahead-of-time compile was skipped (e.g. mesh.topology=v5p:4x4x4)")
+        # the MoBA GPU kernels' tiles against this GPU's shared memory (an H100/H200's on a host
+        # without one): ConfigError, one line, when they cannot fit
+        if moba_block_size(cfg) is not None:
+            gpu = next((d for d in jax.devices() if d.platform == "gpu"), None)
+            for line in check_moba_gpu_tiles(cfg, gpu):
+                print(f"MoBA GPU tiles, {line}")
     elif compile:
         fit = compile_for_topology(cfg)
         used, cap = fit["bytes_per_chip"], fit["hbm_bytes"]

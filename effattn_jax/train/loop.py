@@ -27,12 +27,14 @@ from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from effattn_jax import checkpoint, storage
+from effattn_jax.attention import check_moba_gpu_tiles
 from effattn_jax.checkpoint.store import unwritable
 from effattn_jax.config import MESH_AXES, Config, ConfigError, to_yaml
 from effattn_jax.data.pipeline import build_corpus, train_iterator, unigram_loss, val_batches
-from effattn_jax.flops import train_flops_per_token
+from effattn_jax.flops import peak_flops, train_flops_per_token
 from effattn_jax.memory import DoesNotFit, check_fits
 from effattn_jax.model import param_counts
+from effattn_jax.ops.platform import resolve_impl
 from effattn_jax.sharding import config_mesh
 from effattn_jax.storage import AnyPath
 from effattn_jax.train import run_dir as run_guard
@@ -194,6 +196,8 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict:
     except ValueError as e:
         sizes = "x".join(str(getattr(cfg.mesh, axis)) for axis in MESH_AXES)
         raise ConfigError(f"mesh ({'x'.join(MESH_AXES)})", sizes, str(e)) from None
+    if jax.default_backend() == "gpu" and resolve_impl(cfg.moba.impl)[1:] == ("gpu", False):
+        check_moba_gpu_tiles(cfg, jax.devices()[0])  # before anything compiles: one line if over
     setup = make_setup(cfg, mesh)
     init = _init_source(cfg, setup)
     train_step = compile_train_step(setup)  # DoesNotFit before the run directory is touched
@@ -293,6 +297,8 @@ def _train(
         + (f"; {jax.process_count()} processes" if jax.process_count() > 1 else "")
     )
     batch_sharding = setup.batch_sharding()
+    device_peak = peak_flops(mesh.devices.flat[0].device_kind)  # MFU: the whole mesh's peak, where known
+    peak = device_peak * mesh.devices.size if device_peak else None
     writer = ScalarWriter(run_dir, enabled=lead)
     stop = _StopFlag()
     stop.install()  # before the "resumed" line: a signal from then on is a clean preemption
@@ -353,20 +359,21 @@ def _train(
                 now = time.perf_counter()
                 tokens_per_sec = (step - tick_step) * tokens_per_step / (now - tick)
                 tick, tick_step = now, step
-                writer.scalars(
-                    step,
-                    {
-                        "loss": logged["loss"],
-                        "learning_rate": logged["lr"],
-                        "grad_norm": logged["grad_norm"],
-                        "tokens_per_sec": tokens_per_sec,
-                        "tokens_seen": step * tokens_per_step,
-                        "model_flops_per_sec": tokens_per_sec * phase.flops_per_token,
-                        "nonfinite_steps": nonfinite_steps,
-                        "skipped_records": len(corpus.train.skipped | corpus.val.skipped),
-                    },
-                )
-                bar.set_postfix(loss=f"{logged['loss']:.3f}", tok_s=f"{tokens_per_sec:,.0f}")
+                flops_per_sec = tokens_per_sec * phase.flops_per_token
+                scalars = {
+                    "loss": logged["loss"],
+                    "learning_rate": logged["lr"],
+                    "grad_norm": logged["grad_norm"],
+                    "tokens_per_sec": tokens_per_sec,
+                    "tokens_seen": step * tokens_per_step,
+                    "model_flops_per_sec": flops_per_sec,
+                    "nonfinite_steps": nonfinite_steps,
+                    "skipped_records": len(corpus.train.skipped | corpus.val.skipped),
+                }
+                mfu = {"mfu": flops_per_sec / peak} if peak else {}  # of every device's peak bf16 rate
+                writer.scalars(step, scalars | mfu)
+                shown = {"mfu": f"{mfu['mfu']:.1%}"} if mfu else {}
+                bar.set_postfix(loss=f"{logged['loss']:.3f}", tok_s=f"{tokens_per_sec:,.0f}", **shown)
             if step % cfg.eval.every_steps == 0 and step < train_cfg.steps:
                 val_loss = evaluate(phase_at(step).eval_step, state["params"], val, batch_sharding)
                 writer.scalars(step, {"val_loss": val_loss})

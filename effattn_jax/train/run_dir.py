@@ -28,6 +28,13 @@ RESUMABLE = (
     "model.loss_chunk_tokens",  # memory and speed of the loss, not the model
     "data.on_corrupt",  # how to go on past a corrupt record, once one is found
     "data.shard_cache_gb",  # where records are read from, not which
+    # the kernels' tiles and pipelining: speed and memory, not the math (a run may move to a GPU)
+    "moba.q_tile",
+    "moba.kv_block",
+    "moba.past_q_tile",
+    "moba.key_tile",
+    "moba.num_warps",
+    "moba.num_stages",
 )
 RESUMABLE_SECTIONS = ("checkpoint", "eval", "mesh", "distributed")
 

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from pallas_kernels import gpu_memory
 from pallas_kernels.common import ALIGN
 from pallas_kernels.moba.schedule import BACKENDS, SCHEDULE_NAME, BlockSizes, past_tiles
 
@@ -120,6 +121,23 @@ def _layout(q, k, v, block_sizes, block_size, backend):
         seq_pad = padded_length(s, block_size, block_sizes)
         kf, vf = _heads(k, seq_pad), _heads(v, seq_pad)
     return q.reshape(b * s * hq, d), _Layout((hq, k.shape[2]) if natural else None, kf, vf)
+
+
+def fitted_sizes(block_sizes: BlockSizes | None, q, v, block_size: int, backend: str, interpret):
+    """The tile sizes of one call: `auto` fields chosen for the backend, head dim, dtype and (on a
+    GPU) shared memory, then checked against what the backend's compiler accepts. Compiled for a
+    GPU, the limit is this GPU's, or an H100/H200's when none is at hand (an AOT export)."""
+    limit, device = None, None
+    if backend == "gpu" and not interpret:
+        capability = gpu_memory.device_capability()
+        limit = gpu_memory.smem_limit(capability)
+        device = f"a GPU of compute capability {capability or gpu_memory.DEFAULT_CAPABILITY}"
+    shape = dict(head_dim=q.shape[-1], v_head_dim=v.shape[-1], itemsize=q.dtype.itemsize)
+    sizes = (block_sizes or BlockSizes()).resolve(backend, block_size=block_size, smem_limit=limit, **shape)
+    sizes.check_backend(
+        backend, block_size, compiler=not interpret, smem_limit=limit, device=device or "", **shape
+    )
+    return sizes
 
 
 def _past_schedule(past_start, *, hkv, block_size, bs: BlockSizes):
@@ -223,6 +241,7 @@ def moba_pallas(q, k, v, own_start, past_start, block_size, scale, backend, inte
     remat policy that saves the name (the model's) does not build it again when it recomputes
     the forward. The schedule is integers (no gradient), and its sort, scatters and gathers
     are slow to compile on TPU (BENCHMARKS.md)."""
+    block_sizes = fitted_sizes(block_sizes, q, v, block_size, backend, interpret)
     past = _past_schedule(past_start, hkv=k.shape[2], block_size=block_size, bs=block_sizes)
     own_start, past = checkpoint_name((own_start, past), SCHEDULE_NAME)
     return _scheduled(q, k, v, own_start, past, block_size, scale, backend, interpret, block_sizes)
@@ -234,7 +253,6 @@ def _scheduled(q, k, v, own_start, past, block_size, scale, backend, interpret, 
 
 
 def _fwd(q, k, v, own_start, past, block_size, scale, backend, interpret, block_sizes):
-    block_sizes.check_backend(backend, block_size, compiler=not interpret)
     out, lse = _forward(
         q,
         k,

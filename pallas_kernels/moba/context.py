@@ -34,6 +34,7 @@ from pallas_kernels.moba.attention import (
     _own_tpu_fwd,
     _slots,
     _tpu_past_bwd,
+    fitted_sizes,
 )
 from pallas_kernels.moba.schedule import SCHEDULE_NAME, past_tiles
 
@@ -45,6 +46,7 @@ def moba_pallas_local(
     multiples of the block); k, v [B, S, Hkv, D|Dv] the whole sequence; own_start [B, T] and
     past_start [B, T, Hq, K'] absolute positions (moba_routing with q_index); key_starts [B, S]
     the first position of each key's block (segments.block_starts) -> [B, T, Hq, Dv]."""
+    block_sizes = fitted_sizes(block_sizes, q, v, block_size, backend, interpret)
     past = None
     if past_start.shape[-1]:
         past = past_tiles(
@@ -115,7 +117,6 @@ def _local(q, k, v, own_start, past, key_starts, firsts, block_size, scale, back
 
 
 def _fwd(q, k, v, own_start, past, key_starts, firsts, block_size, scale, backend, interpret, block_sizes):
-    block_sizes.check_backend(backend, block_size, compiler=not interpret)
     b, t, hq, d = q.shape
     kw = dict(c=block_size, scale=scale, backend=backend, interpret=interpret, block_sizes=block_sizes)
     o_own, lse_own = _own_parts(q, k, v, own_start, firsts, **kw)

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.common import NT, triton_params
+from pallas_kernels.gpu_memory import flash_smem
 from pallas_kernels.moba.common import dkv_step, online_softmax_init, online_softmax_step
 
 
@@ -109,6 +110,14 @@ def _cost(part: str, q_rows, k, v, block_size: int):
     )
 
 
+def smem_bytes(block_sizes, d: int, dv: int, itemsize: int) -> dict[str, int]:
+    """Shared memory per block of each whole-block kernel, estimated (pallas_kernels/gpu_memory.py);
+    a dK/dV step loads lse and delta."""
+    bs = block_sizes
+    sizes = flash_smem(bs.past_q_tile, bs.kv_block, d, dv, itemsize, bs.num_stages, dkv_vectors=2)
+    return dict(zip(("moba_block_fwd_gpu", "moba_block_dq_gpu", "moba_block_dkv_gpu"), sizes, strict=True))
+
+
 def block_attention_fwd(
     q_rows,
     k,
@@ -140,7 +149,7 @@ def block_attention_fwd(
             jax.ShapeDtypeStruct((ntiles, qt, dv), jnp.float32),
             jax.ShapeDtypeStruct((ntiles, qt, 1), jnp.float32),
         ],
-        compiler_params=triton_params(),
+        compiler_params=triton_params(block_sizes.num_warps, block_sizes.num_stages),
         interpret=bool(interpret),
         name="moba_block_fwd_gpu",
         cost_estimate=_cost("fwd", q_rows, k, v, block_size),
@@ -181,7 +190,7 @@ def block_attention_bwd(
         in_specs=[whole, whole, row(d), whole, whole, row(dv), row(1), row(1)],
         out_specs=row(d),
         out_shape=jax.ShapeDtypeStruct((ntiles, qt, d), q_rows.dtype),
-        compiler_params=triton_params(),
+        compiler_params=triton_params(block_sizes.num_warps, block_sizes.num_stages),
         interpret=bool(interpret),
         name="moba_block_dq_gpu",
         cost_estimate=_cost("dq", q_rows, k, v, block_size),
@@ -203,7 +212,7 @@ def block_attention_bwd(
             jax.ShapeDtypeStruct((num_groups + 1, block_size, d), q_rows.dtype),
             jax.ShapeDtypeStruct((num_groups + 1, block_size, dv), q_rows.dtype),
         ],
-        compiler_params=triton_params(),
+        compiler_params=triton_params(block_sizes.num_warps, block_sizes.num_stages),
         interpret=bool(interpret),
         name="moba_block_dkv_gpu",
         cost_estimate=_cost("dkv", q_rows, k, v, block_size),

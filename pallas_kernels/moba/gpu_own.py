@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.common import NT, triton_params
+from pallas_kernels.gpu_memory import flash_smem
 from pallas_kernels.moba.common import dkv_step, online_softmax_init, online_softmax_step
 
 
@@ -167,6 +168,14 @@ def _cost(part: str, q, k, v, block_size: int, ck: int):
     )
 
 
+def smem_bytes(block_sizes, d: int, dv: int, itemsize: int) -> dict[str, int]:
+    """Shared memory per block of each own-block kernel, estimated (pallas_kernels/gpu_memory.py);
+    a dK/dV step loads lo, lse and delta."""
+    bs = block_sizes
+    sizes = flash_smem(bs.q_tile, bs.kv_block, d, dv, itemsize, bs.num_stages, dkv_vectors=3)
+    return dict(zip(("moba_own_fwd_gpu", "moba_own_dq_gpu", "moba_own_dkv_gpu"), sizes, strict=True))
+
+
 def own_attention_fwd(q, k, v, lo, first, *, scale, block_size, block_sizes, interpret=False):
     """q [B*Hq, S_pad, D], k/v [B*Hkv, S_pad, D|Dv], tables from own_tables ->
     (o [B*Hq, S_pad, Dv] float32, lse [B*Hq, S_pad, 1])."""
@@ -185,7 +194,7 @@ def own_attention_fwd(q, k, v, lo, first, *, scale, block_size, block_sizes, int
             jax.ShapeDtypeStruct((rows, seq_pad, dv), jnp.float32),
             jax.ShapeDtypeStruct((rows, seq_pad, 1), jnp.float32),
         ],
-        compiler_params=triton_params(),
+        compiler_params=triton_params(block_sizes.num_warps, block_sizes.num_stages),
         interpret=bool(interpret),
         name="moba_own_fwd_gpu",
         cost_estimate=_cost("fwd", q, k, v, block_size, ck),
@@ -219,7 +228,7 @@ def own_attention_bwd(
         ],
         out_specs=tile(d),
         out_shape=jax.ShapeDtypeStruct((rows, seq_pad, d), q.dtype),
-        compiler_params=triton_params(),
+        compiler_params=triton_params(block_sizes.num_warps, block_sizes.num_stages),
         interpret=bool(interpret),
         name="moba_own_dq_gpu",
         cost_estimate=_cost("dq", q, k, v, block_size, ck),
@@ -234,7 +243,7 @@ def own_attention_bwd(
             jax.ShapeDtypeStruct((k.shape[0], seq_pad, d), k.dtype),
             jax.ShapeDtypeStruct((k.shape[0], seq_pad, dv), v.dtype),
         ],
-        compiler_params=triton_params(),
+        compiler_params=triton_params(block_sizes.num_warps, block_sizes.num_stages),
         interpret=bool(interpret),
         name="moba_own_dkv_gpu",
         cost_estimate=_cost("dkv", q, k, v, block_size, ck),

@@ -16,44 +16,122 @@ contiguous rows (tpu_own.own_tables, gpu_own.own_tables).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import gpu_memory
+
 BACKENDS = ("tpu", "gpu")
 SCHEDULE_NAME = "moba_schedule"  # jax.checkpoint_name of the routing tables and schedule (ints)
+
+
+TPU_TILES = {"q_tile": 128, "kv_block": 128, "past_q_tile": 256, "key_tile": 512}  # also the XLA path's
+# GPU tile sets (q_tile, kv_block, past_q_tile), best first: the first fastest of 7 sets measured on an
+# H200 at 128K (head dim 128, bf16; BENCHMARKS.md); `auto` takes the first whose estimated shared
+# memory fits the device (pallas_kernels/gpu_memory.py), so larger heads, float32 and smaller GPUs
+# step down the list.
+GPU_TILES = ((64, 64, 64), (64, 32, 64), (32, 32, 32), (16, 16, 16))
+TILE_KEYS = ("q_tile", "kv_block", "past_q_tile")
 
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
     """Kernel tile sizes, independent of the MoBA block size (e.g. MoBA block 512 with
-    128-row query tiles and 128-key sub-blocks).
+    64-row query tiles and 64-key sub-blocks); None is `auto`, chosen by `resolve` for the
+    backend, head dim, dtype and device.
 
     past_q_tile: query rows per step of the whole-block kernels (the selected earlier blocks,
     both backends; also the XLA path's selected-block tiles). The GPU's own-block kernel also
     uses q_tile (query rows per program) and kv_block (keys per step, also the GPU whole-block
     kernels' step); the TPU's own-block kernel works in chunks of the MoBA block, each walked
-    in square tiles of at most key_tile rows and keys (tpu_own.own_tile). Construction
-    checks what every path needs; `check_backend` adds what one backend's compiler needs on
-    real hardware (interpret mode needs none of it, except the GPU's whole kv_block steps)."""
+    in square tiles of at most key_tile rows and keys (tpu_own.own_tile). num_warps and
+    num_stages: Triton's, for the GPU kernels. Construction checks what every path needs;
+    `check_backend` adds what one backend's compiler needs on real hardware (interpret mode
+    needs none of it, except the GPU's whole kv_block steps)."""
 
-    q_tile: int = 128
-    kv_block: int = 128
-    past_q_tile: int = 256
-    key_tile: int = 512
+    q_tile: int | None = None
+    kv_block: int | None = None
+    past_q_tile: int | None = None
+    key_tile: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
 
     def __post_init__(self):
-        for name in ("q_tile", "kv_block", "past_q_tile", "key_tile"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"BlockSizes.{name} (moba.{name}) must be a positive int, got {value!r}")
-        if self.kv_block % 8:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                key = f"BlockSizes.{field.name} (moba.{field.name})"
+                raise ValueError(f"{key} must be a positive int or auto, got {value!r}")
+        if self.kv_block is not None and self.kv_block % 8:
             raise ValueError(
                 f"BlockSizes.kv_block (moba.kv_block) must be a multiple of 8, got {self.kv_block}"
             )
 
-    def check_backend(self, backend: str, block_size: int | None = None, *, compiler: bool = True) -> None:
+    @property
+    def resolved(self) -> bool:
+        return all(getattr(self, f.name) is not None for f in dataclasses.fields(self))
+
+    def resolve(
+        self,
+        backend: str,
+        *,
+        head_dim: int | None = None,
+        v_head_dim: int | None = None,
+        itemsize: int = 2,
+        block_size: int | None = None,
+        smem_limit: int | None = None,
+    ) -> BlockSizes:
+        """Every `auto` field filled in for `backend` ("tpu", "gpu", or "xla" for the XLA path),
+        the fields set explicitly kept. TPU and XLA: TPU_TILES. GPU: the first of GPU_TILES whose
+        kernels' shared memory fits `smem_limit` (default: an H100/H200's) at this head dim and
+        dtype (`itemsize`), with kv_block no larger than a divisor of `block_size`; Triton's
+        num_warps 4 and num_stages 2."""
+        from pallas_kernels.common import TRITON_STAGES, TRITON_WARPS
+
+        fixed = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        fixed = {k: v for k, v in fixed.items() if v is not None}
+        auto = dict(TPU_TILES, num_warps=TRITON_WARPS, num_stages=TRITON_STAGES)
+        if backend != "gpu":
+            return dataclasses.replace(self, **(auto | fixed))
+        candidates = []
+        for q_tile, kv_block, past_q_tile in GPU_TILES:
+            kv_block = kv_block if block_size is None else math.gcd(kv_block, block_size)
+            tiles = dict(zip(TILE_KEYS, (q_tile, kv_block, past_q_tile), strict=True))
+            candidates.append(dataclasses.replace(self, **(auto | tiles | fixed)))
+        if head_dim is None:
+            return candidates[0]
+        limit = smem_limit or gpu_memory.smem_limit()
+        fit = (c for c in candidates if c.gpu_smem(head_dim, v_head_dim or head_dim, itemsize)[1] <= limit)
+        return next(fit, candidates[-1])  # none fits: check_backend says so
+
+    def gpu_smem(self, head_dim: int, v_head_dim: int, itemsize: int) -> tuple[str, int]:
+        """(kernel, bytes): the GPU kernel asking for the most shared memory per block, estimated
+        (pallas_kernels/gpu_memory.py), for resolved sizes."""
+        from pallas_kernels.moba import gpu_blocks, gpu_own
+
+        sizes = {}
+        for kernels in (gpu_own, gpu_blocks):
+            sizes |= kernels.smem_bytes(self, head_dim, v_head_dim, itemsize)
+        return max(sizes.items(), key=lambda item: item[1])
+
+    def tiles_text(self) -> str:
+        return " ".join(f"moba.{k}={getattr(self, k)}" for k in TILE_KEYS)
+
+    def check_backend(
+        self,
+        backend: str,
+        block_size: int | None = None,
+        *,
+        compiler: bool = True,
+        head_dim: int | None = None,
+        v_head_dim: int | None = None,
+        itemsize: int = 2,
+        smem_limit: int | None = None,
+        device: str = "this GPU",
+    ) -> None:
         """Raises ValueError naming the field when `backend`'s compiler would reject it or, with
         compiler=False (interpret mode), only where the kernels' results would be wrong.
 
@@ -64,9 +142,17 @@ class BlockSizes:
         rejects 24), and tl.dot needs dims >= 16 (Triton's own check, at compile time on the
         GPU); the whole-block kernel walks a block in kv_block steps, so a block that is not
         a multiple of kv_block gives wrong results (NaN at block 4 with kv_block 8), interpreted
-        too."""
+        too. With `head_dim` and `smem_limit` (bytes per block of `device`), a set whose
+        estimated shared memory is over the limit is refused in one line naming the keys and a
+        set that fits (Triton would fail only when the kernel first runs)."""
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if not self.resolved:
+            shape = dict(head_dim=head_dim, v_head_dim=v_head_dim, itemsize=itemsize)
+            resolved = self.resolve(backend, block_size=block_size, smem_limit=smem_limit, **shape)
+            return resolved.check_backend(
+                backend, block_size, compiler=compiler, smem_limit=smem_limit, device=device, **shape
+            )
         if backend == "gpu" and block_size is not None and block_size % self.kv_block:
             raise ValueError(
                 f"moba.block_size {block_size} must be a multiple of moba.kv_block {self.kv_block} on GPU"
@@ -77,13 +163,33 @@ class BlockSizes:
             raise ValueError(
                 f"moba.block_size must be a multiple of 128 for the TPU kernels, got {block_size}"
             )
-        if backend == "gpu":
-            for name in ("q_tile", "kv_block", "past_q_tile"):
-                value = getattr(self, name)
-                if value < 16 or value & (value - 1):
-                    raise ValueError(
-                        f"BlockSizes.{name} (moba.{name}) must be a power of two >= 16 on GPU, got {value}"
-                    )
+        if backend != "gpu":
+            return
+        for name in TILE_KEYS:
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(
+                    f"BlockSizes.{name} (moba.{name}) must be a power of two >= 16 on GPU, got {value}"
+                )
+        if head_dim is None or smem_limit is None:
+            return
+        v_head_dim = v_head_dim or head_dim
+        kernel, need = self.gpu_smem(head_dim, v_head_dim, itemsize)
+        if need <= smem_limit:
+            return
+        fits = BlockSizes(num_warps=self.num_warps, num_stages=self.num_stages).resolve(
+            "gpu",
+            head_dim=head_dim,
+            v_head_dim=v_head_dim,
+            itemsize=itemsize,
+            block_size=block_size,
+            smem_limit=smem_limit,
+        )
+        raise ValueError(
+            f"{self.tiles_text()} (num_stages {self.num_stages}) need about {need:,} bytes of shared "
+            f"memory per block in {kernel} (head dim {head_dim}, {itemsize}-byte elements), over the "
+            f"{smem_limit:,} of {device}; a set that fits: {fits.tiles_text()} (or leave them auto)"
+        )
 
 
 def prefix_scan(x: jax.Array, op, identity, width: int = 128) -> jax.Array:
