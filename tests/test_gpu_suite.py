@@ -24,12 +24,21 @@ def test_dry_run_writes_every_section_without_the_data_stack(tmp_path):
     result = json.loads((tmp_path / "gpu_suite.json").read_text())
     sections = result["sections"]
     assert result["dry"] and set(sections) == {
+        "correctness",
         "attention",
+        "tiles",
         "moba_decode",
         "latent_decode",
         "train",
+        "train_py",
         "long_attention",
     }
+    checks = sections["correctness"]
+    assert {c["check"] for c in checks} == {"moba", "mla_decode", "moba_decode"} and len(checks) == 7
+    assert all(c["ok"] for c in checks), checks
+    assert all(row["ms"] > 0 and row["smem_estimate"] <= row["smem_limit"] for row in sections["tiles"])
+    (trained,) = sections["train_py"]  # train.py itself, in a subprocess that has the data stack
+    assert trained["exit"] == 0 and trained["steps"] == 2 and trained["tokens_per_s"] > 0
     (attn,) = sections["attention"]
     assert {"moba_pallas_ms", "dense_ms", "dense_over_moba"} <= set(attn)
     assert attn["pallas_vs_xla_max_rel_diff"] < 0.05  # bf16 loss and gradients, kernels vs XLA path

@@ -1,30 +1,44 @@
-"""Everything this project wants to know from a GPU, in one run of about 4 minutes on one H200,
+"""Everything this project wants to know from a GPU, in one run of about 5 minutes on one H200,
 compiles included; it prints as it goes and rewrites `<out>/gpu_suite.json` after every case.
+Every kernel runs with the shipped defaults (tiles `auto`).
 
-    python -m eval.bench.gpu_suite --out DIR [--budget-s 230]
+    python -m eval.bench.gpu_suite --out DIR [--budget-s 300]
     python -m eval.bench.gpu_suite --out DIR --dry     # on a CPU: tiny shapes, kernels interpreted
 
 Sections, in order (a section stops starting cases once its share of the budget is spent, and
 says so in the JSON):
+- correctness: the compiled kernels against the references (eval/bench/gpu_checks.py): MoBA
+  forward and gradients at 8K, bf16 (packed documents with GQA, top-k 1, top-k covering every
+  block), and the MLA and MoBA decode kernels against XLA at 16 and 128 heads.
 - attention: MoBA (Pallas GPU kernels) against cuDNN flash attention, forward + backward, bf16,
   batch 1, 16 heads, head dim 128, block 512, top_k 3, block-local routing, at 8K/32K/128K;
   the loss and gradients against the XLA path's at the first length (largest relative difference).
+- tiles: the evidence for the GPU tile table, forward + backward of the attention section's shape
+  at one length for each tile set of `GPU_TILES` and a few larger ones; a set over the device's
+  shared memory is refused before it compiles and says so.
 - moba_decode: a decode step of a 12-layer d-768 MHA model, MoBA core (its decode kernel) against
   dense, at 32K and 128K (eval/decoding.py).
 - latent_decode: the absorbed MLA and EG-MLA decode steps (their kernels) at 32K, the cache
   bytes they read per second against a device-to-device copy.
 - train: 30 steps of a small MoBA model with the GPU kernels beside the same run with the XLA
   path (same initialisation, same batches, float32): the losses must agree within `--loss-tol`.
+- train_py: `train.py` itself on the configs/gpu/ models for a few dozen steps (a subprocess each):
+  tokens/s and MFU from the run's TensorBoard scalars. It needs the data stack (grain) and the
+  built-in corpus (`python -m effattn_jax.data.fetch`, or $EFFATTN_CACHE holding it); without
+  them the section says so.
 - long attention: 256K and 512K if the budget and memory allow.
 
-It imports nothing from the data stack (the GPU image may lack grain): batches are synthetic.
+Apart from train_py it imports nothing from the data stack: batches are synthetic.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -37,22 +51,49 @@ from effattn_jax.ops.moba import BlockSizes, moba_attention
 from effattn_jax.sharding import make_mesh
 from effattn_jax.train.state import init_state, make_setup
 from effattn_jax.train.step import make_train_step
+from eval.bench import gpu_checks
 from eval.bench.attention import structured_inputs
 from eval.bench.common import synthetic_batch, time_once
 from eval.decoding import copy_bandwidth, latent_decode, moba_vs_dense_decode
+from pallas_kernels import gpu_memory
+from pallas_kernels.moba.schedule import GPU_TILES
 
+ROOT = Path(__file__).resolve().parents[2]
+GPU = "pallas_gpu"
+TINY_TRAIN_PY = (
+    "train.steps=2 train.log_every=1 train.warmup_steps=1 eval.max_batches=1 model.num_layers=1 "
+    "model.d_model=32 model.num_heads=2 model.head_dim=16 model.mlp_dim=64 model.dtype=float32 "
+    "data.seq_len=64 data.batch_size=2 moba.block_size=16 moba.q_tile=16 moba.kv_block=16 "
+    "moba.past_q_tile=16 moba.impl=pallas_gpu attention.dense_impl=xla"
+).split()
 # (section, share of the budget)
 SHARES = {
-    "attention": 0.35,
-    "moba_decode": 0.15,
-    "latent_decode": 0.12,
-    "train": 0.23,
-    "long_attention": 0.15,
+    "correctness": 0.1,
+    "attention": 0.22,
+    "tiles": 0.1,
+    "moba_decode": 0.08,
+    "latent_decode": 0.07,
+    "train": 0.13,
+    "train_py": 0.22,
+    "long_attention": 0.08,
 }
+MOBA_CHECKS = [dict(heads=16, kv_heads=4, top_k=3, docs=3), dict(heads=16, kv_heads=16, top_k=1, docs=1),
+               dict(heads=16, kv_heads=16, top_k=None, docs=1)]  # top_k None: every block  # fmt: skip
 
 FULL = {
+    "correctness": dict(
+        moba=dict(seq=8192, head_dim=128, block=512, dtype=jnp.bfloat16, impl=GPU, tiles=BlockSizes()),
+        mla=dict(context=4096, batch=2, latent=512, rope=64, dtype=jnp.bfloat16, impl=GPU),
+        moba_decode=dict(context=8192, block=512, head_dim=128, dtype=jnp.bfloat16, impl=GPU),
+        heads=[16, 128],
+        tol=3e-2,
+    ),
     "attention": dict(seqs=[8192, 32768, 131072], heads=16, head_dim=128, block=512, top_k=3,
                       impl="pallas_gpu", dense="cudnn", tiles=BlockSizes(), repeats=3),
+    "tiles": dict(seq=32768, sets=list(GPU_TILES[:3]) + [(128, 64, 64), (128, 64, 128), (128, 128, 256)]),
+    "train_py": dict(configs=["dense_545m_8k", "moba_545m_8k", "dense_545m_32k", "moba_545m_32k"],
+                     overrides=["train.steps=30", "train.log_every=10", "eval.every_steps=1000",
+                                "eval.max_batches=1", "checkpoint.every_steps=1000"]),
     "long_seqs": [262144, 524288],
     "moba_decode": dict(contexts=[32768, 131072], model=None),
     "latent_decode": dict(contexts=[32768], batches=[1, 16], overrides=(), copy_gib=1.0),
@@ -62,8 +103,17 @@ FULL = {
     "train_steps": 30,
 }  # fmt: skip
 DRY = {
+    "correctness": dict(
+        moba=dict(seq=256, head_dim=16, block=32, dtype=jnp.float32, impl=GPU, tiles=BlockSizes(16, 16, 16)),
+        mla=dict(context=64, batch=2, latent=16, rope=8, dtype=jnp.float32, impl=GPU),
+        moba_decode=dict(context=128, block=32, head_dim=16, dtype=jnp.float32, impl=GPU),
+        heads=[4, 8],
+        tol=1e-4,
+    ),
     "attention": dict(seqs=[256], heads=2, head_dim=16, block=32, top_k=3, impl="pallas_gpu", dense="xla",
                       tiles=BlockSizes(q_tile=16, kv_block=16, past_q_tile=16), repeats=1),
+    "tiles": dict(seq=256, sets=[(16, 16, 16), (32, 16, 32)]),
+    "train_py": dict(configs=["moba_545m_8k"], overrides=TINY_TRAIN_PY),
     "long_seqs": [],  # the same function as the first section's
     "moba_decode": dict(contexts=[128], model=["model.num_layers=2", "model.d_model=64", "model.num_heads=2",
                         "model.mlp_dim=128", "model.vocab_size=256", "model.dtype=float32",
@@ -167,7 +217,7 @@ def attention(suite: Suite, rows: list, p: dict, seqs: list[int], compare_xla: b
                     _relative_difference(a, b) for a, b in zip(got, want, strict=True)
                 )
         except Exception as e:  # noqa: BLE001 - out of memory at the longest lengths ends the list
-            row["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+            row["error"] = _error(e)
             suite.add(rows, row)
             return
         suite.add(rows, row)
@@ -209,12 +259,93 @@ def train_pair(suite: Suite, rows: list, overrides: list[str], steps: int, loss_
                      "pallas_over_xla_tokens_per_s": tok_s["pallas_gpu"] / tok_s["xla"]})  # fmt: skip
 
 
+def correctness(suite: Suite, rows: list, p: dict) -> None:
+    """The compiled kernels against the references: MoBA at realistic shapes, the decode kernels at
+    16 and 128 heads (eval/bench/gpu_checks.py); each row says whether it is within `tol`."""
+    m = p["moba"]
+    cases = [("moba", gpu_checks.moba_case, m | c | {"top_k": c["top_k"] or m["seq"] // m["block"]})
+             for c in MOBA_CHECKS]  # fmt: skip
+    for heads in p["heads"]:
+        cases.append(("mla_decode", gpu_checks.mla_decode_case, dict(p["mla"], heads=heads)))
+        cases.append(("moba_decode", gpu_checks.moba_decode_case, dict(p["moba_decode"], heads=heads)))
+    for name, check, kw in cases:
+        if not suite.time_left():
+            suite.add(rows, {"check": name, "skipped": "time budget"})
+            continue
+        try:
+            row = check(**kw)
+            row["ok"] = row["max_rel_diff"] <= p["tol"]
+        except Exception as e:  # noqa: BLE001 - a kernel that fails to compile or run is the finding
+            row = {"check": name, "heads": kw.get("heads"), "ok": False, "error": _error(e)}
+        suite.add(rows, row)
+
+
+def tile_sweep(suite: Suite, rows: list, attn: dict, p: dict) -> None:
+    """Forward + backward ms of the attention section's shape at one length per tile set, with each
+    set's estimated shared memory; a set over the device's limit is refused before compiling."""
+    x = structured_inputs(p["seq"], attn["heads"], attn["head_dim"], jnp.bfloat16)
+    for tiles in p["sets"]:
+        sizes = BlockSizes(*tiles).resolve("gpu")
+        kernel, need = sizes.gpu_smem(attn["head_dim"], attn["head_dim"], 2)
+        row = {"tiles": list(tiles), "seq": p["seq"], "smem_estimate": need, "largest_kernel": kernel,
+               "smem_limit": gpu_memory.smem_limit(gpu_memory.device_capability())}  # fmt: skip
+        if not suite.time_left():
+            suite.add(rows, row | {"skipped": "time budget"})
+            continue
+        fn = _grad_fn(
+            lambda q, k, v, sizes=sizes: moba_attention(
+                q, k, v, block_size=attn["block"], top_k=attn["top_k"], impl=attn["impl"], block_sizes=sizes
+            )
+        )
+        try:
+            jax.block_until_ready(fn(*x))
+            row["ms"] = statistics.median(time_once(fn, x) for _ in range(3)) * 1e3
+        except Exception as e:  # noqa: BLE001 - refused (over the limit) or failed: recorded
+            row["error"] = _error(e)
+        suite.add(rows, row)
+
+
+def train_py(suite: Suite, rows: list, p: dict, out: Path) -> None:
+    """train.py on configs/gpu/ models, a subprocess each: tokens/s and MFU of the last logged interval
+    (TensorBoard scalars), the exit status and the tail of stderr when it fails."""
+    env = os.environ | {"PYTHONPATH": str(ROOT)}
+    if subprocess.run([sys.executable, "-c", "import grain"], env=env, capture_output=True).returncode:
+        suite.add(rows, {"skipped": "grain does not import here (install it beside the image's packages)"})
+        return
+    from effattn_jax.train.metrics import read_scalars
+
+    for name in p["configs"]:
+        if not suite.time_left():
+            suite.add(rows, {"config": name, "skipped": "time budget"})
+            continue
+        run_dir = out / "train_py" / name
+        cmd = [sys.executable, "train.py", "--config", f"configs/gpu/{name}.yaml", f"train.run_dir={run_dir}",
+               "train.resume=false", "train.progress=false", *p["overrides"]]  # fmt: skip
+        t = time.perf_counter()
+        done = subprocess.run(
+            cmd, cwd=ROOT, capture_output=True, text=True, env=os.environ | {"PYTHONPATH": str(ROOT)}
+        )
+        row = {"config": name, "exit": done.returncode, "wall_s": round(time.perf_counter() - t, 1)}
+        if done.returncode:
+            row["stderr_tail"] = done.stderr.strip().splitlines()[-3:]
+        else:
+            last = {tag: points[-1] for tag, points in read_scalars(run_dir).items()}
+            mfu = last.get("mfu", (0, None))[1]  # None where the device's peak is not known (a CPU)
+            row |= {"steps": last["loss"][0], "last_loss": last["loss"][1],
+                    "tokens_per_s": last["tokens_per_sec"][1], "mfu": mfu}  # fmt: skip
+        suite.add(rows, row)
+
+
+def _error(e: Exception) -> str:
+    return f"{type(e).__name__}: {e}".splitlines()[0][:300]
+
+
 def main(argv=None) -> int:
     from effattn_jax.cli import ArgumentParser
 
     p = ArgumentParser(prog="python -m eval.bench.gpu_suite", description=__doc__)
     p.add_argument("--out", type=Path, required=True, help="directory for gpu_suite.json")
-    p.add_argument("--budget-s", type=float, default=230.0, help="seconds for everything, compiles included")
+    p.add_argument("--budget-s", type=float, default=300.0, help="seconds for everything, compiles included")
     p.add_argument("--dry", action="store_true", help="tiny shapes with interpreted kernels (a CPU check)")
     p.add_argument("--loss-tol", type=float, default=2e-3, help="largest loss difference pallas vs xla")
     args = p.parse_args(argv)
@@ -223,9 +354,11 @@ def main(argv=None) -> int:
     suite = Suite(args.out, args.budget_s, args.dry)
     print(f"{suite.data['device']} x{suite.data['device_count']}, jax {jax.__version__}", flush=True)
 
+    correctness(suite, suite.section("correctness"), plan["correctness"])
     attention(
         suite, suite.section("attention"), plan["attention"], plan["attention"]["seqs"], compare_xla=True
     )
+    tile_sweep(suite, suite.section("tiles"), plan["attention"], plan["tiles"])
     rows = suite.section("moba_decode")
     decode = plan["moba_decode"]
     for context in decode["contexts"]:
@@ -248,6 +381,7 @@ def main(argv=None) -> int:
                 r["of_copy_bandwidth"] = r["read_bytes_per_s"] / copy
                 suite.add(rows, r)
     train_pair(suite, suite.section("train"), plan["train"], plan["train_steps"], args.loss_tol)
+    train_py(suite, suite.section("train_py"), plan["train_py"], args.out.resolve())
     attention(suite, suite.section("long_attention"), plan["attention"], plan["long_seqs"], compare_xla=False)
     print(f"done in {time.perf_counter() - suite.start:.0f} s: {suite.path}", flush=True)
     return 0

@@ -1,0 +1,106 @@
+"""The GPU suite's correctness section: the compiled kernels against the plain references at the
+shapes users run, where interpret mode on a CPU cannot reach (it forgives what hardware rejects).
+
+- MoBA, forward and gradients against the dense-mask reference: packed documents with GQA, top-k 1,
+  and top-k covering every block; each case gives the largest relative difference of the loss, dq,
+  dK and dV (each relative to its largest entry).
+- The decode kernels against their XLA steps at 16 and 128 heads: the absorbed MLA step over the
+  latent, and MoBA's sparse step (GQA, 4 query heads per KV head).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from effattn_jax.ops.cache import kv_view
+from effattn_jax.ops.mla_decode import absorbed_attention
+from effattn_jax.ops.moba import moba_attention
+from effattn_jax.ops.moba_decode import empty_block_means, moba_decode_attention, prefill_block_means
+
+
+def relative_difference(a, b) -> float:
+    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+    return float(jnp.abs(a - b).max() / jnp.maximum(jnp.abs(b).max(), 1e-30))
+
+
+def packed_segments(batch: int, seq: int, docs: int):
+    """[B, S] segment ids of `docs` documents of unequal lengths per row (the first the longest)."""
+    cuts = [seq * (docs - i) * (docs - i + 1) // (docs * (docs + 1)) for i in range(docs)]
+    starts = jnp.array(sorted(seq - c for c in cuts))
+    return jnp.broadcast_to(jnp.searchsorted(starts, jnp.arange(seq), side="right"), (batch, seq))
+
+
+def moba_case(*, seq, heads, kv_heads, head_dim, block, top_k, docs, dtype, impl, tiles, batch=1) -> dict:
+    """The kernels (`impl`) against the reference: loss and gradients of sum(out * w), w random."""
+    keys = jax.random.split(jax.random.key(seq + heads + top_k), 4)
+    q = jax.random.normal(keys[0], (batch, seq, heads, head_dim), dtype)
+    k, v = (jax.random.normal(key, (batch, seq, kv_heads, head_dim), dtype) for key in keys[1:3])
+    w = jax.random.normal(keys[3], (batch, seq, heads, head_dim), jnp.float32)
+    segments = packed_segments(batch, seq, docs) if docs > 1 else None
+
+    def grads(impl):
+        def loss(q, k, v):
+            out = moba_attention(
+                q, k, v, block_size=block, top_k=top_k, segment_ids=segments, impl=impl, block_sizes=tiles
+            )
+            return jnp.sum(out.astype(jnp.float32) * w)
+
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+    got, want = jax.tree.leaves(grads(impl)), jax.tree.leaves(grads("reference"))
+    diffs = [relative_difference(a, b) for a, b in zip(got, want, strict=True)]
+    return {
+        "check": "moba",
+        "seq": seq,
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "block": block,
+        "top_k": top_k,
+        "documents": docs,
+        "dtype": jnp.dtype(dtype).name,
+        "max_rel_diff": max(diffs),
+        "loss_dq_dk_dv_rel_diff": diffs,
+    }
+
+
+def mla_decode_case(*, heads, context, batch, latent, rope, dtype, impl) -> dict:
+    """One absorbed decode step (rows at different lengths) by the kernel against XLA."""
+    keys = jax.random.split(jax.random.key(heads), 4)
+    q_lat = jax.random.normal(keys[0], (batch, 1, heads, latent), dtype)
+    q_rope = jax.random.normal(keys[1], (batch, 1, heads, rope), dtype)
+    lat = jax.random.normal(keys[2], (batch, context, latent), dtype)
+    kr = jax.random.normal(keys[3], (batch, context, rope), dtype)
+    positions = (jnp.arange(batch)[:, None] * 37 + context - 1 - 37 * (batch - 1)).astype(jnp.int32)
+    step = jax.jit(
+        lambda impl, *x: absorbed_attention(*x, positions, (latent + rope) ** -0.5, impl), static_argnums=0
+    )
+    got, want = (step(i, q_lat, q_rope, lat, kr) for i in (impl, "xla"))
+    return {"check": "mla_decode", "heads": heads, "context": context, "batch": batch,
+            "dtype": jnp.dtype(dtype).name, "max_rel_diff": relative_difference(got, want)}  # fmt: skip
+
+
+def moba_decode_case(*, heads, context, block, head_dim, dtype, impl, group=4, top_k=3) -> dict:
+    """One sparse decode step (GQA, rows at different positions) by the kernel against XLA."""
+    keys = jax.random.split(jax.random.key(heads), 3)
+    kv_heads = max(1, heads // group)
+    k, v = (jax.random.normal(key, (2, kv_heads, context, head_dim), dtype) for key in keys[:2])
+    q = jax.random.normal(keys[2], (2, 1, heads, head_dim), dtype)
+    means = prefill_block_means(
+        empty_block_means(2, context, kv_heads, head_dim, block),
+        jnp.swapaxes(k, 1, 2),
+        context,
+        block_size=block,
+        dtype=dtype,
+    )
+    positions = jnp.array([[context - 10], [block + 5]])
+    step = jax.jit(
+        lambda impl: moba_decode_attention(
+            kv_view(q, k, v), means, positions, block_size=block, top_k=top_k, scale=head_dim**-0.5, impl=impl
+        ),
+        static_argnums=0,
+    )
+    diff = relative_difference(step(impl), step("xla"))
+    return {"check": "moba_decode", "heads": heads, "kv_heads": kv_heads, "context": context, "block": block,
+            "dtype": jnp.dtype(dtype).name, "max_rel_diff": diff}  # fmt: skip
