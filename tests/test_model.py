@@ -11,7 +11,7 @@ from effattn_jax.attention.eg_mla import EGMLA
 from effattn_jax.attention.mha import MHA
 from effattn_jax.attention.mla import MLA
 from effattn_jax.config import load_config
-from effattn_jax.flops import mean_attended_keys, train_flops_per_token
+from effattn_jax.flops import mean_attended_keys, peak_flops, train_flops_per_token
 from effattn_jax.model import Transformer, param_counts
 from effattn_jax.ops.moba import moba_reference_mask
 from effattn_jax.ops.routing import moba_routing
@@ -168,3 +168,12 @@ def test_flops_match_an_independent_count(kind):
         got = train_flops_per_token(config, counts["non_embedding"])
         assert got == pytest.approx(matmuls + attention, rel=1e-9)
     assert train_flops_per_token(cfg, 0) < train_flops_per_token(cfg.with_full_attention(), 0)
+
+
+def test_mfu_peak_by_device_kind():
+    """MFU's denominator: H100/H200 SXM 989 TFLOP/s bf16, the PCIe H100 its own, nothing for a CPU (no MFU
+    logged). Catches: the PCIe card matched by the plain H100 entry."""
+    assert peak_flops("NVIDIA H200") == peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert peak_flops("NVIDIA H100 PCIe") == 756e12
+    assert peak_flops("TPU v5 lite") == 197e12 and peak_flops("TPU v5") == 459e12
+    assert peak_flops("cpu") is None

@@ -64,7 +64,7 @@ TINY_TRAIN_PY = (
     "train.steps=2 train.log_every=1 train.warmup_steps=1 eval.max_batches=1 model.num_layers=1 "
     "model.d_model=32 model.num_heads=2 model.head_dim=16 model.mlp_dim=64 model.dtype=float32 "
     "data.seq_len=64 data.batch_size=2 moba.block_size=16 moba.q_tile=16 moba.kv_block=16 "
-    "moba.past_q_tile=16 moba.impl=pallas_gpu attention.dense_impl=xla"
+    "moba.past_q_tile=16 moba.impl=pallas_gpu attention.dense_impl=xla mesh.data=1 mesh.fsdp=1"
 ).split()
 # (section, share of the budget)
 SHARES = {
