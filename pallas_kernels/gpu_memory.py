@@ -82,3 +82,13 @@ def flash_smem(q_rows: int, kv_rows: int, d: int, dv: int, itemsize: int, stages
             stages=stages,
         ),
     )
+
+
+def moba_smem(q_tile: int, past_q_tile: int, kv_block: int, stages: int, d: int, dv: int, itemsize: int):
+    """Each MoBA GPU kernel's bytes, by kernel name: the own-block kernels (moba/gpu_own.py, `q_tile`
+    query rows; a dK/dV step loads lo, lse and delta) and the whole-block kernels (moba/gpu_blocks.py,
+    `past_q_tile` rows; lse and delta)."""
+    own = flash_smem(q_tile, kv_block, d, dv, itemsize, stages, dkv_vectors=3)
+    block = flash_smem(past_q_tile, kv_block, d, dv, itemsize, stages, dkv_vectors=2)
+    names = [f"moba_{kernels}_{part}_gpu" for kernels in ("own", "block") for part in ("fwd", "dq", "dkv")]
+    return dict(zip(names, own + block, strict=True))

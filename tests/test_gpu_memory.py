@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from conftest import ROOT
 
-from effattn_jax.attention import check_moba_gpu_tiles
 from effattn_jax.config import ConfigError, load_config
 from effattn_jax.ops.mla_decode import absorbed_attention
+from effattn_jax.train.gpu_tiles import check_moba_gpu_tiles
 from pallas_kernels import gpu_memory
 from pallas_kernels.mla_decode import gpu as mla_gpu
 from pallas_kernels.moba.schedule import BlockSizes
@@ -51,10 +51,8 @@ def test_moba_estimate_matches_what_triton_asked(tiles, head_dim, itemsize, aske
         assert most <= H200, (kernel, most)
         return
     assert most > H200
-    from pallas_kernels.moba import gpu_blocks, gpu_own
-
-    each = gpu_own.smem_bytes(sizes, head_dim, head_dim, itemsize)
-    each |= gpu_blocks.smem_bytes(sizes, head_dim, head_dim, itemsize)
+    q_tile, kv_block, past_q_tile = tiles
+    each = gpu_memory.moba_smem(q_tile, past_q_tile, kv_block, 2, head_dim, head_dim, itemsize)
     assert min(abs(v - asked) / asked for v in each.values() if v > H200) < 0.03, each
 
 

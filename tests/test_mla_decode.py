@@ -73,16 +73,18 @@ def test_kernel_compiles_for_a_real_tpu():
     lowered.compile()
 
 
-def test_gpu_kernel_lowers_for_cuda():
-    """jax.export lowers the GPU kernel to Triton: bf16, 12 heads (padded to 16), d 256 + 64.
-    Catches: an op the Triton lowering rejects, a non-power-of-two block."""
+@pytest.mark.parametrize("heads, d", [(12, 256), (128, 512)])
+def test_gpu_kernel_lowers_for_cuda(heads, d):
+    """jax.export lowers the GPU kernel to Triton: bf16, 12 heads (padded to 16) with d 256 + 64, and
+    DeepSeek-V2/V3's 128 heads with d 512 + 64 (in head groups that fit an H100/H200). Catches: an op the
+    Triton lowering rejects, a non-power-of-two block, a head group's block index out of the grid."""
     triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
     arg = jax.ShapeDtypeStruct
     step = jax.jit(lambda ql, qr, lat, kr, lens: mla_decode_gpu(ql, qr, lat, kr, lens, 0.1))
     exported = jax.export.export(step, platforms=["cuda"], disabled_checks=[triton])(
-        arg((2, 12, 256), jnp.bfloat16),
-        arg((2, 12, 64), jnp.bfloat16),
-        arg((2, 4100, 256), jnp.bfloat16),
+        arg((2, heads, d), jnp.bfloat16),
+        arg((2, heads, 64), jnp.bfloat16),
+        arg((2, 4100, d), jnp.bfloat16),
         arg((2, 4100, 64), jnp.bfloat16),
         arg((2,), jnp.int32),
     )

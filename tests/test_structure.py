@@ -175,19 +175,23 @@ def test_imports_run_one_way(graph):
 def test_each_kernel_backend_stands_alone(graph):
     """The GPU kernels do not import the TPU ones (or the reverse); what they share is in
     pallas_kernels/common.py (every kernel), moba/common.py (the MoBA kernel bodies) and
-    moba/schedule.py (the MoBA schedule, also the XLA path's), which import no kernel."""
+    moba/schedule.py (the MoBA schedule and tiles, also the XLA path's), which import no kernel
+    (schedule.py, for `auto` tiles, only common.py and the GPU's shared-memory model,
+    gpu_memory.py, which imports nothing)."""
     shared = {"pallas_kernels.common", "pallas_kernels.moba.common", "pallas_kernels.moba.schedule"}
     by_backend = {
         b: {*(f"pallas_kernels.moba.{b}_{part}" for part in ("own", "blocks", "decode")),
             f"pallas_kernels.mla_decode.{b}"}
         for b in ("tpu", "gpu")
     }  # fmt: skip
+    by_backend["gpu"].add("pallas_kernels.gpu_memory")  # shared memory: the GPU kernels' estimates
     for backend, names in by_backend.items():
         for name in names:
             assert name in graph, name
             assert graph[name] <= names | shared, f"{name} ({backend}) imports {graph[name] - names - shared}"
     assert graph["pallas_kernels.common"] == set()
-    assert graph["pallas_kernels.moba.schedule"] == set()
+    assert graph["pallas_kernels.moba.schedule"] <= {"pallas_kernels.gpu_memory", "pallas_kernels.common"}
+    assert graph["pallas_kernels.gpu_memory"] == set()
     assert graph["pallas_kernels.moba.common"] == {"pallas_kernels.common"}
 
 

@@ -28,7 +28,7 @@ from effattn_jax.attention.eg_mla import EGMLA
 from effattn_jax.attention.mha import MHA
 from effattn_jax.attention.mla import MLA
 from effattn_jax.ops.dense import dense_attention, masked_attention
-from effattn_jax.ops.moba import BlockSizes, gpu_tiles_fit, moba_attention
+from effattn_jax.ops.moba import BlockSizes, moba_attention
 from effattn_jax.ops.moba_decode import (
     empty_block_means,
     moba_decode_attention,
@@ -71,33 +71,6 @@ def moba_block_sizes(cfg) -> BlockSizes:
     """The config's MoBA kernel tiles (`auto` fields are None: the op resolves them per call)."""
     names = ("q_tile", "kv_block", "past_q_tile", "key_tile", "num_warps", "num_stages")
     return BlockSizes(**{n: None if getattr(cfg.moba, n) == "auto" else getattr(cfg.moba, n) for n in names})
-
-
-def check_moba_gpu_tiles(cfg, device=None) -> list[str]:
-    """Refuses (ConfigError, one line) MoBA tiles whose GPU kernels would ask `device` (a CUDA
-    device; None: an H100/H200) for more shared memory per block than it has, for each
-    (kind, core=moba) layer's head dims; else one line per layer kind on what they resolved to."""
-    from effattn_jax.config import ConfigError
-    from effattn_jax.flops import attention_widths
-
-    kinds = {cfg.layer_spec(i)[0] for i in range(cfg.model.num_layers) if cfg.layer_spec(i)[1] == "moba"}
-    lines = []
-    for kind in sorted(kinds):
-        d_qk, d_v = attention_widths(cfg, kind)
-        try:
-            fit = gpu_tiles_fit(
-                moba_block_sizes(cfg),
-                block_size=cfg.moba.block_size,
-                head_dim=d_qk,
-                v_head_dim=d_v,
-                itemsize=jnp.dtype(cfg.model.dtype).itemsize,
-                device=device,
-            )
-        except ValueError as e:
-            tiles = "/".join(str(getattr(cfg.moba, k)) for k in ("q_tile", "kv_block", "past_q_tile"))
-            raise ConfigError("moba.q_tile/kv_block/past_q_tile", tiles, f"{kind} layers: {e}") from None
-        lines.append(f"{kind} layers: {fit}")
-    return lines
 
 
 def _moba_core(cfg) -> Core:

@@ -14,7 +14,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from effattn_jax.attention import check_moba_gpu_tiles
 from effattn_jax.collectives import collective_bytes
 from effattn_jax.config import (
     MESH_AXES,
@@ -29,6 +28,7 @@ from effattn_jax.memory import program_bytes
 from effattn_jax.model import Transformer, param_counts
 from effattn_jax.ops.platform import tracing_for
 from effattn_jax.sharding import config_mesh
+from effattn_jax.train.gpu_tiles import check_moba_gpu_tiles
 
 # HBM per chip by libtpu's device_kind (GiB)
 HBM_GIB = {"TPU v4": 32, "TPU v5 lite": 16, "TPU v5": 95, "TPU v6 lite": 32}

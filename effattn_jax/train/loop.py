@@ -27,7 +27,6 @@ from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from effattn_jax import checkpoint, storage
-from effattn_jax.attention import check_moba_gpu_tiles
 from effattn_jax.checkpoint.store import unwritable
 from effattn_jax.config import MESH_AXES, Config, ConfigError, to_yaml
 from effattn_jax.data.pipeline import build_corpus, train_iterator, unigram_loss, val_batches
@@ -38,6 +37,7 @@ from effattn_jax.ops.platform import resolve_impl
 from effattn_jax.sharding import config_mesh
 from effattn_jax.storage import AnyPath
 from effattn_jax.train import run_dir as run_guard
+from effattn_jax.train.gpu_tiles import check_moba_gpu_tiles
 from effattn_jax.train.metrics import ScalarWriter
 from effattn_jax.train.state import init_state, make_setup
 from effattn_jax.train.step import all_finite, make_eval_step, make_train_step

@@ -75,7 +75,7 @@ def main(argv=None):
         t = time.perf_counter()
         triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
         exported = jax.export.export(
-            grad_fn("gpu", BlockSizes(64, 64), args.head_dim, args.block_size, args.top_k),
+            grad_fn("gpu", BlockSizes(), args.head_dim, args.block_size, args.top_k),  # auto tiles
             platforms=["cuda"],
             disabled_checks=[triton],
         )(*[jax.ShapeDtypeStruct(shape, jnp.bfloat16)] * 3)

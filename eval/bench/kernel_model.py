@@ -73,7 +73,7 @@ def own_counts(
     steps = b * hq * n
     q = jax.ShapeDtypeStruct((b * hq, n * c, d), jnp.bfloat16 if item == 2 else jnp.float32)
     k, v = jax.ShapeDtypeStruct((b * hkv, 1, d), q.dtype), jax.ShapeDtypeStruct((1, 1, dv), q.dtype)
-    tile = tpu_own.own_tile(c, BlockSizes().key_tile)
+    tile = tpu_own.own_tile(c, BlockSizes().resolve("tpu").key_tile)
     flops = {
         p: tpu_own.cost_estimate(q, k, v, c, n, float(needs.mean()), p, tile).flops for p in ("fwd", "bwd")
     }
@@ -304,7 +304,8 @@ def routing_bytes(seq: int, hq: int, hkv: int, d: int, *, block_size: int, top_k
 
 def model(seq: int, hq: int, hkv: int, *, d: int = 128, block_size: int = 512, top_k: int = 3, topology=None):
     """Every figure of one shape, as a JSON-ready dict."""
-    bs = BlockSizes()
+    bs = BlockSizes().resolve("tpu")
+    gpu_bs = BlockSizes().resolve("gpu", head_dim=d)  # the GPU's auto tiles, for its own-block counts
     rng = np.random.default_rng(0)
     q = jnp.asarray(rng.standard_normal((1, seq, hq, d), np.float32), jnp.bfloat16)
     k = jnp.asarray(rng.standard_normal((1, seq, hkv, d), np.float32), jnp.bfloat16)
@@ -335,9 +336,11 @@ def model(seq: int, hq: int, hkv: int, *, d: int = 128, block_size: int = 512, t
     own_pairs, past_pairs = ideal_pairs(np.asarray(r.own_start), np.asarray(r.past_start), block_size)
     total["bwd_hbm_bytes"] += combine_counts(b=1, s=seq, hq=hq, d=d, item=2, pairs=past_pairs // block_size)
     pairs = own_pairs + past_pairs
-    gpu_pad = padded_length(seq, block_size, bs)  # the GPU kernels take head-major copies
-    _, first, q_end = gpu_own.own_tables(r.own_start, seq_pad=gpu_pad, q_tile=bs.q_tile, kv_block=bs.kv_block)
-    gpu = gpu_own_counts(np.asarray(first), np.asarray(q_end), b=1, hq=hq, seq_pad=gpu_pad, bs=bs)
+    gpu_pad = padded_length(seq, block_size, gpu_bs)  # the GPU kernels take head-major copies
+    _, first, q_end = gpu_own.own_tables(
+        r.own_start, seq_pad=gpu_pad, q_tile=gpu_bs.q_tile, kv_block=gpu_bs.kv_block
+    )
+    gpu = gpu_own_counts(np.asarray(first), np.asarray(q_end), b=1, hq=hq, seq_pad=gpu_pad, bs=gpu_bs)
     out = {
         "seq": seq,
         "q_heads": hq,

@@ -19,7 +19,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.common import NT, triton_params
-from pallas_kernels.gpu_memory import flash_smem
 from pallas_kernels.moba.common import dkv_step, online_softmax_init, online_softmax_step
 
 
@@ -108,14 +107,6 @@ def _cost(part: str, q_rows, k, v, block_size: int):
         transcendentals=int(pairs),
         bytes_accessed=int(ntiles * (block_size * (d + dv) * item + qt * (d + dv) * item + qt * 8)),
     )
-
-
-def smem_bytes(block_sizes, d: int, dv: int, itemsize: int) -> dict[str, int]:
-    """Shared memory per block of each whole-block kernel, estimated (pallas_kernels/gpu_memory.py);
-    a dK/dV step loads lse and delta."""
-    bs = block_sizes
-    sizes = flash_smem(bs.past_q_tile, bs.kv_block, d, dv, itemsize, bs.num_stages, dkv_vectors=2)
-    return dict(zip(("moba_block_fwd_gpu", "moba_block_dq_gpu", "moba_block_dkv_gpu"), sizes, strict=True))
 
 
 def block_attention_fwd(

@@ -23,7 +23,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.common import NT, triton_params
-from pallas_kernels.gpu_memory import flash_smem
 from pallas_kernels.moba.common import dkv_step, online_softmax_init, online_softmax_step
 
 
@@ -166,14 +165,6 @@ def _cost(part: str, q, k, v, block_size: int, ck: int):
     return pl.CostEstimate(
         flops=int(flops), transcendentals=int(pairs), bytes_accessed=int(kv_reads + own_rows + out)
     )
-
-
-def smem_bytes(block_sizes, d: int, dv: int, itemsize: int) -> dict[str, int]:
-    """Shared memory per block of each own-block kernel, estimated (pallas_kernels/gpu_memory.py);
-    a dK/dV step loads lo, lse and delta."""
-    bs = block_sizes
-    sizes = flash_smem(bs.q_tile, bs.kv_block, d, dv, itemsize, bs.num_stages, dkv_vectors=3)
-    return dict(zip(("moba_own_fwd_gpu", "moba_own_dq_gpu", "moba_own_dkv_gpu"), sizes, strict=True))
 
 
 def own_attention_fwd(q, k, v, lo, first, *, scale, block_size, block_sizes, interpret=False):

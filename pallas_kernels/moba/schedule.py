@@ -110,11 +110,9 @@ class BlockSizes:
     def gpu_smem(self, head_dim: int, v_head_dim: int, itemsize: int) -> tuple[str, int]:
         """(kernel, bytes): the GPU kernel asking for the most shared memory per block, estimated
         (pallas_kernels/gpu_memory.py), for resolved sizes."""
-        from pallas_kernels.moba import gpu_blocks, gpu_own
-
-        sizes = {}
-        for kernels in (gpu_own, gpu_blocks):
-            sizes |= kernels.smem_bytes(self, head_dim, v_head_dim, itemsize)
+        sizes = gpu_memory.moba_smem(
+            self.q_tile, self.past_q_tile, self.kv_block, self.num_stages, head_dim, v_head_dim, itemsize
+        )
         return max(sizes.items(), key=lambda item: item[1])
 
     def tiles_text(self) -> str:
