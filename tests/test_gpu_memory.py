@@ -109,6 +109,8 @@ def test_auto_tiles_resolve_per_backend():
 
 
 def test_over_the_limit_is_refused_in_one_line_with_a_set_that_fits():
+    with pytest.raises(ValueError, match="moba.num_warps must be 1, 2, 4, 8 or 16"):
+        BlockSizes(num_warps=3).check_backend("gpu", 512, head_dim=128)
     with pytest.raises(ValueError) as e:
         BlockSizes(128, 128, 256).check_backend(
             "gpu", 512, head_dim=128, itemsize=2, smem_limit=H200, device="NVIDIA H200"

@@ -169,6 +169,8 @@ class BlockSizes:
                 raise ValueError(
                     f"BlockSizes.{name} (moba.{name}) must be a power of two >= 16 on GPU, got {value}"
                 )
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"moba.num_warps must be 1, 2, 4, 8 or 16 on GPU (Triton), got {self.num_warps}")
         if head_dim is None or smem_limit is None:
             return
         v_head_dim = v_head_dim or head_dim
