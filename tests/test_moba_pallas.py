@@ -21,8 +21,9 @@ from effattn_jax.sharding import make_mesh
 from effattn_jax.train.state import init_state, make_setup
 from effattn_jax.train.step import make_train_step
 from pallas_kernels.common import ALIGN
-from pallas_kernels.moba import attention as moba_attention_module
-from pallas_kernels.moba.attention import _forward, _layout, _past_schedule, moba_pallas, padded_length
+from pallas_kernels.moba import parts
+from pallas_kernels.moba.attention import forward, moba_pallas
+from pallas_kernels.moba.parts import KernelCall, layout, padded_length, past_schedule
 from pallas_kernels.moba.schedule import BlockSizes, past_tiles, prefix_scan
 from pallas_kernels.moba.tpu_own import own_tile
 
@@ -39,7 +40,6 @@ CASES = {
 
 
 def check_against_reference(kernel, interpret, b, s, hq, hkv, c, top_k, lengths, block_sizes=SMALL, d=8):
-    block_sizes = block_sizes.resolve(kernel)  # the internals below take resolved sizes, as moba_pallas does
     q, k, v = rand_qkv(4, b, s, hq, hkv, d)
     seg = None if lengths is None else segments(b, lengths)
     r = moba_routing(q, k, block_size=c, top_k=top_k, segment_ids=seg)
@@ -49,21 +49,11 @@ def check_against_reference(kernel, interpret, b, s, hq, hkv, c, top_k, lengths,
         q, k, v, block_size=c, top_k=top_k, segment_ids=seg, impl="reference"
     )
     # forward output and log-sum-exp
-    past = _past_schedule(r.past_start, hkv=hkv, block_size=c, bs=block_sizes)
-    out, lse = jax.jit(
-        lambda q, k, v: _forward(
-            q,
-            k,
-            v,
-            r.own_start,
-            past,
-            block_size=c,
-            scale=d**-0.5,
-            backend=kernel,
-            interpret=interpret,
-            block_sizes=block_sizes,
-        )
-    )(q, k, v)
+    call = KernelCall.fitted(
+        block_sizes, q, v, block_size=c, scale=d**-0.5, backend=kernel, interpret=interpret
+    )
+    past = past_schedule(r.past_start, hkv=hkv, call=call)
+    out, lse = jax.jit(lambda q, k, v: forward(q, k, v, r.own_start, past, call))(q, k, v)
     mask = moba_reference_mask(r, block_size=c, segment_ids=seg)
     logits = jnp.einsum("bthd,bshd->bhts", q, jnp.repeat(k, hq // hkv, axis=2)) * d**-0.5
     ref_lse = jnp.moveaxis(jax.nn.logsumexp(jnp.where(mask, logits, -jnp.inf), axis=-1), 1, 2)
@@ -99,9 +89,9 @@ def test_merge_by_chunks_and_backward_by_slices(kernel, monkeypatch):
     chunk overlapping the one before (50 positions in chunks of 7), and on TPU the selected blocks'
     backward in calls of 7 tiles, two groups cut between calls. Catches: a chunk or slice boundary dropped
     or counted twice."""
-    monkeypatch.setattr(moba_attention_module, "MERGE_ROWS", 7 * 2 * 2)  # batch 2 x 2 heads per position
-    monkeypatch.setattr(moba_attention_module, "MERGE_WHOLE_ROWS", 0)
-    monkeypatch.setattr(moba_attention_module, "BWD_SLICE_ROWS", 7 * SMALL.past_q_tile)
+    monkeypatch.setattr(parts, "MERGE_ROWS", 7 * 2 * 2)  # batch 2 x 2 heads per position
+    monkeypatch.setattr(parts, "MERGE_WHOLE_ROWS", 0)
+    monkeypatch.setattr(parts, "BWD_SLICE_ROWS", 7 * SMALL.past_q_tile)
     check_against_reference(kernel, True, *CASES["packed_documents"])
 
 
@@ -158,8 +148,9 @@ def test_tpu_kernels_read_whole_lane_heads_in_place():
     chunk."""
     b, s, hq, hkv, c, top_k, lengths = 2, 128, 4, 2, 32, 3, [40, 50, 38]
     q = jnp.zeros((b, s, hq, 128))
-    assert _layout(q, q[:, :, :hkv], q[:, :, :hkv], SMALL, c, "tpu")[1].natural
-    assert not _layout(q, q[:, :, :hkv], q[:, :, :hkv], SMALL, c, "gpu")[1].natural
+    for backend, natural in (("tpu", True), ("gpu", False)):
+        call = KernelCall(backend, True, SMALL.resolve(backend), c, 1.0)
+        assert layout(q, q[:, :, :hkv], q[:, :, :hkv], call)[1].natural == natural
     check_against_reference("tpu", True, b, s, hq, hkv, c, top_k, lengths, d=128)
 
 

@@ -40,7 +40,7 @@ import numpy as np
 from effattn_jax.cli import ArgumentParser, positive_int, positive_int_list
 from effattn_jax.ops.routing import moba_routing
 from pallas_kernels.moba import gpu_own, tpu_blocks, tpu_own
-from pallas_kernels.moba.attention import padded_length, reads_in_place
+from pallas_kernels.moba.parts import padded_length, reads_in_place
 from pallas_kernels.moba.schedule import BlockSizes, past_tiles
 
 GIB = 2**30
@@ -68,7 +68,7 @@ def own_counts(
     """The chunk-diagonal own-block kernels (tpu_own.py): grid (B x Hkv, chunk, query head of
     the group), forward and fused backward; the previous chunk only where a chunk needs it (its
     dK/dV carried in VMEM); every gradient written once, in the input dtype. `in_place`: q, K,
-    V, dO read as they lie (attention.reads_in_place), else through head-major copies."""
+    V, dO read as they lie (parts.reads_in_place), else through head-major copies."""
     c, n = block_size, needs.shape[0] // b
     steps = b * hq * n
     q = jax.ShapeDtypeStruct((b * hq, n * c, d), jnp.bfloat16 if item == 2 else jnp.float32)

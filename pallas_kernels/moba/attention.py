@@ -1,4 +1,5 @@
-"""MoBA with Pallas kernels: schedule -> kernels -> log-sum-exp merge, as a custom_vjp.
+"""MoBA with Pallas kernels over a whole sequence: schedule -> kernels -> log-sum-exp merge, as a
+custom_vjp, assembled from parts.py (shared with a context shard's path, context.py).
 
 Forward: the own block runs through the backend's own-block kernel (TPU: tpu_own.py, chunks
 of the sequence; GPU: gpu_own.py, tiles of queries) and the selected earlier blocks through its
@@ -9,7 +10,7 @@ flash-attention backward against the global L, so the backward kernels run over 
 schedule, each writing its part once; one XLA pass then gathers dq's parts, and dK/dV's on
 GPU (on TPU the selected blocks' kernel adds its dK/dV into the own part's in place).
 On TPU the kernels read q, K, V and dO where they lie when a head is whole 128-lane tiles
-(`reads_in_place`); otherwise, and on GPU, through head-major copies.
+(`parts.reads_in_place`); otherwise, and on GPU, through head-major copies.
 
 `interpret=False` compiles for the backend's hardware, so the block sizes are
 checked against what that compiler accepts (`BlockSizes.check_backend`).
@@ -18,219 +19,23 @@ checked against what that compiler accepts (`BlockSizes.check_backend`).
 from __future__ import annotations
 
 import functools
-import importlib
-import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from pallas_kernels import gpu_memory
-from pallas_kernels.common import ALIGN
-from pallas_kernels.moba.schedule import BACKENDS, SCHEDULE_NAME, BlockSizes, past_tiles
-
-
-def _kernels(backend: str, part: str):
-    """The backend's kernel module (`part`: "_blocks" for the whole-block kernels, "_own" for
-    the own-block kernel), imported only when used (the GPU ones need no TPU code)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    return importlib.import_module(f"pallas_kernels.moba.{backend}{part}")
-
-
-def _heads(x, seq_pad):
-    """[B, S, H, D] -> [B*H, S_pad, D], zero-padded: one row of positions per (batch, head)."""
-    pad = seq_pad - x.shape[1]
-    return jnp.pad(jnp.moveaxis(x, 2, 1), ((0, 0), (0, 0), (0, pad), (0, 0))).reshape(
-        -1, seq_pad, x.shape[-1]
-    )
-
-
-def _unheads(x, b, s):
-    """[B*H, >=S, ...] -> [B, S, H, ...]."""
-    return jnp.moveaxis(x.reshape(b, -1, *x.shape[1:])[:, :, :s], 1, 2)
-
-
-def padded_length(s: int, block_size: int, block_sizes: BlockSizes) -> int:
-    """S_pad: a multiple of the block (the TPU own-block chunks) and of the GPU own-block tiles
-    and sub-blocks, and at least S + ALIGN and block + ALIGN (the whole-block kernels' windows,
-    the block plus at most ALIGN keys of slack, may run past S; with no earlier block their
-    padding steps read one)."""
-    m = math.lcm(block_sizes.q_tile, block_sizes.kv_block, block_size)
-    return -(-(max(s, block_size) + ALIGN) // m) * m
-
-
-class _Layout(NamedTuple):
-    """How the kernels see q, K, V and dO: head-major copies [B*H, S_pad, D], or (TPU, every
-    head whole lanes, S a multiple of the block) the arrays where they lie, [B, S, H*D]: a
-    reshape, no copy; a head is then a block of D lanes."""
-
-    heads: tuple[int, int] | None  # (Hq, Hkv) when natural
-    k: jax.Array  # [B*Hkv, S_pad, D] or [B, S, Hkv*D]
-    v: jax.Array
-
-    @property
-    def natural(self) -> bool:
-        return self.heads is not None
-
-    @property
-    def seq(self) -> int:
-        return self.k.shape[1]
-
-    @property
-    def kv_heads(self) -> dict:
-        """The whole-block kernels' argument for natural K/V."""
-        return {"kv_heads": self.heads[1]} if self.natural else {}
-
-    def to(self, x):
-        """[B, S, H, D] -> the kernels' layout."""
-        b, s, h, d = x.shape
-        return x.reshape(b, s, h * d) if self.natural else _heads(x, self.seq)
-
-    def back(self, x, b, s, h):
-        """The kernels' layout -> [B, S, H, D]."""
-        return x.reshape(b, s, h, -1) if self.natural else _unheads(x, b, s)
-
-    def chunk(self, x, start, size, b, h):
-        """Positions [start, start + size) of an array in the kernels' layout -> [B, size, H, D]."""
-        return self.back(jax.lax.dynamic_slice_in_dim(x, start, size, axis=1), b, size, h)
-
-
-def reads_in_place(backend: str, seq: int, head_dim: int, v_head_dim: int, block_size: int) -> bool:
-    """Whether the kernels take q, K, V, dO as they lie ([B, S, H*D]) rather than head-major
-    copies: on TPU, when a head is whole 128-lane tiles and S a multiple of the block and of
-    ALIGN, long enough for a selected block's window (tpu_blocks.window_starts)."""
-    return (
-        backend == "tpu"
-        and head_dim % 128 == 0
-        and v_head_dim % 128 == 0
-        and seq % block_size == 0
-        and seq % ALIGN == 0
-        and seq >= block_size + ALIGN
-    )
-
-
-def _layout(q, k, v, block_sizes, block_size, backend):
-    """Flat query rows [B*S*Hq, D] (the selected blocks' tiles gather them) and the layout."""
-    b, s, hq, d = q.shape
-    natural = reads_in_place(backend, s, d, v.shape[-1], block_size)
-    if natural:
-        kf, vf = k.reshape(b, s, -1), v.reshape(b, s, -1)
-    else:
-        seq_pad = padded_length(s, block_size, block_sizes)
-        kf, vf = _heads(k, seq_pad), _heads(v, seq_pad)
-    return q.reshape(b * s * hq, d), _Layout((hq, k.shape[2]) if natural else None, kf, vf)
-
-
-def fitted_sizes(block_sizes: BlockSizes | None, q, v, block_size: int, backend: str, interpret):
-    """The tile sizes of one call: `auto` fields chosen for the backend, head dim, dtype and (on a
-    GPU) shared memory, then checked against what the backend's compiler accepts. Compiled for a
-    GPU, the limit is this GPU's, or an H100/H200's when none is at hand (an AOT export)."""
-    limit, device = None, None
-    if backend == "gpu" and not interpret:
-        capability = gpu_memory.device_capability()
-        limit = gpu_memory.smem_limit(capability)
-        device = f"a GPU of compute capability {capability or gpu_memory.DEFAULT_CAPABILITY}"
-    shape = dict(head_dim=q.shape[-1], v_head_dim=v.shape[-1], itemsize=q.dtype.itemsize)
-    sizes = (block_sizes or BlockSizes()).resolve(backend, block_size=block_size, smem_limit=limit, **shape)
-    sizes.check_backend(
-        backend, block_size, compiler=not interpret, smem_limit=limit, device=device or "", **shape
-    )
-    return sizes
-
-
-def _past_schedule(past_start, *, hkv, block_size, bs: BlockSizes):
-    """The selected blocks' schedule (schedule.past_tiles), or None when top_k = 1."""
-    if not past_start.shape[-1]:
-        return None
-    return past_tiles(past_start, num_kv_heads=hkv, block_size=block_size, q_tile=bs.past_q_tile)
-
-
-def _gather_rows(x_flat, rows):
-    return x_flat[jnp.maximum(rows, 0)]
-
-
-def _own_tpu_fwd(q, lay: _Layout, own_start, *, block_size, scale, interpret, block_sizes):
-    """The own part by the chunk-diagonal TPU kernel (tpu_own.py): (o float32 in the kernels'
-    layout, lse [B, S, Hq])."""
-    b, s, _, _ = q.shape
-    tpu_own = _kernels("tpu", "_own")
-    tables = tpu_own.own_tables(own_start, block_size=block_size, seq_pad=lay.seq)
-    o, lse = tpu_own.own_attention_fwd(
-        lay.to(q),
-        lay.k,
-        lay.v,
-        *tables,
-        scale=scale,
-        block_size=block_size,
-        key_tile=block_sizes.key_tile,
-        heads=lay.heads,
-        interpret=interpret,
-    )
-    return o, _unheads(lse[:, 0], b, s)
-
-
-def _own_gpu_fwd(q, lay: _Layout, own_start, *, block_size, scale, interpret, block_sizes):
-    """The own part by the GPU kernel (gpu_own.py): (o float32 [B*Hq, S_pad, Dv], lse [B, S, Hq])."""
-    b, s = own_start.shape
-    gpu_own = _kernels("gpu", "_own")
-    lo, first, _ = gpu_own.own_tables(
-        own_start, seq_pad=lay.seq, q_tile=block_sizes.q_tile, kv_block=block_sizes.kv_block
-    )
-    o, lse = gpu_own.own_attention_fwd(
-        lay.to(q),
-        lay.k,
-        lay.v,
-        lo,
-        first,
-        scale=scale,
-        block_size=block_size,
-        block_sizes=block_sizes,
-        interpret=interpret,
-    )
-    return o, _unheads(lse[..., 0], b, s)
-
-
-def _forward(q, k, v, own_start, past, *, block_size, scale, backend, interpret, block_sizes):
-    """past: the selected blocks' schedule (schedule.PastTiles), None when top_k = 1."""
-    b, s, hq, _ = q.shape
-    qf, lay = _layout(q, k, v, block_sizes, block_size, backend)
-    own_fwd = _own_tpu_fwd if backend == "tpu" else _own_gpu_fwd
-    o_own, lse_own = own_fwd(
-        q, lay, own_start, block_size=block_size, scale=scale, interpret=interpret, block_sizes=block_sizes
-    )
-    if past is None:
-        return lay.back(o_own, b, s, hq), lse_own
-    t = past.tiles
-    o_p, lse_p = _kernels(backend, "_blocks").block_attention_fwd(
-        _gather_rows(qf, t.rows),
-        lay.k,
-        lay.v,
-        t.kv_row,
-        t.key_start,
-        past.tile_group,
-        scale=scale,
-        block_size=block_size,
-        block_sizes=block_sizes,
-        num_groups=past.group_tiles.shape[0],
-        interpret=interpret,
-        **lay.kv_heads,
-    )
-    o_rows, l_rows = o_p.reshape(-1, o_p.shape[-1]), lse_p.reshape(-1)
-
-    def merge(start, size):
-        """The parts of positions [start, start + size) merged by log-sum-exp."""
-        l_parts = [jax.lax.dynamic_slice_in_dim(lse_own, start, size, axis=1)]  # [B, size, Hq] per part
-        o_parts = [lay.chunk(o_own, start, size, b, hq)]  # [B, size, Hq, Dv] per part
-        for row, valid in _slots(past, start, size, (b, s, hq)):
-            l_parts.append(jnp.where(valid, l_rows[row], -jnp.inf))
-            o_parts.append(jnp.where(valid[..., None], o_rows[row], 0.0))
-        lse = jax.nn.logsumexp(jnp.stack(l_parts), axis=0)  # every query sees itself: finite
-        out = sum(jnp.exp(l - lse)[..., None] * o for l, o in zip(l_parts, o_parts, strict=True))
-        return out.astype(q.dtype), lse
-
-    return _by_positions(merge, s, b * hq)
+from pallas_kernels.moba.parts import (
+    KernelCall,
+    combine_dq,
+    layout,
+    merge,
+    own_backward,
+    own_forward,
+    past_backward,
+    past_forward,
+    past_schedule,
+)
+from pallas_kernels.moba.schedule import SCHEDULE_NAME
 
 
 def moba_pallas(q, k, v, own_start, past_start, block_size, scale, backend, interpret, block_sizes):
@@ -240,255 +45,59 @@ def moba_pallas(q, k, v, own_start, past_start, block_size, scale, backend, inte
     SCHEDULE_NAME (jax.checkpoint_name) with own_start: the backward takes it as it is, and a
     remat policy that saves the name (the model's) does not build it again when it recomputes
     the forward. The schedule is integers (no gradient), and its sort, scatters and gathers
-    are slow to compile on TPU (BENCHMARKS.md)."""
-    block_sizes = fitted_sizes(block_sizes, q, v, block_size, backend, interpret)
-    past = _past_schedule(past_start, hkv=k.shape[2], block_size=block_size, bs=block_sizes)
-    own_start, past = checkpoint_name((own_start, past), SCHEDULE_NAME)
-    return _scheduled(q, k, v, own_start, past, block_size, scale, backend, interpret, block_sizes)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
-def _scheduled(q, k, v, own_start, past, block_size, scale, backend, interpret, block_sizes):
-    return _fwd(q, k, v, own_start, past, block_size, scale, backend, interpret, block_sizes)[0]
-
-
-def _fwd(q, k, v, own_start, past, block_size, scale, backend, interpret, block_sizes):
-    out, lse = _forward(
-        q,
-        k,
-        v,
-        own_start,
-        past,
-        block_size=block_size,
-        scale=scale,
-        backend=backend,
-        interpret=interpret,
-        block_sizes=block_sizes,
+    are slow to compile on TPU (BENCHMARKS.md). `block_sizes`: the tiles (`auto` fields are
+    chosen here: KernelCall.fitted)."""
+    call = KernelCall.fitted(
+        block_sizes, q, v, block_size=block_size, scale=scale, backend=backend, interpret=interpret
     )
+    past = past_schedule(past_start, hkv=k.shape[2], call=call)
+    own_start, past = checkpoint_name((own_start, past), SCHEDULE_NAME)
+    return _scheduled(q, k, v, own_start, past, call)
+
+
+def forward(q, k, v, own_start, past, call: KernelCall):
+    """(out [B, S, Hq, Dv], lse [B, S, Hq]); past: the selected blocks' schedule
+    (schedule.PastTiles), None when top_k = 1."""
+    b, s, hq, _ = q.shape
+    qf, lay = layout(q, k, v, call)
+    o_own, lse_own = own_forward(call, q, lay, own_start)
+    if past is None:
+        return lay.back(o_own, b, s, hq), lse_own
+    o_rows, l_rows = past_forward(call, qf, lay, past)
+    own = lambda start, size: (
+        lay.chunk(o_own, start, size, b, hq),
+        jax.lax.dynamic_slice_in_dim(lse_own, start, size, axis=1),
+    )
+    return merge(own, past, o_rows, l_rows, (b, s, hq), q.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _scheduled(q, k, v, own_start, past, call):
+    return _fwd(q, k, v, own_start, past, call)[0]
+
+
+def _fwd(q, k, v, own_start, past, call):
+    out, lse = forward(q, k, v, own_start, past, call)
     # the rounded output is also the residual: delta = rowsum(dO * O), as in flash attention
     out = out.astype(q.dtype)
     return out, (q, k, v, own_start, past, out, lse)
 
 
-def _own_tpu_bwd(q, lay: _Layout, own_start, d_out, lse, delta, *, block_size, scale, interpret, block_sizes):
-    """The own part's gradients by the chunk-diagonal TPU kernel, in the inputs' dtypes and the
-    kernels' layout: dq, and dK/dV over S_pad keys (the selected blocks' kernel adds to them in
-    place, one block's window at a time)."""
-    b, s, hq, d = q.shape
-    seq_pad, c = lay.seq, block_size
-    tpu_own = _kernels("tpu", "_own")
-    lane_rows = lambda x, fill: jnp.pad(
-        jnp.moveaxis(x, 2, 1).reshape(-1, 1, s), ((0, 0), (0, 0), (0, seq_pad - s)), constant_values=fill
-    )  # [B, S, Hq] -> [B*Hq, 1, S_pad]
-    dq, dk, dv = tpu_own.own_attention_bwd(
-        lay.to(q),
-        lay.k,
-        lay.v,
-        *tpu_own.own_tables(own_start, block_size=c, seq_pad=seq_pad),
-        lay.to(d_out.astype(lay.v.dtype)),
-        lane_rows(lse, jnp.inf),
-        lane_rows(delta.reshape(b, s, hq), 0.0),
-        scale=scale,
-        block_size=c,
-        key_tile=block_sizes.key_tile,
-        heads=lay.heads,
-        interpret=interpret,
-    )
-    keys = lambda x: jnp.pad(x, ((0, 0), (0, seq_pad - x.shape[1]), (0, 0)))  # n*C -> S_pad: windows fit
-    return dq, keys(dk), keys(dv)
-
-
-def _own_gpu_bwd(q, lay: _Layout, own_start, d_out, lse, delta, *, block_size, scale, interpret, block_sizes):
-    """The own part's gradients by the GPU kernels (gpu_own.py): dq head-major [B*Hq, S_pad, D],
-    dK/dV [B, S, Hkv, D]. Padding rows have dO = 0 and delta = 0, so they contribute nothing."""
-    b, s, hq, _ = q.shape
-    seq_pad = lay.seq
-    gpu_own = _kernels("gpu", "_own")
-    tables = gpu_own.own_tables(
-        own_start, seq_pad=seq_pad, q_tile=block_sizes.q_tile, kv_block=block_sizes.kv_block
-    )
-    dq_h, dk_o, dv_o = gpu_own.own_attention_bwd(
-        lay.to(q),
-        lay.k,
-        lay.v,
-        *tables,
-        lay.to(d_out.astype(lay.v.dtype)),
-        _heads(lse[..., None], seq_pad),
-        _heads(delta.reshape(b, s, hq, 1), seq_pad),
-        scale=scale,
-        block_size=block_size,
-        block_sizes=block_sizes,
-        interpret=interpret,
-    )
-    return dq_h, _unheads(dk_o, b, s), _unheads(dv_o, b, s)
-
-
-MERGE_ROWS = 1 << 17  # (position, query head) rows per step of the parts' merge (_by_positions) ...
-MERGE_WHOLE_ROWS = 1 << 19  # ... when it has more rows than this
-
-
-def _slots(past, start, size, shape):
-    """For positions [start, start + size): per selection slot, the tile row of each query's
-    selection and whether the slot is used, [B, size, Hq] each (shape: [B, S, Hq])."""
-    cut = lambda x: jax.lax.dynamic_slice_in_dim(x.reshape(shape), start, size, axis=1)
-    return [(cut(row), cut(valid)) for row, valid in zip(past.pair_row, past.valid, strict=True)]
-
-
-def _by_positions(step, s: int, rows_per_position: int):
-    """step(start, size) -> a tuple of [B, size, ...] arrays, run over positions [0, s) about
-    MERGE_ROWS rows at a time. XLA on TPU materialises each slot's gather of the tile rows
-    rather than fusing it into the merge (float32, 1 GiB per slot at 128K with 16 heads), so
-    the merge gathers a chunk at a time. The last chunk ends at s, overlapping the one before
-    it (both write the same values). Up to MERGE_WHOLE_ROWS rows it is one step: v5e compiles
-    needed more memory with the loop there (BENCHMARKS.md, "History")."""
-    size = min(s, max(1, MERGE_ROWS // rows_per_position))
-    if s * rows_per_position <= MERGE_WHOLE_ROWS:
-        return step(0, s)
-    parts = jax.eval_shape(lambda: step(0, size))
-
-    def body(i, acc):
-        start = jnp.minimum(i * size, s - size)
-        return tuple(
-            jax.lax.dynamic_update_slice_in_dim(a, x, start, axis=1)
-            for a, x in zip(acc, step(start, size), strict=True)
-        )
-
-    init = tuple(jnp.zeros((x.shape[0], s, *x.shape[2:]), x.dtype) for x in parts)
-    return jax.lax.fori_loop(0, -(-s // size), body, init)
-
-
-def _group_of_keys(past, own_start, num_kv_heads):
-    """For each key [B, S, Hkv]: the (batch, KV head, block) group of the block holding it, or
-    -1 when no query selected that block. A key's block starts at its own_start."""
-    b, s = own_start.shape
-    num_groups = past.group_tiles.shape[0]
-    used_row = jnp.where(past.group_tiles > 0, past.group_kv_row, b * num_kv_heads)  # unused: dropped
-    table = jnp.full((b * num_kv_heads, s), -1, jnp.int32)
-    table = table.at[used_row, past.group_start].set(jnp.arange(num_groups, dtype=jnp.int32), mode="drop")
-    rows = jnp.arange(b)[:, None, None] * num_kv_heads + jnp.arange(num_kv_heads)[None, None]  # [B, 1, Hkv]
-    return table.reshape(-1)[rows * s + own_start[..., None]]  # flat indices: no [N, 2] index array
-
-
-def _key_grads(own_grad, group_grad, group, window_start):
-    """A key's gradient: its own-part gradient own_grad [B, S, Hkv, D] plus, where its block
-    was selected, its row of the group's window group_grad [G + 1, W, D]."""
-    pos = jnp.arange(own_grad.shape[1], dtype=jnp.int32)[None, :, None]
-    g = jnp.maximum(group, 0)
-    row = g * group_grad.shape[1] + pos - window_start[g]  # flat: an [N, 2] index pads to 128 lanes on TPU
-    past = jnp.where((group >= 0)[..., None], group_grad.reshape(-1, group_grad.shape[-1])[row], 0.0)
-    return own_grad.astype(jnp.float32) + past
-
-
-BWD_SLICE_ROWS = 1 << 21  # tile rows per call of the selected blocks' TPU backward (_tpu_past_bwd)
-
-
-def _tile_rows(qf, do_f, lse_f, delta, rows):
-    """q, dO, lse and delta [B*S*Hq, ...] gathered into tiles of `rows` (padding rows, -1: dO
-    and delta 0, lse +inf, so they contribute nothing)."""
-    real = rows >= 0
-    return (
-        _gather_rows(qf, rows),
-        jnp.where(real[..., None], _gather_rows(do_f, rows), 0),
-        jnp.where(real, _gather_rows(lse_f, rows), jnp.inf),
-        jnp.where(real, _gather_rows(delta, rows), 0.0),
-    )
-
-
-def _tpu_past_bwd(kern, flat, lay, past, dk, dv, **kw):
-    """The selected blocks' TPU backward over the schedule's tiles, BWD_SLICE_ROWS rows a call:
-    each call gathers only its tiles' rows of `flat` (q, dO, lse, delta; q and dO are 1.25 GiB
-    each for the whole schedule at 128K, 16 heads), writes its dq tiles into one [T, Qt, D]
-    buffer and adds its dK/dV into the own part's, both in place (aliased). A group cut by a
-    slice is added in two parts, so its dK/dV is rounded twice. Returns (dq tiles, dK, dV)."""
-    t = past.tiles
-    ntiles, qt = t.rows.shape
-    calls = -(-ntiles * qt // BWD_SLICE_ROWS)
-    size = -(-ntiles // calls)
-    dq_t = None
-    for lo in range(0, ntiles, size):
-        cut = slice(lo, min(lo + size, ntiles))
-        q_r, do_r, lse_r, delta_r = _tile_rows(*flat, t.rows[cut])
-        dq_t, dk, dv = kern.block_attention_bwd(
-            q_r,
-            lay.k,
-            lay.v,
-            t.kv_row[cut],
-            t.key_start[cut],
-            past.tile_group[cut],
-            past.group_first[cut].at[0].set(1),  # a group cut by the slice starts again at zero
-            do_r,
-            lse_r,
-            delta_r,
-            dk,
-            dv,
-            dq_into=dq_t,
-            first_tile=lo,
-            num_tiles=ntiles,
-            **kw,
-        )
-    return dq_t, dk, dv
-
-
-def _gpu_past_bwd(kern, flat, lay, past, dk, dv, key_starts, **kw):
-    """The selected blocks' GPU backward: dq tiles, and each group's dK/dV window added to the
-    own part's dK/dV [B, S, Hkv, D] in one gathering pass (`key_starts` [B, S]: the first
-    position of each key's block, which finds the key's group)."""
-    t = past.tiles
-    q_r, do_r, lse_r, delta_r = _tile_rows(*flat, t.rows)
-    dq_t, dk_g, dv_g = kern.block_attention_bwd(
-        q_r,
-        lay.k,
-        lay.v,
-        t.kv_row,
-        t.key_start,
-        past.tile_group,
-        past.group_first,
-        do_r,
-        lse_r,
-        delta_r,
-        **kw,
-    )
-    group = _group_of_keys(past, key_starts, dk.shape[2])
-    window_start = kern.window_starts(past.group_start, kw["block_size"], lay.seq, lay.k.dtype)
-    return dq_t, _key_grads(dk, dk_g, group, window_start), _key_grads(dv, dv_g, group, window_start)
-
-
-def _bwd(block_size, scale, backend, interpret, block_sizes, res, d_out):
+def _bwd(call, res, d_out):
     """Each part's kernels give its gradients; dq is then one pass that gathers its parts, a
-    chunk of positions at a time (_by_positions). dK/dV: on TPU the selected blocks' kernel adds
-    each group's sum into the own part's dK/dV in place; on GPU one fused pass gathers them too
-    (no zero-filled float32 arrays or scatter-adds on either)."""
+    chunk of positions at a time. dK/dV: on TPU the selected blocks' kernel adds each group's
+    sum into the own part's dK/dV in place; on GPU one fused pass gathers them too (no
+    zero-filled float32 arrays or scatter-adds on either)."""
     q, k, v, own_start, past, out, lse = res
     b, s, hq, d = q.shape
     hkv = k.shape[2]
-    qf, lay = _layout(q, k, v, block_sizes, block_size, backend)
+    qf, lay = layout(q, k, v, call)
     do = d_out.astype(jnp.float32)
     delta = jnp.sum(do * out.astype(jnp.float32), axis=-1).reshape(-1)  # [B*S*Hq]
-    own_bwd = _own_tpu_bwd if backend == "tpu" else _own_gpu_bwd
-    dq, dk, dv = own_bwd(
-        q,
-        lay,
-        own_start,
-        d_out,
-        lse,
-        delta,
-        block_size=block_size,
-        scale=scale,
-        interpret=interpret,
-        block_sizes=block_sizes,
-    )
+    dq, dk, dv = own_backward(call, q, lay, own_start, d_out, lse, delta)
     if past is None:
         dq = lay.back(dq, b, s, hq)
     else:
-        kern = _kernels(backend, "_blocks")
-        kw = dict(
-            scale=scale,
-            block_size=block_size,
-            block_sizes=block_sizes,
-            num_groups=past.group_tiles.shape[0],
-            interpret=interpret,
-            **lay.kv_heads,
-        )
         # q gathered again, not shared with the forward's gather, whose output would otherwise
         # stay live across the forward's merge: one more gather for less peak memory
         # (BENCHMARKS.md, "History")
@@ -498,21 +107,11 @@ def _bwd(block_size, scale, backend, interpret, block_sizes, res, d_out):
             lse.reshape(-1),
             delta,
         )
-        if backend == "tpu":
-            dq_t, dk, dv = _tpu_past_bwd(kern, flat, lay, past, dk, dv, **kw)
-        else:
-            dq_t, dk, dv = _gpu_past_bwd(kern, flat, lay, past, dk, dv, own_start, **kw)
-        dq_rows, dq_own = dq_t.reshape(-1, d), dq
-
-        def combine(start, size):
-            """dq of positions [start, start + size): the own part plus each selection's tile row."""
-            dq = lay.chunk(dq_own, start, size, b, hq).astype(jnp.float32)
-            for row, valid in _slots(past, start, size, (b, s, hq)):
-                dq = dq + jnp.where(valid[..., None], dq_rows[row], 0.0)
-            return (dq.astype(q.dtype),)
-
-        (dq,) = _by_positions(combine, s, b * hq)
-    if backend == "tpu":
+        dq_t, dk, dv = past_backward(call, flat, lay, past, dk, dv, own_start)
+        dq_own = dq
+        own_dq = lambda start, size: lay.chunk(dq_own, start, size, b, hq)
+        dq = combine_dq(own_dq, past, dq_t.reshape(-1, d), (b, s, hq), q.dtype)
+    if call.backend == "tpu":
         dk, dv = lay.back(dk, b, s, hkv), lay.back(dv, b, s, hkv)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 

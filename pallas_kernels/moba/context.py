@@ -8,7 +8,7 @@ schedule is built with the keys' length). The own block lies in the run's keys o
 before them (packed documents), so each run goes to the own-block kernel as a window of its own:
 one block of dummy queries (zeros, dO = 0 in the backward: they add nothing) over the c keys
 before the run, then the run; the kernel computes c / C more rows than the run has. The parts
-are merged by log-sum-exp as in attention.py, whose backward this mirrors: the windows' dK/dV
+are merged by log-sum-exp (parts.merge), and the backward mirrors attention.py's: the windows' dK/dV
 are added into the whole sequence's, and the selected blocks' dK/dV are added to them (on TPU
 by their kernel, in place; on GPU by one gathering pass, which finds each key's block from
 `key_starts`).
@@ -22,21 +22,9 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from pallas_kernels.moba.attention import (
-    _by_positions,
-    _gather_rows,
-    _gpu_past_bwd,
-    _kernels,
-    _layout,
-    _own_gpu_bwd,
-    _own_gpu_fwd,
-    _own_tpu_bwd,
-    _own_tpu_fwd,
-    _slots,
-    _tpu_past_bwd,
-    fitted_sizes,
-)
-from pallas_kernels.moba.schedule import SCHEDULE_NAME, past_tiles
+from pallas_kernels.moba import parts
+from pallas_kernels.moba.parts import KernelCall
+from pallas_kernels.moba.schedule import SCHEDULE_NAME
 
 
 def moba_pallas_local(
@@ -46,18 +34,13 @@ def moba_pallas_local(
     multiples of the block); k, v [B, S, Hkv, D|Dv] the whole sequence; own_start [B, T] and
     past_start [B, T, Hq, K'] absolute positions (moba_routing with q_index); key_starts [B, S]
     the first position of each key's block (segments.block_starts) -> [B, T, Hq, Dv]."""
-    block_sizes = fitted_sizes(block_sizes, q, v, block_size, backend, interpret)
-    past = None
-    if past_start.shape[-1]:
-        past = past_tiles(
-            past_start, num_kv_heads=k.shape[2], block_size=block_size, q_tile=block_sizes.past_q_tile,
-            key_len=k.shape[1],
-        )  # fmt: skip
+    call = KernelCall.fitted(
+        block_sizes, q, v, block_size=block_size, scale=scale, backend=backend, interpret=interpret
+    )
+    past = parts.past_schedule(past_start, hkv=k.shape[2], call=call, key_len=k.shape[1])
     own_start, past = checkpoint_name((own_start, past), SCHEDULE_NAME)
     firsts = jnp.stack([jnp.asarray(f, jnp.int32) for f in firsts])
-    return _local(
-        q, k, v, own_start, past, key_starts, firsts, block_size, scale, backend, interpret, block_sizes
-    )
+    return _local(q, k, v, own_start, past, key_starts, firsts, call)
 
 
 def _window(x, first, size: int, c: int):
@@ -81,18 +64,16 @@ def _runs(q, own_start, firsts, c):
         yield rows, firsts[j], own
 
 
-def _own_parts(q, k, v, own_start, firsts, *, c, scale, backend, interpret, block_sizes):
+def _own_parts(q, k, v, own_start, firsts, call: KernelCall):
     """The own block's (o float32 [B, T, Hq, Dv], lse [B, T, Hq]), window by window."""
     b, _, hq, _ = q.shape
+    c = call.block_size
     outs, lses = [], []
-    own_fwd = _own_tpu_fwd if backend == "tpu" else _own_gpu_fwd
     for rows, first, own in _runs(q, own_start, firsts, c):
         size = c + rows.stop - rows.start
         qw, kw, vw = _with_dummies(q[:, rows], c), _window(k, first, size, c), _window(v, first, size, c)
-        _, lay = _layout(qw, kw, vw, block_sizes, c, backend)
-        o, lse = own_fwd(
-            qw, lay, own, block_size=c, scale=scale, interpret=interpret, block_sizes=block_sizes
-        )
+        _, lay = parts.layout(qw, kw, vw, call)
+        o, lse = parts.own_forward(call, qw, lay, own)
         outs.append(lay.back(o, b, size, hq)[:, c:])
         lses.append(lse[:, c:])
     return jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=1)
@@ -104,98 +85,64 @@ def _add_at(acc, g, first):
     return jax.lax.dynamic_update_slice_in_dim(acc, now + g.astype(jnp.float32), first, axis=1)
 
 
-def _keys_layout(k, v, block_sizes, c, backend):
-    """The whole sequence's K/V in the kernels' layout (k stands in for q: only its shape counts)."""
-    return _layout(k, k, v, block_sizes, c, backend)[1]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _local(q, k, v, own_start, past, key_starts, firsts, call):
+    return _fwd(q, k, v, own_start, past, key_starts, firsts, call)[0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11))
-def _local(q, k, v, own_start, past, key_starts, firsts, block_size, scale, backend, interpret, block_sizes):
-    return _fwd(
-        q, k, v, own_start, past, key_starts, firsts, block_size, scale, backend, interpret, block_sizes
-    )[0]
-
-
-def _fwd(q, k, v, own_start, past, key_starts, firsts, block_size, scale, backend, interpret, block_sizes):
+def _fwd(q, k, v, own_start, past, key_starts, firsts, call: KernelCall):
     b, t, hq, d = q.shape
-    kw = dict(c=block_size, scale=scale, backend=backend, interpret=interpret, block_sizes=block_sizes)
-    o_own, lse_own = _own_parts(q, k, v, own_start, firsts, **kw)
+    o_own, lse_own = _own_parts(q, k, v, own_start, firsts, call)
     if past is None:
         out, lse = o_own.astype(q.dtype), lse_own
     else:
-        lay = _keys_layout(k, v, block_sizes, block_size, backend)
-        tiles = past.tiles
-        o_p, lse_p = _kernels(backend, "_blocks").block_attention_fwd(
-            _gather_rows(q.reshape(-1, d), tiles.rows), lay.k, lay.v, tiles.kv_row, tiles.key_start,
-            past.tile_group, scale=scale, block_size=block_size, block_sizes=block_sizes,
-            num_groups=past.group_tiles.shape[0], interpret=interpret, **lay.kv_heads,
-        )  # fmt: skip
-        o_rows, l_rows = o_p.reshape(-1, o_p.shape[-1]), lse_p.reshape(-1)
-
-        def merge(start, size):
-            l_parts = [jax.lax.dynamic_slice_in_dim(lse_own, start, size, axis=1)]
-            o_parts = [jax.lax.dynamic_slice_in_dim(o_own, start, size, axis=1)]
-            for row, valid in _slots(past, start, size, (b, t, hq)):
-                l_parts.append(jnp.where(valid, l_rows[row], -jnp.inf))
-                o_parts.append(jnp.where(valid[..., None], o_rows[row], 0.0))
-            lse = jax.nn.logsumexp(jnp.stack(l_parts), axis=0)
-            out = sum(jnp.exp(l - lse)[..., None] * o for l, o in zip(l_parts, o_parts, strict=True))
-            return out.astype(q.dtype), lse
-
-        out, lse = _by_positions(merge, t, b * hq)
+        _, lay = parts.layout(k, k, v, call)  # the whole sequence's K/V (k stands in for q: its shape)
+        o_rows, l_rows = parts.past_forward(call, q.reshape(-1, d), lay, past)
+        own = lambda start, size: tuple(
+            jax.lax.dynamic_slice_in_dim(x, start, size, axis=1) for x in (o_own, lse_own)
+        )
+        out, lse = parts.merge(own, past, o_rows, l_rows, (b, t, hq), q.dtype)
     return out, (q, k, v, own_start, past, key_starts, firsts, out, lse)
 
 
-def _bwd(block_size, scale, backend, interpret, block_sizes, res, d_out):
+def _bwd(call: KernelCall, res, d_out):
     q, k, v, own_start, past, key_starts, firsts, out, lse = res
     b, t, hq, d = q.shape
-    s, hkv, c = k.shape[1], k.shape[2], block_size
+    s, hkv, c = k.shape[1], k.shape[2], call.block_size
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, T, Hq]
     dq_parts = []
     dk = jnp.zeros((b, s + c, hkv, k.shape[3]), jnp.float32)  # c rows before position 0
     dv = jnp.zeros((b, s + c, hkv, v.shape[3]), jnp.float32)
-    own_bwd = _own_tpu_bwd if backend == "tpu" else _own_gpu_bwd
     for rows, first, own in _runs(q, own_start, firsts, c):
         size = c + rows.stop - rows.start
         qw, kw, vw = _with_dummies(q[:, rows], c), _window(k, first, size, c), _window(v, first, size, c)
-        _, lay = _layout(qw, kw, vw, block_sizes, c, backend)
-        dq_w, dk_w, dv_w = own_bwd(
-            qw, lay, own, _with_dummies(d_out[:, rows], c), _with_dummies(lse[:, rows], c, jnp.inf),
-            _with_dummies(delta[:, rows], c).reshape(-1), block_size=c, scale=scale, interpret=interpret,
-            block_sizes=block_sizes,
+        _, lay = parts.layout(qw, kw, vw, call)
+        dq_w, dk_w, dv_w = parts.own_backward(
+            call, qw, lay, own, _with_dummies(d_out[:, rows], c), _with_dummies(lse[:, rows], c, jnp.inf),
+            _with_dummies(delta[:, rows], c).reshape(-1),
         )  # fmt: skip
         dq_parts.append(lay.back(dq_w, b, size, hq)[:, c:])
-        if backend == "tpu":  # the GPU's dK/dV come as [B, size, Hkv, D]
+        if call.backend == "tpu":  # the GPU's dK/dV come as [B, size, Hkv, D]
             dk_w, dv_w = lay.back(dk_w, b, size, hkv), lay.back(dv_w, b, size, hkv)
         dk, dv = _add_at(dk, dk_w, first), _add_at(dv, dv_w, first)
     dq = jnp.concatenate(dq_parts, axis=1)
     dk, dv = dk[:, c:].astype(k.dtype), dv[:, c:].astype(v.dtype)
     if past is not None:
-        lay = _keys_layout(k, v, block_sizes, c, backend)
+        _, lay = parts.layout(k, k, v, call)
         flat = (
             q.reshape(-1, d),
             d_out.reshape(-1, d_out.shape[-1]).astype(lay.v.dtype),
             lse.reshape(-1),
             delta.reshape(-1),
         )
-        kern, kw = _kernels(backend, "_blocks"), dict(
-            scale=scale, block_size=c, block_sizes=block_sizes, num_groups=past.group_tiles.shape[0],
-            interpret=interpret, **lay.kv_heads,
-        )  # fmt: skip
-        if backend == "tpu":
-            dq_t, dk_l, dv_l = _tpu_past_bwd(kern, flat, lay, past, lay.to(dk), lay.to(dv), **kw)
+        if call.backend == "tpu":
+            dq_t, dk_l, dv_l = parts.past_backward(call, flat, lay, past, lay.to(dk), lay.to(dv), key_starts)
             dk, dv = lay.back(dk_l, b, s, hkv), lay.back(dv_l, b, s, hkv)
         else:
-            dq_t, dk, dv = _gpu_past_bwd(kern, flat, lay, past, dk, dv, key_starts, **kw)
-        dq_rows, dq_own = dq_t.reshape(-1, d), dq
-
-        def combine(start, size):
-            dq = jax.lax.dynamic_slice_in_dim(dq_own, start, size, axis=1).astype(jnp.float32)
-            for row, valid in _slots(past, start, size, (b, t, hq)):
-                dq = dq + jnp.where(valid[..., None], dq_rows[row], 0.0)
-            return (dq.astype(q.dtype),)
-
-        (dq,) = _by_positions(combine, t, b * hq)
+            dq_t, dk, dv = parts.past_backward(call, flat, lay, past, dk, dv, key_starts)
+        dq_own = dq
+        own_dq = lambda start, size: jax.lax.dynamic_slice_in_dim(dq_own, start, size, axis=1)
+        dq = parts.combine_dq(own_dq, past, dq_t.reshape(-1, d), (b, t, hq), q.dtype)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None
 
 
