@@ -29,7 +29,7 @@ SCHEDULE_NAME = "moba_schedule"  # jax.checkpoint_name of the routing tables and
 
 
 TPU_TILES = {"q_tile": 128, "kv_block": 128, "past_q_tile": 256, "key_tile": 512}  # also the XLA path's
-# GPU tile sets (q_tile, kv_block, past_q_tile), best first: the first fastest of 7 sets measured on an
+# GPU tile sets (q_tile, kv_block, past_q_tile), best first: the first is the fastest of 7 sets measured on an
 # H200 at 128K (head dim 128, bf16; BENCHMARKS.md); `auto` takes the first whose estimated shared
 # memory fits the device (pallas_kernels/gpu_memory.py), so larger heads, float32 and smaller GPUs
 # step down the list.
