@@ -85,8 +85,8 @@ def _program_devices(compiled) -> list:
 
 def fit_checked(fn, what: str, knobs: str, static_argnums: tuple[int, ...] = (), static_argnames=()):
     """`fn` (a jax.jit function) checked to fit (DoesNotFit) before it first runs for each new
-    input shape: the check compiles it ahead, and jit's own cache then reuses that executable.
-    A known shape costs one pass over the argument leaves, then jit's fast path."""
+    input shape and dtype: the check compiles it ahead, and jit's own cache then reuses that
+    executable. A known input costs one pass over the argument leaves, then jit's fast path."""
     import jax
 
     checked = set()
@@ -94,9 +94,10 @@ def fit_checked(fn, what: str, knobs: str, static_argnums: tuple[int, ...] = (),
     def call(*args, **kwargs):
         dynamic = [a for i, a in enumerate(args) if i not in static_argnums]
         dynamic_kw = {k: v for k, v in kwargs.items() if k not in static_argnames}
-        static = tuple(args[i] for i in static_argnums), tuple(sorted(kwargs.items() - dynamic_kw.items()))
+        static_kw = sorted((k, v) for k, v in kwargs.items() if k in static_argnames)  # values hashable
+        static = tuple(args[i] for i in static_argnums), tuple(static_kw)
         leaves, tree = jax.tree.flatten((dynamic, dynamic_kw))
-        key = (tree, static, tuple(getattr(x, "shape", None) for x in leaves))
+        key = (tree, static, tuple((getattr(x, "shape", None), getattr(x, "dtype", None)) for x in leaves))
         if key not in checked:
             compiled = fn.lower(*args, **kwargs).compile()
             check_fits(compiled, _program_devices(compiled), what, knobs)
