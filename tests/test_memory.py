@@ -40,6 +40,19 @@ def test_a_program_larger_than_memory_is_refused_before_it_runs():
         checked(jnp.ones(200_000))
 
 
+def test_a_cpu_program_is_refused_where_its_real_peak_would_not_fit(monkeypatch):
+    """On a CPU the resident peak runs up to 1.95x XLA's estimate (BENCHMARKS.md), so an estimate of
+    two thirds of the available RAM is refused. Catches: a check against the raw RAM that lets a run
+    through to the OOM killer (dense attention at 16K on a 24 GiB machine)."""
+    small = jax.jit(_outer_sorted).lower(jnp.ones(1000)).compile()
+    need = program_bytes(small)
+    monkeypatch.setattr(memory, "_available_ram", lambda: int(1.5 * need))
+    with pytest.raises(DoesNotFit, match=r"available RAM / 2.5 \(a CPU's peak exceeds XLA's estimate\)"):
+        check_fits(small, jax.local_devices()[:1], "the sort", "less")
+    monkeypatch.setattr(memory, "_available_ram", lambda: 3 * need)
+    assert check_fits(small, jax.local_devices()[:1], "the sort", "less") == need
+
+
 def _counting_checks(monkeypatch) -> list:
     seen = []
     real = memory.check_fits
