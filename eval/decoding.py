@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import os
-import statistics
 import time
 
 import jax
@@ -18,6 +17,7 @@ from effattn_jax.config import load_config
 from effattn_jax.memory import check_fits
 from effattn_jax.model import Transformer, init_cache, param_counts, ready_for_decoding
 from effattn_jax.ops.moba_decode import prefill_block_means
+from eval.timing import alternated
 
 PAPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "egmla", "paper")
 
@@ -60,6 +60,21 @@ def compiled_decode_step(cfg, context: int, *, absorb: bool):
     return compiled, args
 
 
+def _decode_steps(step, tokens, pos, caches: dict, key, *, turn: int = 1):
+    """A contender for the timer (eval/timing.py): the seconds of the last of `turn` decode steps of
+    `step` (over (tokens, positions, cache), donating the cache); the cache it returns is kept in
+    `caches[key]` for the next call (each step writes the same slot)."""
+
+    def measure() -> float:
+        for _ in range(turn):
+            t = time.perf_counter()
+            logits, caches[key] = step(tokens, pos, caches[key])
+            jax.block_until_ready(logits)
+        return time.perf_counter() - t
+
+    return measure
+
+
 def _check_fits(step: functools.partial, what: str, *args) -> None:
     """DoesNotFit before a timed decode step (a partial of a jit over its parameters) first runs;
     jit then reuses the executable the check compiled, and the timed calls take its fast path."""
@@ -93,16 +108,10 @@ def decode_bytes_accessed(cfg, context: int, *, absorb: bool) -> float:
 def decode_latency(cfg, contexts: list[int], *, absorb: bool, repeats: int = 5) -> dict[int, float]:
     """Median ms per decode step at each context length (synthetic cache, batch 1)."""
     out = {}
-    for ctx in contexts:
+    for ctx in contexts:  # one at a time: a long context's cache is large
         step, (params, tokens, pos, caches) = compiled_decode_step(cfg, ctx, absorb=absorb)
-        times = []
-        for i in range(repeats + 1):  # the first warms up
-            t = time.perf_counter()
-            logits, caches = step(params, tokens, pos, caches)  # each step writes the same slot
-            jax.block_until_ready(logits)
-            if i:
-                times.append(time.perf_counter() - t)
-        out[ctx] = statistics.median(times) * 1e3
+        measure = _decode_steps(functools.partial(step, params), tokens, pos, {ctx: caches}, ctx)
+        out[ctx] = alternated({ctx: measure}, repeats)[ctx] * 1e3
     return out
 
 
@@ -112,18 +121,11 @@ def decode_latency_alternated(cfgs: dict[str, object], context: int, *, rounds: 
     measured alone swings by 2x here); each turn is two steps and only the second is timed, as in
     generation, where a step follows a step of the same model (timing the first charges a model
     for the caches its predecessor evicted: 1.5x after a heavy one)."""
-    steps = {name: compiled_decode_step(cfg, context, absorb=True) for name, cfg in cfgs.items()}
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for i in range(rounds + 1):  # the first round warms up
-        for name, (step, (params, tokens, pos, caches)) in steps.items():
-            for timed in (False, True):
-                t = time.perf_counter()
-                logits, caches = step(params, tokens, pos, caches)  # each step writes the same slot
-                jax.block_until_ready(logits)
-                if i and timed:
-                    times[name].append(time.perf_counter() - t)
-            steps[name] = (step, (params, tokens, pos, caches))  # the donated cache, returned
-    return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+    contenders, caches = {}, {}
+    for name, cfg in cfgs.items():
+        step, (params, tokens, pos, caches[name]) = compiled_decode_step(cfg, context, absorb=True)
+        contenders[name] = _decode_steps(functools.partial(step, params), tokens, pos, caches, name, turn=2)
+    return {name: t * 1e3 for name, t in alternated(contenders, rounds).items()}
 
 
 MOBA_DECODE_MODEL = [
@@ -159,17 +161,12 @@ def moba_vs_dense_decode(
             caches = _synthetic_moba_caches(model, batch, context + 1, cfg.moba.block_size)
     tokens = jnp.ones((batch, 1), jnp.int32)
     pos = jnp.full((batch, 1), context, jnp.int32)
-    times = {core: [] for core in steps}
-    for i in range(repeats + 1):  # the first round compiles (checked to fit) and warms up
-        for core, step in steps.items():
-            if not i:
-                _check_fits(step, f"{core} decoding at context {context}", tokens, pos, caches)
-            t = time.perf_counter()
-            logits, caches = step(tokens, pos, caches)
-            jax.block_until_ready(logits)
-            if i:
-                times[core].append(time.perf_counter() - t)
-    moba, dense = (statistics.median(times[c]) * 1e3 for c in ("moba", "dense"))
+    for core, step in steps.items():  # compiled and checked before anything runs
+        _check_fits(step, f"{core} decoding at context {context}", tokens, pos, caches)
+    shared = {"cache": caches}  # one donated cache, passed from model to model
+    ms = alternated({core: _decode_steps(step, tokens, pos, shared, "cache") for core, step in steps.items()},
+                    repeats)  # fmt: skip
+    moba, dense = ms["moba"] * 1e3, ms["dense"] * 1e3
     return {"context": context, "batch": batch, "moba_ms": moba, "dense_ms": dense, "ratio": moba / dense}
 
 
@@ -180,13 +177,14 @@ def copy_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
     """Bytes read + written per second copying a float32 array into a donated buffer."""
     x = jnp.ones((int(gib * 2**28),), jnp.float32)
     copy = jax.jit(lambda x, out: x + 0.0, donate_argnums=1)
-    out = copy(x, jnp.zeros_like(x))
-    times = []
-    for _ in range(repeats):
+    out = {"buffer": jnp.zeros_like(x)}
+
+    def measure() -> float:
         t = time.perf_counter()
-        out = jax.block_until_ready(copy(x, out))
-        times.append(time.perf_counter() - t)
-    return 2 * x.nbytes / statistics.median(times)
+        out["buffer"] = jax.block_until_ready(copy(x, out["buffer"]))
+        return time.perf_counter() - t
+
+    return 2 * x.nbytes / alternated({"copy": measure}, repeats)["copy"]
 
 
 def latent_decode(
@@ -206,18 +204,12 @@ def latent_decode(
         caches[label] = synthetic_caches(model, batch, context + 1, seed=context)
         read[label] = sum(x.nbytes for c in caches[label] for x in c.values())
     tokens, pos = jnp.ones((batch, 1), jnp.int32), jnp.full((batch, 1), context, jnp.int32)
-    times = {label: [] for label in steps}
-    for i in range(repeats + 1):  # the first round compiles (checked to fit) and warms up
-        for label, step in steps.items():
-            if not i:
-                _check_fits(step, f"{label} decoding at context {context}", tokens, pos, caches[label])
-            t = time.perf_counter()
-            logits, caches[label] = step(tokens, pos, caches[label])
-            jax.block_until_ready(logits)
-            if i:
-                times[label].append(time.perf_counter() - t)
+    for label, step in steps.items():  # compiled and checked before anything runs
+        _check_fits(step, f"{label} decoding at context {context}", tokens, pos, caches[label])
+    ms = alternated({label: _decode_steps(step, tokens, pos, caches, label) for label, step in steps.items()},
+                    repeats)  # fmt: skip
     return [
-        {"model": label, "context": context, "batch": batch, "ms": statistics.median(times[label]) * 1e3,
+        {"model": label, "context": context, "batch": batch, "ms": ms[label] * 1e3,
          "cache_bytes_read": read[label]}
         for label in steps
     ]  # fmt: skip

@@ -53,10 +53,12 @@ def persistent_compilation_cache() -> None:
 
 
 def platform_line() -> str:
-    """What evaluation runs on, said at start-up: jax picks the machine's accelerator unless
-    JAX_PLATFORMS names one (the Makefile and the tests set cpu)."""
+    """What evaluation and the benchmarks run on, said at start-up: jax picks the machine's
+    accelerator unless JAX_PLATFORMS names one (the Makefile and the tests set cpu)."""
+    backend, kind = jax.default_backend(), jax.devices()[0].device_kind
+    on = backend if kind.lower() == backend else f"{backend} ({kind})"
     return (
-        f"jax {jax.__version__} on {jax.default_backend()}: {jax.device_count()} devices "
+        f"jax {jax.__version__} on {on}: {jax.device_count()} devices "
         f"({jax.local_device_count()} on this process, {jax.process_count()} processes)"
     )
 

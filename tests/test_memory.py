@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from effattn_jax import memory
 from effattn_jax.memory import DoesNotFit, check_fits, device_capacity, fit_checked, program_bytes
 from eval.bench import attention as bench_attention
 
@@ -37,6 +38,50 @@ def test_a_program_larger_than_memory_is_refused_before_it_runs():
     np.testing.assert_array_equal(checked(jnp.arange(3.0)), _outer_sorted(jnp.arange(3.0)))
     with pytest.raises(DoesNotFit):
         checked(jnp.ones(200_000))
+
+
+def test_a_cpu_program_is_refused_where_its_real_peak_would_not_fit(monkeypatch):
+    """On a CPU the resident peak runs up to 1.95x XLA's estimate (BENCHMARKS.md), so an estimate of
+    two thirds of the available RAM is refused. Catches: a check against the raw RAM that lets a run
+    through to the OOM killer (dense attention at 16K on a 24 GiB machine)."""
+    small = jax.jit(_outer_sorted).lower(jnp.ones(1000)).compile()
+    need = program_bytes(small)
+    monkeypatch.setattr(memory, "_available_ram", lambda: int(1.5 * need))
+    with pytest.raises(DoesNotFit, match=r"available RAM / 2.5 \(a CPU's peak exceeds XLA's estimate\)"):
+        check_fits(small, jax.local_devices()[:1], "the sort", "less")
+    monkeypatch.setattr(memory, "_available_ram", lambda: 3 * need)
+    assert check_fits(small, jax.local_devices()[:1], "the sort", "less") == need
+
+
+def _counting_checks(monkeypatch) -> list:
+    seen = []
+    real = memory.check_fits
+    monkeypatch.setattr(
+        memory, "check_fits", lambda compiled, *a: seen.append(compiled) or real(compiled, *a)
+    )
+    return seen
+
+
+def test_fit_checked_checks_each_new_dtype(monkeypatch):
+    """Catches: a cache keyed on shapes alone, where a wider dtype at the same shape (twice the bytes)
+    runs unchecked."""
+    seen = _counting_checks(monkeypatch)
+    checked = fit_checked(jax.jit(_outer_sorted), "the sort", "less")
+    for dtype in (jnp.float32, jnp.bfloat16, jnp.float32):
+        checked(jnp.ones(8, dtype))
+    assert len(seen) == 2
+
+
+def test_fit_checked_takes_array_and_static_keywords(monkeypatch):
+    """Catches: the cache key's set difference over keyword items, which hashes each value and raised
+    TypeError for an array keyword; a static keyword's new value must be checked again."""
+    seen = _counting_checks(monkeypatch)
+    fn = jax.jit(lambda x, *, y, n: jnp.tile(x + y, n), static_argnames="n")
+    checked = fit_checked(fn, "the tile", "less", static_argnames=("n",))
+    np.testing.assert_array_equal(checked(jnp.ones(3), y=jnp.ones(3), n=2), 2 * np.ones(6))
+    checked(jnp.ones(3), y=jnp.zeros(3), n=2)
+    checked(jnp.ones(3), y=jnp.zeros(3), n=3)
+    assert len(seen) == 2
 
 
 @pytest.mark.slow  # compiles MoBA at 128K

@@ -10,16 +10,20 @@ wherever the gold answers lean the other way. Also how often the model's pick is
 shortest / longest choice. Then the scoring itself: one task's questions scored again one
 request at a time by a plain forward pass (`eval.scoring.direct_loglikelihood`), compared
 choice for choice with the batched, prefix-shared scores.
+
+`--json` prints {run, step, tasks: [{task, questions, chance, acc, acc_norm, shortest_choice_acc,
+longest_choice_acc, acc_picks_shortest, acc_norm_picks_longest, gold_is_first, acc_picks_first}],
+cross_check: {task, requests, max_abs_diff, same_pick}}.
 """
 
 from __future__ import annotations
 
-import json
 import sys
 
 import numpy as np
 
-from effattn_jax.cli import ArgumentParser, positive_int
+from effattn_jax.cli import positive_int
+from eval.bench import common
 
 
 def _rule(lengths: list[np.ndarray], pick) -> np.ndarray:
@@ -87,12 +91,16 @@ def scoring_cross_check(model, tokenizer, eos: int, name: str, limit: int, max_l
 
 
 def main(argv=None) -> int:
-    p = ArgumentParser(description=__doc__)
+    p = common.parser(__doc__, __file__)
     p.add_argument("--run", required=True)
     p.add_argument("--limit", type=positive_int, default=50, help="seeded questions per task (as the sweeps)")
     p.add_argument("--cross-check", default="arc_easy", help="the task scored again request by request")
-    p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    with common.report(args, f"{args.limit} questions per task") as emit:
+        return check(args, emit)
+
+
+def check(args, emit) -> int:
     from flax import nnx
 
     from effattn_jax import checkpoint
@@ -104,10 +112,8 @@ def main(argv=None) -> int:
     model = nnx.merge(graphdef, params)
     tokenizer, eos, _ = load_tokenizer(cfg.data.tokenizer)
     rows = [task_check(model, tokenizer, eos, t, args.limit, cfg.data.seq_len) for t in AVERAGE_TASKS]
-    check = scoring_cross_check(model, tokenizer, eos, args.cross_check, args.limit, cfg.data.seq_len)
-    if args.json:
-        print(json.dumps({"run": args.run, "step": step, "tasks": rows, "cross_check": check}, indent=1))
-        return 0
+    cross = scoring_cross_check(model, tokenizer, eos, args.cross_check, args.limit, cfg.data.seq_len)
+    emit({"run": args.run, "step": step, "tasks": rows, "cross_check": cross})
     cols = ["chance", "acc", "acc_norm", "shortest_choice_acc", "longest_choice_acc"]
     cols += ["acc_picks_shortest", "acc_norm_picks_longest", "gold_is_first", "acc_picks_first"]
     print(f"{args.run} step {step}, {args.limit} questions per task")
@@ -115,8 +121,8 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"{r['task']:<14}" + "".join(f"{r[c]:>17.3f}" for c in cols))
     print(
-        f"cross-check {check['task']}: {check['requests']} requests, batched vs plain max |diff| "
-        f"{check['max_abs_diff']:.2e} nats, same pick on {check['same_pick']} questions"
+        f"cross-check {cross['task']}: {cross['requests']} requests, batched vs plain max |diff| "
+        f"{cross['max_abs_diff']:.2e} nats, same pick on {cross['same_pick']} questions"
     )
     return 0
 

@@ -1,34 +1,30 @@
-"""MoBA vs dense causal attention: forward+backward wall time and compiled memory.
+"""MoBA vs dense causal attention on this machine (the XLA paths): forward+backward wall time and
+compiled memory.
 
-    python -m eval.bench.attention [--seqs 2048,4096,8192,16384] [--repeats 3]
-    python -m eval.bench.attention --backend gpu [--out results.md]   # on a GPU machine
+    python -m eval.bench.attention [--seqs 2048,4096,8192,16384] [--repeats 3] [--json]
 
-GPU mode (see `gpu_main`): Pallas MoBA kernels vs cuDNN flash attention vs MoBA
-xla, forward+backward, bf16, batch 1, 16 heads, head dim 128, block 512,
-top_k 3, at 8K/32K/128K, with block-local ("realistic") and uniform routing.
-Everything is compiled once at a small shape first (fail fast); each case then
-prints its row as soon as it is measured.
+On a GPU, the kernels against cuDNN: `python -m eval.bench.gpu_suite` (its attention section).
 
-Batch 1, 4 heads, head dim 64, block 512, top_k 3, float32, on the current
-backend. Dense is `jax.nn.dot_product_attention(is_causal=True)` (XLA
-implementation). Timings alternate MoBA and dense runs and report medians;
-memory is `compiled.memory_analysis()` (CPU devices report no live memory
-stats), temp + output + argument bytes.
+Batch 1, 4 heads, head dim 64, block 512, top_k 3, float32, on the current backend. Dense is
+`jax.nn.dot_product_attention(is_causal=True)` (XLA implementation). Both programs are compiled
+and checked to fit first (a length that cannot fit is skipped in one line); timings alternate
+MoBA and dense runs and report medians (eval/timing.py); memory is each compiled program's
+`effattn_jax.memory.program_bytes` (XLA's memory analysis: arguments + outputs + temporaries;
+CPU devices report no live memory stats). `--json` prints a list of rows {seq, dense_ms,
+moba_ms, speedup, dense_bytes, moba_bytes}, or {seq, skipped} for a length that cannot fit.
 """
 
 from __future__ import annotations
-
-import argparse
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from effattn_jax.memory import DoesNotFit, check_fits, fit_checked
+from effattn_jax.cli import positive_int, positive_int_list
+from effattn_jax.memory import DoesNotFit, check_fits, program_bytes
 from effattn_jax.ops.moba import moba_attention
-from eval.bench.common import compiled_bytes, time_once
+from eval.bench import common
+from eval.timing import alternated, seconds
 
 
 def make_fns(block_size, top_k, impl):
@@ -64,123 +60,57 @@ def structured_inputs(seq, heads, head_dim, dtype, seed=0, strength=2.0):
     )
 
 
-def gpu_main(args):
-    """Pallas MoBA vs cuDNN (and MoBA xla up to 32K) on the GPU, bf16, forward+backward."""
-    dtype = jnp.bfloat16
-
-    def loss(attn):
-        fn = jax.value_and_grad(lambda q, k, v: jnp.sum(attn(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2))
-        return fit_checked(jax.jit(fn), "the case", "a shorter --seqs")
-
-    moba = lambda impl: loss(
-        lambda q, k, v: moba_attention(q, k, v, block_size=args.block_size, top_k=args.top_k, impl=impl)
-    )
-    fns = {
-        "pallas": moba("pallas_gpu"),
-        "xla": moba("xla"),
-        "cudnn": loss(
-            lambda q, k, v: jax.nn.dot_product_attention(
-                q, k, v, is_causal=True, implementation=args.dense_impl
-            )
-        ),
-    }
-    small = structured_inputs(args.warmup_seq, args.heads, args.head_dim, dtype)
-    for name, fn in fns.items():  # compile every kernel once, small: fail fast
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*small))
-        print(f"warm-up {name} at {args.warmup_seq}: {time.perf_counter() - t:.1f} s", flush=True)
-    rows = [
-        "| seq | routing | cuDNN ms | Pallas MoBA ms | MoBA xla ms | Pallas vs cuDNN |",
-        "|---|---|---|---|---|---|",
-    ]
-    print(rows[0] + "\n" + rows[1], flush=True)
-    for seq in [int(s) for s in args.seqs.split(",")]:
-        for routing, strength in (("block-local", 2.0), ("uniform", 0.0)):
-            x = structured_inputs(seq, args.heads, args.head_dim, dtype, strength=strength)
-            ms = {}
-            for name, fn in fns.items():
-                if name == "xla" and seq > 32768:
-                    continue  # gathers per tile: too slow/large at 128K, and not the GPU path
-                start = time.perf_counter()
-                try:
-                    fn(*x)  # compile for this shape, checked to fit first
-                except DoesNotFit as e:
-                    print(f"skipped: {e}", flush=True)
-                    ms[name] = float("nan")
-                    continue
-                times = []
-                while len(times) < args.repeats and time.perf_counter() - start < args.case_timeout:
-                    times.append(time_once(fn, x))
-                ms[name] = statistics.median(times) * 1e3 if times else float("nan")
-            xla_ms = ms.get("xla", float("nan"))
-            row = (
-                f"| {seq} | {routing} | {ms['cudnn']:,.1f} | {ms['pallas']:,.1f} | {xla_ms:,.1f} "
-                f"| {ms['cudnn'] / ms['pallas']:.2f}x |"
-            )
-            rows.append(row)
-            print(row, flush=True)
-            if args.out:
-                with open(args.out, "w") as f:
-                    f.write(
-                        f"jax {jax.__version__}, {jax.devices()[0].device_kind}\n\n" + "\n".join(rows) + "\n"
-                    )
+def measure(fns, seq: int, args) -> dict:
+    """One row: both programs compiled and checked to fit (dense first: the larger; each runs alone,
+    one after the other), then timed alternately."""
+    x = inputs(seq, args.heads, args.head_dim, jnp.dtype(args.dtype))
+    compiled = {}
+    try:
+        for name in sorted(fns, key=lambda n: n != "dense"):
+            compiled[name] = fns[name].lower(*x).compile()
+            check_fits(compiled[name], jax.local_devices()[:1], f"{name} at {seq}", "a shorter --seqs")
+    except DoesNotFit as e:
+        return {"seq": seq, "skipped": str(e)}
+    mem = {name: program_bytes(c) for name, c in compiled.items()}
+    t = alternated({name: seconds(c, *x) for name, c in compiled.items()}, args.repeats)
+    return {"seq": seq, "dense_ms": t["dense"] * 1e3, "moba_ms": t["moba"] * 1e3,
+            "speedup": t["dense"] / t["moba"], "dense_bytes": mem["dense"],
+            "moba_bytes": mem["moba"]}  # fmt: skip
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser()
-    p.add_argument("--seqs", default="2048,4096,8192,16384")
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--block-size", type=int, default=512)
-    p.add_argument("--top-k", type=int, default=3)
+    p = common.parser(__doc__, __file__)
+    p.add_argument("--seqs", type=positive_int_list, default=[2048, 4096, 8192, 16384])
+    p.add_argument("--heads", type=positive_int, default=4)
+    p.add_argument("--head-dim", type=positive_int, default=64)
+    p.add_argument("--block-size", type=positive_int, default=512)
+    p.add_argument("--top-k", type=positive_int, default=3)
     p.add_argument("--impl", default="xla")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=positive_int, default=3)
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--backend", default="cpu", choices=["cpu", "gpu"])
-    p.add_argument("--case-timeout", type=float, default=60.0, help="gpu mode: seconds per case")
-    p.add_argument("--out", default="", help="gpu mode: also write the table here")
-    p.add_argument("--dense-impl", default="cudnn", help="gpu mode: dense baseline (xla for a CPU dry run)")
-    p.add_argument("--warmup-seq", type=int, default=2048)
     args = p.parse_args(argv)
-    if args.backend == "gpu":
-        defaults = {"seqs": "8192,32768,131072", "heads": 16, "head_dim": 128}
-        for k, v in defaults.items():
-            if getattr(args, k) == p.get_default(k):
-                setattr(args, k, v)
-        return gpu_main(args)
     fns = make_fns(args.block_size, args.top_k, args.impl)
-    print(
-        f"jax {jax.__version__}, backend {jax.default_backend()}, batch 1, heads {args.heads}, head_dim "
-        f"{args.head_dim}, block {args.block_size}, top_k {args.top_k}, {args.dtype}, moba impl {args.impl}"
+    about = (
+        f"batch 1, heads {args.heads}, head_dim {args.head_dim}, block {args.block_size}, "
+        f"top_k {args.top_k}, {args.dtype}, moba impl {args.impl}"
     )
-    print(
-        "| seq | dense fwd+bwd ms | MoBA fwd+bwd ms | speed-up "
-        "| dense memory MiB | MoBA memory MiB | memory ratio |"
-    )
-    print("|---|---|---|---|---|---|---|")
-    for seq in [int(s) for s in args.seqs.split(",")]:
-        x = inputs(seq, args.heads, args.head_dim, jnp.dtype(args.dtype))
-        compiled = {}  # compiled once, measured and run; dense first: the larger
-        try:  # both run in this process, one after the other: each must fit on its own
-            for name in sorted(fns, key=lambda n: n != "dense"):
-                compiled[name] = fns[name].lower(*x).compile()
-                check_fits(compiled[name], jax.local_devices()[:1], f"{name} at {seq}", "a shorter --seqs")
-        except DoesNotFit as e:
-            print(f"| {seq} | skipped: {e} |||||", flush=True)
-            continue
-        mem = {name: compiled_bytes(c) for name, c in compiled.items()}
-        for c in compiled.values():
-            time_once(c, x)  # warm up
-        times = {name: [] for name in fns}
-        for _ in range(args.repeats):
-            for name, c in compiled.items():
-                times[name].append(time_once(c, x))
-        td, tm = statistics.median(times["dense"]), statistics.median(times["moba"])
+    with common.report(args, about) as emit:
         print(
-            f"| {seq} | {td * 1e3:,.0f} | {tm * 1e3:,.0f} | {td / tm:.2f}x | {mem['dense'] / 2**20:,.0f} | "
-            f"{mem['moba'] / 2**20:,.0f} | {mem['dense'] / mem['moba']:.1f}x |",
-            flush=True,
+            "| seq | dense fwd+bwd ms | MoBA fwd+bwd ms | speed-up "
+            "| dense memory MiB | MoBA memory MiB | memory ratio |"
         )
+        print("|---|---|---|---|---|---|---|")
+        rows = []
+        for seq in args.seqs:
+            r = measure(fns, seq, args)
+            rows.append(r)
+            if "skipped" in r:
+                print(f"| {seq} | skipped: {r['skipped']} |||||", flush=True)
+                continue
+            dense, moba = r["dense_bytes"] / 2**20, r["moba_bytes"] / 2**20
+            times = f"{r['dense_ms']:,.0f} | {r['moba_ms']:,.0f} | {r['speedup']:.2f}x"
+            print(f"| {seq} | {times} | {dense:,.0f} | {moba:,.0f} | {dense / moba:.1f}x |", flush=True)
+        emit(rows)
 
 
 if __name__ == "__main__":

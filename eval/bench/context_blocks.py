@@ -1,7 +1,7 @@
 """Would exchanging only the selected blocks pay under context parallelism? How much of the
 gathered keys a context shard's queries use, on a small trained MoBA model.
 
-    python -m eval.bench.context_blocks [--run DIR] [--shards 8] [--steps 60]
+    python -m eval.bench.context_blocks [--run DIR] [--shards 8] [--steps 60] [--json]
 
 Without `--run`, trains a small MoBA model at the paper's 8K geometry (rows of 8,192 tokens,
 block 512, top-3: 16 blocks per row; 2 layers of 2 heads of 32, on the built-in corpus) into a
@@ -10,12 +10,12 @@ model's own gate) and, for each of N context shards (chunks i and 2N-1-i of 2N),
 local query (any head) reads: its own block's and its selected blocks'. Of the keys the other
 shards hold, the fraction needed is what a selected-block exchange would still have to move
 (1 = it saves nothing over the all-gather). Prints the mean and worst shard per layer and a
-`context_blocks {json}` line.
+`context_blocks {json}` line; `--json` prints that JSON alone: {shards, seq_len, block_size,
+top_k, rows, step, layers: [{mean, worst_shard, least_shard}]}.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 from pathlib import Path
@@ -26,15 +26,17 @@ import numpy as np
 from flax import nnx
 
 from effattn_jax import checkpoint
+from effattn_jax.cli import positive_int
 from effattn_jax.config import load_config
 from effattn_jax.data.shards import row_to_example
 from effattn_jax.ops.context_parallel import balanced_order
 from effattn_jax.ops.routing import moba_routing
 from effattn_jax.ops.segments import segment_positions
 from effattn_jax.train.loop import run
+from eval.bench import common
 from eval.lm_loss import validation_documents
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = common.ROOT
 MODEL = [
     "attention.core=moba", "moba.block_size=512", "moba.top_k=3", "data.seq_len=8192",
     "data.batch_size=1", "model.vocab_size=4096", "data.tokenizer=sotu-bpe-4k", "model.d_model=64",
@@ -90,13 +92,22 @@ def remote_fraction(routing, shards: int, block_size: int) -> np.ndarray:
     return out
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None) -> int:
+    p = common.parser(__doc__, __file__)
     p.add_argument("--run", default=None, help="a trained MoBA run (default: train one here)")
-    p.add_argument("--shards", type=int, default=8)
-    p.add_argument("--steps", type=int, default=60, help="training steps when training here")
-    p.add_argument("--rows", type=int, default=4, help="validation rows to route")
-    args = p.parse_args()
+    p.add_argument("--shards", type=positive_int, default=8)
+    p.add_argument("--steps", type=positive_int, default=60, help="training steps when training here")
+    p.add_argument("--rows", type=positive_int, default=4, help="validation rows to route")
+    args = p.parse_args(argv)
+    with common.report(args, f"{args.shards} context shards") as emit:
+        report = measure(args)
+        print("context_blocks " + json.dumps(report))
+        emit(report)
+    return 0
+
+
+def measure(args) -> dict:
+    """Train (unless --run) and route; each layer's line printed as it is known."""
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(args.run or tmp)
         if not args.run:
@@ -122,8 +133,7 @@ def main() -> int:
             f"layer {layer}: of the keys other shards hold, the shard's queries read "
             f"{frac.mean():.1%} (mean), {per_shard.max():.1%} (worst shard), {per_shard.min():.1%} (least)"
         )
-    print("context_blocks " + json.dumps(report))
-    return 0
+    return report
 
 
 if __name__ == "__main__":

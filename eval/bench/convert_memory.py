@@ -1,6 +1,6 @@
 """Host memory of `python -m effattn_jax.convert from-hf` on a synthetic Llama checkpoint:
 
-    python -m eval.bench.convert_memory [--shape llama-3.2-1b] [--dir /tmp/convert-bench]
+    python -m eval.bench.convert_memory [--shape llama-3.2-1b] [--dir /tmp/convert-bench] [--json]
 
 writes a bf16 safetensors file of random weights in the shape of Llama 3.2 1B (1.24B parameters,
 its 128,256 x 2,048 embedding the largest tensor), then converts it in a child process that
@@ -11,7 +11,8 @@ streaming must bound is the rest:
     staging = peak - start-up - the model's float32 bytes
 
 against 1.5 x the largest tensor (float32) + one layer (float32). Prints one line per figure and
-`staging_gib=<x> bound_gib=<y> within=<true|false>`.
+`staging_gib=<x> bound_gib=<y> within=<true|false>`; `--json` prints {shape, params, file_gib,
+start_gib, peak_gib, model_f32_gib, largest_f32_gib, layer_f32_gib, staging_gib, bound_gib, within}.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from effattn_jax.cli import ArgumentParser
+from eval.bench import common
 
 SHAPES = {
     "llama-3.2-1b": {
@@ -91,35 +92,31 @@ def write_safetensors(path: Path, shapes: dict[str, tuple[int, ...]]) -> None:
             f.write((values.view(np.uint32) >> 16).astype(np.uint16).tobytes())  # bf16: the high half
 
 
-def _status_kib(field: str) -> int:
-    """VmRSS (resident now) or VmHWM (its peak) of this process, from /proc: unlike ru_maxrss,
-    not carried over from the parent across exec."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
 def _child(model_dir: str, out: str) -> None:
     """The conversion, reporting its own resident memory (KiB) after start-up and at its peak."""
     import jax  # noqa: F401 - start-up includes jax and the project, as a user's process does
 
     from effattn_jax import convert
 
-    start = _status_kib("VmRSS")
+    start = common.resident_kib("VmRSS")
     convert.from_hf(model_dir, out)
-    print(json.dumps({"start_kib": start, "peak_kib": _status_kib("VmHWM")}))
+    print(json.dumps({"start_kib": start, "peak_kib": common.resident_kib("VmHWM")}))
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = ArgumentParser(prog="python -m eval.bench.convert_memory", description=__doc__.split("\n")[0])
+    p = common.parser(__doc__, __file__)
     p.add_argument("--shape", choices=SHAPES, default="llama-3.2-1b")
     p.add_argument("--dir", default="/tmp/effattn-convert-bench", help="where the synthetic model goes")
-    p.add_argument("--child", nargs=2, help=argparse_hidden())
+    p.add_argument("--child", nargs=2, help=common.HIDDEN)
     args = p.parse_args(argv)
     if args.child:
         _child(*args.child)
         return 0
+    with common.report(args, f"convert from-hf, shape {args.shape}") as emit:
+        return measure(args, emit)
+
+
+def measure(args, emit) -> int:
     hf = SHAPES[args.shape]
     root = Path(args.dir)
     model, out = root / args.shape, root / f"{args.shape}-run"
@@ -147,18 +144,20 @@ def main(argv: list[str] | None = None) -> int:
     layer = sum(int(np.prod(s)) for n, s in shapes.items() if n.startswith("model.layers.0.")) * 4
     staging = mem["peak_kib"] * 1024 - mem["start_kib"] * 1024 - model_bytes
     bound = 1.5 * largest + layer
-    print(f"shape={args.shape} params={params:,} file_gib={gib(params * 2):.2f}")
-    print(f"start_gib={gib(mem['start_kib'] * 1024):.2f} peak_gib={gib(mem['peak_kib'] * 1024):.2f}")
-    sizes = {"model_f32": model_bytes, "largest_f32": largest, "layer_f32": layer}
-    print(" ".join(f"{k}_gib={gib(v):.2f}" for k, v in sizes.items()))
-    print(f"staging_gib={gib(staging):.2f} bound_gib={gib(bound):.2f} within={str(staging <= bound).lower()}")
+    figures = {"shape": args.shape, "params": params, "file_gib": gib(params * 2),
+               "start_gib": gib(mem["start_kib"] * 1024), "peak_gib": gib(mem["peak_kib"] * 1024),
+               "model_f32_gib": gib(model_bytes), "largest_f32_gib": gib(largest),
+               "layer_f32_gib": gib(layer),
+               "staging_gib": gib(staging), "bound_gib": gib(bound), "within": staging <= bound}  # fmt: skip
+    f = figures
+    print(f"shape={args.shape} params={params:,} file_gib={f['file_gib']:.2f}")
+    print(f"start_gib={f['start_gib']:.2f} peak_gib={f['peak_gib']:.2f}")
+    print(" ".join(f"{k}={f[k]:.2f}" for k in ("model_f32_gib", "largest_f32_gib", "layer_f32_gib")))
+    print(
+        f"staging_gib={f['staging_gib']:.2f} bound_gib={f['bound_gib']:.2f} within={str(f['within']).lower()}"
+    )
+    emit(figures)
     return 0
-
-
-def argparse_hidden() -> str:
-    import argparse
-
-    return argparse.SUPPRESS
 
 
 def _write_tokenizer(path: Path) -> None:

@@ -168,17 +168,18 @@ class Cases:
         ]
 
 
-def run_cases(cases: Cases) -> tuple[int, int]:
-    """Prints the table; returns (passed, run)."""
+def run_cases(cases: Cases) -> list[dict]:
+    """Prints the table as it goes; returns its rows {case, expected, observed, pass} (pass None:
+    the case cannot run here)."""
     print("| case | expected | observed | pass |\n|---|---|---|---|", flush=True)
-    passed = ran = 0
+    rows = []
     for name, case in cases.all():
         try:
             expected, out, ok = case()
         except CannotRun as e:
+            rows.append({"case": name, "expected": None, "observed": f"not run: {e}", "pass": None})
             print(f"| {name} | — | not run: {e} | — |", flush=True)
             continue
-        ran += 1
-        passed += ok
+        rows.append({"case": name, "expected": expected, "observed": str(out), "pass": bool(ok)})
         print(f"| {name} | {expected} | {out} | {'yes' if ok else 'NO'} |", flush=True)
-    return passed, ran
+    return rows

@@ -11,7 +11,9 @@ flipped or cut short) in training and in eval, a full and a read-only checkpoint
 tmpfs, where this machine lets the script mount one), a run too large for memory, a config that
 is not UTF-8, and a corrupt prepared shard. A table (case, expected, observed, pass) and then
 `faults passed: P/Q` (a case that cannot run here counts as neither and says why). Exit status 0
-only when every kill survived and every case passed.
+only when every kill survived and every case passed. `--json` prints {kills, kills_survived,
+bitwise_equal (null with --cases-only), cases: [{case, expected, observed, pass}], faults_passed,
+faults_run}.
 """
 
 from __future__ import annotations
@@ -27,10 +29,11 @@ import threading
 import time
 from pathlib import Path
 
-from effattn_jax.cli import ArgumentParser, positive_int
+from effattn_jax.cli import positive_int
+from eval.bench import common
 from eval.bench.fault_cases import Cases, run_cases
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = common.ROOT
 TINY = [
     "model.d_model=32",
     "model.num_layers=2",
@@ -101,13 +104,14 @@ def _kill_during_save(t: _Training, ckpt_dir: Path, deadline: float) -> bool:
     return False
 
 
-def run_faults(kills: int, steps: int, seed: int, workdir: Path) -> int:
+def run_faults(kills: int, steps: int, seed: int, workdir: Path) -> dict:
+    """The kill test: {kills, kills_survived, bitwise_equal}, each line printed as it happens."""
     rng = random.Random(seed)
     t0 = time.monotonic()
     code, out = _Training(_command(workdir / "reference", steps)).finish()
     if code != 0:
         print(f"the uninterrupted run failed (exit {code})", file=sys.stderr)
-        return 1
+        return {"kills": kills, "kills_survived": 0, "bitwise_equal": False}
     reference = _final(out, workdir / "reference")
     print(
         f"uninterrupted: {reference[0]} last loss {reference[1]!r} ({time.monotonic() - t0:.0f} s)",
@@ -137,24 +141,26 @@ def run_faults(kills: int, steps: int, seed: int, workdir: Path) -> int:
     )
     survived = survived if same else 0
     print(f"kills survived: {survived}/{kills}")
-    return 0 if survived == kills else 1
+    return {"kills": kills, "kills_survived": survived, "bitwise_equal": same}
 
 
-def run_bad_input_cases(workdir: Path) -> int:
-    """The table of bad-input cases and `faults passed: P/Q`; 0 when every case that ran passed."""
+def run_bad_input_cases(workdir: Path) -> dict:
+    """The table of bad-input cases and `faults passed: P/Q`: {cases, faults_passed, faults_run}."""
     finished = workdir / "finished"
     code, _ = _Training(_command(finished, 20)).finish()  # saves steps 10 and 20
     if code != 0:
         print(f"the tiny run the cases start from failed (exit {code})", file=sys.stderr)
-        return 1
+        return {"cases": [], "faults_passed": 0, "faults_run": 1}
     train = lambda run_dir, steps, *extra: [*_command(run_dir, steps), "train.progress=false", *extra]
-    passed, ran = run_cases(Cases(train, finished, workdir, ROOT))
-    print(f"faults passed: {passed}/{ran}")
-    return 0 if passed == ran else 1
+    rows = run_cases(Cases(train, finished, workdir, ROOT))
+    ran = [r for r in rows if r["pass"] is not None]
+    passed = sum(r["pass"] for r in ran)
+    print(f"faults passed: {passed}/{len(ran)}")
+    return {"cases": rows, "faults_passed": passed, "faults_run": len(ran)}
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = ArgumentParser(prog="python -m eval.bench.faults", description=__doc__)
+    p = common.parser(__doc__, __file__)
     p.add_argument("--kills", type=positive_int, default=5)
     p.add_argument("--cases-only", action="store_true", help="skip the kill test")
     p.add_argument("--steps", type=positive_int, default=120, help="training steps of the tiny run")
@@ -162,9 +168,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", help="where the two runs go (default: a new temp dir)")
     args = p.parse_args(argv)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="effattn-faults-"))
-    print(f"runs in {workdir}", flush=True)
-    kills = 0 if args.cases_only else run_faults(args.kills, args.steps, args.seed, workdir)
-    return max(kills, run_bad_input_cases(workdir))
+    with common.report(args, f"runs in {workdir}") as emit:
+        none = {"kills": 0, "kills_survived": 0, "bitwise_equal": None}
+        out = none if args.cases_only else run_faults(args.kills, args.steps, args.seed, workdir)
+        out |= run_bad_input_cases(workdir)
+        emit(out)
+    ok = out["kills_survived"] == out["kills"] and out["faults_passed"] == out["faults_run"]
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -2,8 +2,11 @@
 compiles included; it prints as it goes and rewrites `<out>/gpu_suite.json` after every case.
 Every kernel runs with the shipped defaults (tiles `auto`).
 
-    python -m eval.bench.gpu_suite --out DIR [--budget-s 300]
+    python -m eval.bench.gpu_suite --out DIR [--budget-s 300] [--json]
     python -m eval.bench.gpu_suite --out DIR --dry     # on a CPU: tiny shapes, kernels interpreted
+
+`--json` prints that JSON on stdout at the end as well (the progress lines go to stderr): keys
+date, jax, device, backend, device_count, dry, sections (section name -> its rows).
 
 Sections, in order (a section stops starting cases once its share of the budget is spent, and
 says so in the JSON):
@@ -36,7 +39,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -51,10 +53,10 @@ from effattn_jax.ops.moba import BlockSizes, moba_attention
 from effattn_jax.sharding import make_mesh
 from effattn_jax.train.state import init_state, make_setup
 from effattn_jax.train.step import make_train_step
-from eval.bench import gpu_checks
+from eval.bench import common, gpu_checks
 from eval.bench.attention import structured_inputs
-from eval.bench.common import synthetic_batch, time_once
 from eval.decoding import copy_bandwidth, latent_decode, moba_vs_dense_decode
+from eval.timing import alternated, seconds
 from pallas_kernels import gpu_memory
 from pallas_kernels.moba.schedule import GPU_TILES
 
@@ -202,12 +204,8 @@ def attention(suite: Suite, rows: list, p: dict, seqs: list[int], compare_xla: b
                 t = time.perf_counter()
                 jax.block_until_ready(fn(*x))
                 row[f"{name}_first_call_s"] = round(time.perf_counter() - t, 2)
-            times = {name: [] for name in fns}
-            for _ in range(p["repeats"]):  # alternated
-                for name, fn in fns.items():
-                    times[name].append(time_once(fn, x))
-            for name in fns:
-                row[f"{name}_ms"] = statistics.median(times[name]) * 1e3
+            ms = alternated({name: seconds(fn, *x) for name, fn in fns.items()}, p["repeats"], warmup=0)
+            row |= {f"{name}_ms": t * 1e3 for name, t in ms.items()}
             row["dense_over_moba"] = row["dense_ms"] / row["moba_pallas_ms"]
             if compare_xla and seq == seqs[0]:
                 xla = moba("xla")
@@ -223,6 +221,21 @@ def attention(suite: Suite, rows: list, p: dict, seqs: list[int], compare_xla: b
         suite.add(rows, row)
 
 
+def _train_steps(setup, batches: list, losses: list):
+    """A contender for the timer: the seconds of the next train step over `batches` (its loss kept in
+    `losses`), the state carried from step to step."""
+    state, step, batches = init_state(setup), make_train_step(setup), iter(batches)
+
+    def one() -> float:
+        nonlocal state
+        t = time.perf_counter()
+        state, metrics = step(state, jax.device_put(next(batches), setup.batch_sharding()))
+        losses.append(float(metrics["loss"]))  # waits for the step
+        return time.perf_counter() - t
+
+    return one
+
+
 def train_pair(suite: Suite, rows: list, overrides: list[str], steps: int, loss_tol: float) -> None:
     """The same run with the GPU kernels and with the XLA path: losses per step, tokens/s."""
     losses, tok_s = {}, {}
@@ -234,15 +247,12 @@ def train_pair(suite: Suite, rows: list, overrides: list[str], steps: int, loss_
         cfg = load_config(None, overrides + [f"moba.impl={impl}", "attention.core=moba"])
         setup = make_setup(cfg, make_mesh(1, 1, 1))
         b, s = cfg.data.batch_size, cfg.data.seq_len
-        batches = batches or [synthetic_batch(b, s, cfg.model.vocab_size, seed=i) for i in range(steps)]
-        state, step = init_state(setup), make_train_step(setup)
-        losses[impl], times = [], []
-        for batch in batches:
-            t = time.perf_counter()
-            state, metrics = step(state, jax.device_put(batch, setup.batch_sharding()))
-            losses[impl].append(float(metrics["loss"]))  # waits for the step
-            times.append(time.perf_counter() - t)
-        tok_s[impl] = b * s / statistics.median(times[1:] or times)
+        batches = batches or [
+            common.synthetic_batch(b, s, cfg.model.vocab_size, seed=i) for i in range(steps)
+        ]
+        losses[impl] = []
+        one_step = _train_steps(setup, batches, losses[impl])
+        tok_s[impl] = b * s / alternated({"step": one_step}, steps - 1)["step"]  # the first step compiles
         first, last = losses[impl][0], losses[impl][-1]
         suite.add(
             rows,
@@ -299,7 +309,7 @@ def tile_sweep(suite: Suite, rows: list, attn: dict, p: dict) -> None:
         )
         try:
             jax.block_until_ready(fn(*x))
-            row["ms"] = statistics.median(time_once(fn, x) for _ in range(3)) * 1e3
+            row["ms"] = alternated({"ms": seconds(fn, *x)}, 3, warmup=0)["ms"] * 1e3
         except Exception as e:  # noqa: BLE001 - refused (over the limit) or failed: recorded
             row["error"] = _error(e)
         suite.add(rows, row)
@@ -341,19 +351,23 @@ def _error(e: Exception) -> str:
 
 
 def main(argv=None) -> int:
-    from effattn_jax.cli import ArgumentParser
-
-    p = ArgumentParser(prog="python -m eval.bench.gpu_suite", description=__doc__)
+    p = common.parser(__doc__, __file__)
     p.add_argument("--out", type=Path, required=True, help="directory for gpu_suite.json")
     p.add_argument("--budget-s", type=float, default=300.0, help="seconds for everything, compiles included")
     p.add_argument("--dry", action="store_true", help="tiny shapes with interpreted kernels (a CPU check)")
     p.add_argument("--loss-tol", type=float, default=2e-3, help="largest loss difference pallas vs xla")
     args = p.parse_args(argv)
-    plan = DRY if args.dry else FULL
     args.out.mkdir(parents=True, exist_ok=True)
-    suite = Suite(args.out, args.budget_s, args.dry)
-    print(f"{suite.data['device']} x{suite.data['device_count']}, jax {jax.__version__}", flush=True)
+    with common.report(args, f"budget {args.budget_s:.0f} s" + (", dry" if args.dry else "")) as emit:
+        suite = run(args)
+        emit(suite.data)
+    return 0
 
+
+def run(args) -> Suite:
+    """Every section in order, within the budget; the JSON is rewritten after every case."""
+    plan = DRY if args.dry else FULL
+    suite = Suite(args.out, args.budget_s, args.dry)
     correctness(suite, suite.section("correctness"), plan["correctness"])
     attention(
         suite, suite.section("attention"), plan["attention"], plan["attention"]["seqs"], compare_xla=True
@@ -384,7 +398,7 @@ def main(argv=None) -> int:
     train_py(suite, suite.section("train_py"), plan["train_py"], args.out.resolve())
     attention(suite, suite.section("long_attention"), plan["attention"], plan["long_seqs"], compare_xla=False)
     print(f"done in {time.perf_counter() - suite.start:.0f} s: {suite.path}", flush=True)
-    return 0
+    return suite
 
 
 if __name__ == "__main__":

@@ -30,15 +30,15 @@ prints one JSON object (a list for several shapes) with `fwd_steps`, `bwd_steps`
 
 from __future__ import annotations
 
-import json
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from effattn_jax.cli import ArgumentParser, positive_int, positive_int_list
+from effattn_jax.cli import positive_int, positive_int_list
 from effattn_jax.ops.routing import moba_routing
+from eval.bench import common
 from pallas_kernels.moba import gpu_own, tpu_blocks, tpu_own
 from pallas_kernels.moba.parts import padded_length, reads_in_place
 from pallas_kernels.moba.schedule import BlockSizes, past_tiles
@@ -373,43 +373,39 @@ def model(seq: int, hq: int, hkv: int, *, d: int = 128, block_size: int = 512, t
 
 
 def main(argv=None) -> int:
-    p = ArgumentParser(prog="python -m eval.bench.kernel_model", description=__doc__)
+    p = common.parser(__doc__, __file__)
     p.add_argument("--seq", type=positive_int_list, default=[8192, 32768, 131072])
     p.add_argument("--kv-heads", type=positive_int_list, default=[16, 4])
     p.add_argument("--q-heads", type=positive_int, default=16)
     p.add_argument(
         "--topology", default="v5e:2x2", help="TPU topology for the routing compile; 'none' skips it"
     )
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = p.parse_args(argv)
     bad = [h for h in args.kv_heads if args.q_heads % h]
     if bad:
         p.error(f"--kv-heads {bad[0]} does not divide --q-heads {args.q_heads}")
     topology = None if args.topology == "none" else args.topology
-    rows = []
-    if not args.json:
+    with common.report(args, f"{args.q_heads} query heads, head dim 128, block 512, top_k 3, bf16") as emit:
         print(
             "| seq | Hkv | fwd steps | bwd steps | fwd FLOPs/ideal | bwd FLOPs/ideal | fwd K/V GiB "
             "| fwd HBM GiB | bwd HBM GiB | routing GiB | GPU own FLOPs/ideal fwd, bwd |"
         )
         print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for seq in args.seq:
-        for hkv in args.kv_heads:
+        rows = []
+        for seq, hkv in ((seq, hkv) for seq in args.seq for hkv in args.kv_heads):
             row = model(seq, args.q_heads, hkv, topology=topology)
             rows.append(row)
-            if not args.json:
-                rb = "-" if row["routing_bytes"] is None else f"{row['routing_bytes'] / GIB:.2f}"
-                print(
-                    f"| {seq} | {hkv} | {row['fwd_steps']:,} | {row['bwd_steps']:,} "
-                    f"| {row['fwd_flops_over_ideal']:.2f} | {row['bwd_flops_over_ideal']:.2f} "
-                    f"| {row['fwd_kv_bytes'] / GIB:.2f} | {row['fwd_hbm_bytes'] / GIB:.2f} "
-                    f"| {row['bwd_hbm_bytes'] / GIB:.2f} | {rb} "
-                    f"| {row['gpu_own_fwd_flops_over_ideal']:.2f}, "
-                    f"{row['gpu_own_bwd_flops_over_ideal']:.2f} |",
-                    flush=True,
-                )
-    if args.json:
-        print(json.dumps(rows[0] if len(rows) == 1 else rows))
+            rb = "-" if row["routing_bytes"] is None else f"{row['routing_bytes'] / GIB:.2f}"
+            print(
+                f"| {seq} | {hkv} | {row['fwd_steps']:,} | {row['bwd_steps']:,} "
+                f"| {row['fwd_flops_over_ideal']:.2f} | {row['bwd_flops_over_ideal']:.2f} "
+                f"| {row['fwd_kv_bytes'] / GIB:.2f} | {row['fwd_hbm_bytes'] / GIB:.2f} "
+                f"| {row['bwd_hbm_bytes'] / GIB:.2f} | {rb} "
+                f"| {row['gpu_own_fwd_flops_over_ideal']:.2f}, "
+                f"{row['gpu_own_bwd_flops_over_ideal']:.2f} |",
+                flush=True,
+            )
+        emit(rows[0] if len(rows) == 1 else rows)
     return 0
 
 

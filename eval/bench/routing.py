@@ -1,24 +1,25 @@
 """The MoBA XLA path (gate included) of this tree against another checkout's, in one run.
 
-    python -m eval.bench.routing [--baseline DIR] [--seq 16384] [--repeats 3]
+    python -m eval.bench.routing [--baseline DIR] [--seq 16384] [--repeats 3] [--json]
 
 Forward + backward of `moba_attention(impl="xla")` (batch 1, 4 heads, head dim 64, block 512,
 top_k 3, float32, random inputs), once with one document per row and once with two packed
 documents. With `--baseline DIR` (a checkout of another revision, e.g. `git worktree add DIR
 REV`), each measurement runs in a fresh process with that tree's `effattn_jax` or this one's,
-the two alternating `--repeats` times; medians, and the largest difference of outputs and
-gradients between the trees. Nothing is patched: each process imports its own tree.
+the two alternating `--repeats` times (eval/timing.py); medians, and the largest difference of
+outputs and gradients between the trees. Nothing is patched: each process imports its own tree.
+`--json` prints a list of rows {case, seq, this_tree_ms, and with --baseline: baseline_ms, ratio,
+max_abs_difference}.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -64,34 +65,34 @@ def _run(tree: Path, seq: int, case: str, out: str) -> float:
 
 
 def main(argv=None) -> int:
-    from effattn_jax.cli import ArgumentParser, positive_int
+    from effattn_jax.cli import positive_int  # here, not above: `measure` runs this file in other trees
+    from eval.bench import common
+    from eval.timing import alternated
 
-    p = ArgumentParser(prog="python -m eval.bench.routing", description=__doc__)
+    p = common.parser(__doc__, __file__)
     p.add_argument("--baseline", type=Path, help="a checkout of the revision to compare against")
     p.add_argument("--seq", type=positive_int, default=16384)
     p.add_argument("--repeats", type=positive_int, default=3)
-    p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     trees = {"this tree": ROOT} | ({"baseline": args.baseline.resolve()} if args.baseline else {})
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
+    with common.report(args, f"MoBA xla fwd+bwd at {args.seq}") as emit, tempfile.TemporaryDirectory() as tmp:
         for case in CASES:
-            times = {label: [] for label in trees}
-            for _ in range(args.repeats):
-                for label, tree in trees.items():
-                    times[label].append(_run(tree, args.seq, case, f"{tmp}/{label[0]}.npz"))
+            runs = {
+                label: partial(_run, tree, args.seq, case, f"{tmp}/{label[0]}.npz")
+                for label, tree in trees.items()
+            }
+            ms = alternated(runs, args.repeats, warmup=0)  # each run warms up in its own process
             row = {"case": case, "seq": args.seq} | {
-                f"{label.replace(' ', '_')}_ms": statistics.median(t) for label, t in times.items()
+                f"{label.replace(' ', '_')}_ms": ms[label] for label in trees
             }
             if args.baseline:
                 a, b = (np.load(f"{tmp}/{label[0]}.npz") for label in trees)
                 row["ratio"] = row["this_tree_ms"] / row["baseline_ms"]
                 row["max_abs_difference"] = max(float(np.abs(a[n] - b[n]).max()) for n in a.files)
             rows.append(row)
-            if not args.json:
-                print(", ".join(f"{k} {v:,.4g}" if isinstance(v, float) else f"{v}" for k, v in row.items()))
-    if args.json:
-        print(json.dumps(rows))
+            print(", ".join(f"{k} {v:,.4g}" if isinstance(v, float) else f"{v}" for k, v in row.items()))
+        emit(rows)
     return 0
 
 

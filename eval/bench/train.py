@@ -1,20 +1,22 @@
 """Training throughput vs this machine's float32 matmul peak, measured in one run.
 
     python -m eval.bench.train --config configs/cpu/default.yaml [key=value ...] [--repeats 5]
-        [--profile 15]
+        [--profile 15] [--json]
 
 Alternates timed train steps (synthetic tokens, the real step function and
-shardings) with timed large matmuls so that machine noise hits both; reports
+shardings) with timed large matmuls so that machine noise hits both (eval/timing.py); reports
 medians, tokens/s, model FLOP/s and its fraction of the matmul peak. `--profile N` then
 traces a few steps and prints the N XLA ops that took the most time: where the step goes.
+`--json` prints {params, non_embedding_params, flops_per_token, batch, seq_len, compile_s, step_s,
+tokens_per_s, model_flops_per_s, matmul_peak_flops_per_s, fraction_of_peak, head_loss_s,
+head_matmuls_s, head_matmuls_flops_per_s, free_softmax_fraction_of_peak, top_ops: [[op, seconds
+per step], ...]}.
 """
 
 from __future__ import annotations
 
-import argparse
 import collections
 import glob
-import statistics
 import tempfile
 import time
 
@@ -23,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from effattn_jax.cli import positive_int
 from effattn_jax.config import load_config
 from effattn_jax.flops import train_flops_per_token
 from effattn_jax.model import param_counts
@@ -30,7 +33,8 @@ from effattn_jax.ops.cross_entropy import chunk_len, chunked_cross_entropy
 from effattn_jax.sharding import config_mesh
 from effattn_jax.train.state import init_state, make_setup
 from effattn_jax.train.step import make_train_step
-from eval.bench.common import synthetic_batch, time_once
+from eval.bench import common
+from eval.timing import alternated, seconds
 
 
 def matmul_peak(n: int = 2048):
@@ -120,48 +124,61 @@ def top_ops(step, state, batch, steps: int = 3):
 def _warm_timer(f, *args):
     """Runs f once (compile), then returns a timer of one call."""
     jax.block_until_ready(f(*args))
-    return lambda: time_once(f, args)
+    return seconds(f, *args)
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser()
+    p = common.parser(__doc__, __file__)
     p.add_argument("--config", default="configs/cpu/default.yaml")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--steps-per-repeat", type=int, default=3)
+    p.add_argument("--repeats", type=positive_int, default=5)
+    p.add_argument("--steps-per-repeat", type=positive_int, default=3)
     p.add_argument("--profile", type=int, default=0, metavar="N", help="print the N costliest XLA ops")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
+    with common.report(args, f"{args.config} {' '.join(args.overrides)}".strip()) as emit:
+        emit(measure(args))
+
+
+def measure(args) -> dict:
+    """Every figure, printed as it is known; the dict --json prints."""
     cfg = load_config(args.config, args.overrides)
     mesh = config_mesh(cfg.mesh)
     setup = make_setup(cfg, mesh)
     state = init_state(setup)
     step = make_train_step(setup)
     b, s = cfg.data.batch_size, cfg.data.seq_len
-    batch = jax.device_put(synthetic_batch(b, s), setup.batch_sharding())
+    batch = jax.device_put(common.synthetic_batch(b, s), setup.batch_sharding())
     t0 = time.perf_counter()
     state, m = step(state, batch)
     jax.block_until_ready(m)
     compile_s = time.perf_counter() - t0
-    peak_once = matmul_peak()
     counts = param_counts(setup.model(state["params"]))
     flops_tok = train_flops_per_token(cfg, counts["non_embedding"])
+    run = {"state": state}
 
-    head_once = head_loss_timer(cfg, jnp.copy(state["params"]["embed"]), batch)
-    matmuls_once = head_matmuls_timer(cfg, jnp.copy(state["params"]["embed"]), batch)
-    step_times, peaks, head_times, matmul_times = [], [], [], []
-    for _ in range(args.repeats):
+    def steps() -> float:
         t = time.perf_counter()
         for _ in range(args.steps_per_repeat):
-            state, m = step(state, batch)
+            run["state"], m = step(run["state"], batch)
         jax.block_until_ready(m)
-        step_times.append((time.perf_counter() - t) / args.steps_per_repeat)
-        peaks.append(peak_once())
-        head_times.append(head_once())
-        matmul_times.append(matmuls_once())
-    st, peak, ht = statistics.median(step_times), statistics.median(peaks), statistics.median(head_times)
-    mt = statistics.median(matmul_times)
+        return (time.perf_counter() - t) / args.steps_per_repeat
+
+    contenders = {  # each warmed up already
+        "step": steps,
+        "peak": matmul_peak(),  # FLOP/s, best of 5
+        "head": head_loss_timer(cfg, jnp.copy(state["params"]["embed"]), batch),
+        "matmuls": head_matmuls_timer(cfg, jnp.copy(state["params"]["embed"]), batch),
+    }
+    med = alternated(contenders, args.repeats, warmup=0)
+    st, peak, ht, mt = med["step"], med["peak"], med["head"], med["matmuls"]
     tok_s = b * s / st
-    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind} x{jax.device_count()}")
+    head_flops = 6 * b * s * cfg.model.d_model * cfg.model.vocab_size
+    out = {"params": counts["total"], "non_embedding_params": counts["non_embedding"],
+           "flops_per_token": flops_tok, "batch": b, "seq_len": s, "compile_s": compile_s, "step_s": st,
+           "tokens_per_s": tok_s, "model_flops_per_s": tok_s * flops_tok, "matmul_peak_flops_per_s": peak,
+           "fraction_of_peak": tok_s * flops_tok / peak, "head_loss_s": ht, "head_matmuls_s": mt,
+           "head_matmuls_flops_per_s": head_flops / mt,
+           "free_softmax_fraction_of_peak": tok_s * flops_tok * st / (st - ht + mt) / peak}  # fmt: skip
     print(
         f"model: {counts['total']:,} params ({counts['non_embedding']:,} non-embedding), "
         f"{flops_tok / 1e6:.1f} MFLOP/token, batch {b}x{s}"
@@ -172,23 +189,25 @@ def main(argv=None):
         f"model FLOP/s: {tok_s * flops_tok / 1e9:.1f} GFLOP/s; "
         f"float32 matmul peak (best of 5 2048^3 per repeat, median): {peak / 1e9:.1f} GFLOP/s"
     )
-    print(f"fraction of peak: {tok_s * flops_tok / peak:.1%}")
+    print(f"fraction of peak: {out['fraction_of_peak']:.1%}")
     print(
         f"output head + cross-entropy alone (fwd+bwd, loss_chunk_tokens={cfg.model.loss_chunk_tokens}): "
         f"{ht * 1e3:.0f} ms = {ht / st:.0%} of the step"
     )
-    head_flops = 6 * b * s * cfg.model.d_model * cfg.model.vocab_size
     print(
         f"output head's 3 matmuls alone (no softmax): {mt * 1e3:.0f} ms = {head_flops / mt / 1e9:.1f} "
         f"GFLOP/s ({head_flops / mt / peak:.0%} of the peak); the step with a free softmax: "
-        f"{tok_s * flops_tok * st / (st - ht + mt) / peak:.1%} of the peak"
+        f"{out['free_softmax_fraction_of_peak']:.1%} of the peak"
     )
+    out["top_ops"] = []
     if args.profile:
         print(
             f"costliest XLA ops, ms per step summed over threads (profiled; the step is {st * 1e3:.0f} ms):"
         )
-        for name, sec in top_ops(step, state, batch)[: args.profile]:
+        out["top_ops"] = top_ops(step, run["state"], batch)[: args.profile]
+        for name, sec in out["top_ops"]:
             print(f"  {sec * 1e3:8.1f}  {sec / st:5.1%}  {name}")
+    return out
 
 
 if __name__ == "__main__":
