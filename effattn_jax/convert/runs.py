@@ -21,6 +21,7 @@ from effattn_jax.convert.hf_config import (
     read_hf_config,
 )
 from effattn_jax.convert.weights import layouts, load_weights, mla_tensors
+from effattn_jax.sharding import leaves_by_path
 
 
 def check_tokenizer(model_dir: Path, vocab_size: int) -> Path:
@@ -45,7 +46,7 @@ def from_hf(model_dir: str | Path, out: str | Path, overrides: list[str] = ()) -
     from effattn_jax import checkpoint
     from effattn_jax.config import load_config
     from effattn_jax.sharding import make_mesh
-    from effattn_jax.train.loop import record_provenance
+    from effattn_jax.train.provenance import record_provenance
     from effattn_jax.train.run_dir import exclusive
     from effattn_jax.train.state import make_setup
 
@@ -110,10 +111,7 @@ def to_hf(run_dir: str | Path, out: str | Path, step: str = "latest") -> list[st
             "as its dense architecture (the weights are the same); its MoBA settings are in "
             "config.json's effattn_moba"
         )
-    flat = {
-        tuple(str(getattr(k, "key", k)) for k in path): leaf
-        for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
-    }
+    flat = leaves_by_path(params)
     tensors = {
         name: np.ascontiguousarray(theirs(np.asarray(flat[key], np.float32)))
         for name, (key, _, theirs) in layouts(hf).items()

@@ -9,16 +9,13 @@ SIGTERM/SIGINT finishes its step, checkpoints, prints
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 
 import jax
@@ -28,7 +25,7 @@ from tqdm import tqdm
 
 from effattn_jax import checkpoint, storage
 from effattn_jax.checkpoint.store import unwritable
-from effattn_jax.config import MESH_AXES, Config, ConfigError, to_yaml
+from effattn_jax.config import MESH_AXES, Config, ConfigError
 from effattn_jax.data.pipeline import build_corpus, train_iterator, unigram_loss, val_batches
 from effattn_jax.flops import peak_flops, train_flops_per_token
 from effattn_jax.memory import DoesNotFit, check_fits
@@ -39,21 +36,11 @@ from effattn_jax.storage import AnyPath
 from effattn_jax.train import run_dir as run_guard
 from effattn_jax.train.gpu_tiles import check_moba_gpu_tiles
 from effattn_jax.train.metrics import ScalarWriter
+from effattn_jax.train.provenance import record_provenance
 from effattn_jax.train.state import init_state, make_setup
 from effattn_jax.train.step import all_finite, make_eval_step, make_train_step
 
 PREEMPTED_EXIT = 143
-PACKAGES = (
-    "jax",
-    "jaxlib",
-    "flax",
-    "optax",
-    "orbax-checkpoint",
-    "grain",
-    "tensorboard",
-    "numpy",
-    "tokenizers",
-)
 
 
 class Preempted(SystemExit):
@@ -69,47 +56,6 @@ def _nonfinite_steps(flags: list) -> list[int]:
     """The steps among (step, device flag) pairs whose flag is set: one host transfer for all."""
     values = jax.device_get([f for _, f in flags]) if flags else []
     return [s for (s, _), v in zip(flags, values, strict=True) if int(v)]
-
-
-def _git_commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            cwd=Path(__file__).parent,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-        return out.stdout.strip() or "unknown"
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
-
-
-def _versions() -> dict[str, str]:
-    out = {}
-    for p in PACKAGES:
-        try:
-            out[p] = metadata.version(p)
-        except metadata.PackageNotFoundError:
-            out[p] = "not installed"
-    return out
-
-
-def record_provenance(run_dir: AnyPath, cfg: Config) -> None:
-    """Resolved config (config.yaml, written once per launch) and one line per launch in
-    launches.jsonl, rewritten whole (an object store has no append)."""
-    storage.write_atomic(run_dir / "config.yaml", to_yaml(cfg))
-    entry = {
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "argv": sys.argv,
-        "git_commit": _git_commit(),
-        "packages": _versions(),
-        "devices": [str(d) for d in jax.devices()],
-        "process_count": jax.process_count(),
-    }
-    launches = run_dir / "launches.jsonl"
-    before = storage.read_text(launches) if launches.exists() else ""
-    storage.write_atomic(launches, before + json.dumps(entry) + "\n")
 
 
 class _StopFlag:
