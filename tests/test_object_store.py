@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -21,6 +20,7 @@ from effattn_jax.checkpoint.store import unwritable
 from effattn_jax.config import ConfigError, load_config
 from effattn_jax.data.corpus import DataError, Inputs, expand_globs
 from effattn_jax.data.prepare import prepare
+from effattn_jax.data.shards import MANIFEST
 from effattn_jax.train import run_dir as run_guard
 from effattn_jax.train.loop import run
 from effattn_jax.train.metrics import ScalarWriter, read_scalars
@@ -74,9 +74,10 @@ def url(*parts: str) -> str:
     return "/".join([f"gs://{BUCKET}", *parts])
 
 
-def test_object_store_primitives(gcs):
+def test_object_store_primitives(gcs, tmp_path):
     """The operations that differ on an object store: a conditional create, a move that copies and
-    deletes, an atomic write, a recursive listing, and TensorBoard events written whole."""
+    deletes, an atomic write, a recursive listing, a staged upload, and TensorBoard events written
+    whole."""
     lock = storage.path(url("prims", "lock"))
     assert storage.create_exclusive(lock, "a") and not storage.create_exclusive(lock, "b")
     text, generation = storage.read_versioned(lock)
@@ -102,6 +103,20 @@ def test_object_store_primitives(gcs):
     gcs.blob("prims/in/a.txt").upload_from_string("changed")
     assert expand_globs([url("prims", "in", "a.txt")], "k")[0].read_text() == "changed"
 
+    # a staged directory: uploaded when the block ends (hidden names stay local), kept when it fails
+    with storage.staged(url("prims", "staged")) as stage:
+        (stage.dir / "sub").mkdir()
+        for name in ("a.png", "sub/b.json", ".lock"):
+            (stage.dir / name).write_text(name)
+    assert not stage.dir.exists()
+    uploaded = storage.files_under(storage.path(url("prims", "staged")))
+    assert [str(p).rpartition("staged/")[2] for p in uploaded] == ["a.png", "sub/b.json"]
+    staging = tmp_path / "staging"
+    with pytest.raises(RuntimeError), storage.staged(url("prims", "failed"), staging) as stage:
+        (stage.dir / "part.txt").write_text("unfinished")
+        raise RuntimeError
+    assert (staging / "part.txt").exists() and not storage.path(url("prims", "failed")).exists()
+
     writer = ScalarWriter(url("prims", "tb"))
     for step in range(1, 4):
         writer.scalars(step, {"loss": 1.0 / step})
@@ -123,7 +138,10 @@ def corpora(gcs, tmp_path_factory):
     remote = prepare(inputs, url("corpus"), tokenizer="gpt-neox-olmo", workers=0, progress=False)
     local = prepare(inputs, root.parent / "prepared", tokenizer="gpt-neox-olmo", workers=0, progress=False)
     assert remote.data == local.data  # the same shards, now in the bucket
-    assert not any(storage.path(url("corpus")).glob("*.tmp"))
+    # exactly the corpus's files: no lock, progress or partial file of the staging directory
+    shards = {s["file"] for split in ("train", "val") for s in remote.data[split]["shards"]}
+    uploaded = {str(p)[len(url("corpus")) + 1 :] for p in storage.files_under(storage.path(url("corpus")))}
+    assert uploaded == shards | {MANIFEST, "train_token_counts.npy"}
     return {"remote": url("corpus"), "local": str(root.parent / "prepared"), "root": root}
 
 
@@ -244,30 +262,42 @@ def _steps(run_dir: str) -> tuple[list[str], list[str]]:
     return whole, [p.name for p in names if p.name not in whole]
 
 
+# train.py, killed (SIGKILL) at a known point of step 3's save: its objects written and committed
+# by Orbax, its checksum manifest not yet written
+KILLED_BEFORE_THE_MANIFEST = """
+import os, runpy, signal, sys
+from effattn_jax import checksums
+write_manifest = checksums.write_manifest
+def killed_at_step_3(step_dir):
+    if str(step_dir).endswith("/checkpoints/3"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    write_manifest(step_dir)
+checksums.write_manifest = killed_at_step_3
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
 @pytest.mark.slow
 def test_kill9_during_a_save_on_gs_resumes_to_the_same_result(gcs, corpora, tmp_path, capsys):
-    """train.py on a gs:// run dir, killed (SIGKILL) while a step's objects are being written; the
-    rerun sets the unfinished step aside or removes it, resumes, and ends with the losses of a run
-    that was never interrupted. A lock left by the killed process is taken over (its pid is gone)."""
+    """train.py on a gs:// run dir, killed (SIGKILL) in the middle of step 3's save; the rerun sets
+    the unfinished step aside, resumes, and ends with the losses of a run that was never
+    interrupted. A lock left by the killed process is taken over (its pid is gone)."""
     remote = url("killed")
     extra = {"train.steps": 6, "checkpoint.every_steps": 1}
-    cmd = [sys.executable, str(ROOT / "train.py"), "--config", str(ROOT / "configs/cpu/default.yaml")]
+    cmd = [sys.executable, "-c", KILLED_BEFORE_THE_MANIFEST, str(ROOT / "train.py")]
+    cmd += ["--config", str(ROOT / "configs/cpu/default.yaml")]
     cmd += overrides(corpora, "remote", remote, **extra)
-    with open(tmp_path / "killed.log", "w") as log:
-        p = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=log, env=os.environ | {"JAX_PLATFORMS": "cpu"})
-    try:
-        end = time.time() + 120
-        while not all(_steps(remote)):  # a step saved, and the next one being written
-            assert p.poll() is None and time.time() < end, (tmp_path / "killed.log").read_text()[-2000:]
-            time.sleep(0.02)
-        p.send_signal(signal.SIGKILL)
-        p.wait(timeout=30)
-    finally:
-        p.kill()
-    assert _steps(remote)[1]  # killed with a step half-saved
+    p = subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=240, env=os.environ | {"JAX_PLATFORMS": "cpu"}
+    )
+    assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
+    whole, partial = _steps(remote)
+    assert "2" in whole and partial == ["3"]  # killed with step 3 half-saved
 
     resumed = run(load_config(None, overrides(corpora, "remote", remote, **extra)))
-    assert "removing a stale lock" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "removing a stale lock" in err and "checkpoint step 3 cannot be verified" in err
     assert checkpoint.kept_steps(remote)[-1] == 6 and not _steps(remote)[1]
     local = tmp_path / "local"
     whole = run(load_config(None, overrides(corpora, "local", str(local), **extra)))
