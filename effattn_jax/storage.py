@@ -28,6 +28,7 @@ from etils import epath
 REMOTE_SCHEMES = ("gs://",)
 AnyPath = Union[Path, epath.Path]  # noqa: UP007 - a runtime alias
 _configured = False
+PROBE_SECONDS = 5.0  # how long a bucket is tried before it is called unreachable
 
 
 def is_remote(p: str | os.PathLike) -> bool:
@@ -292,6 +293,7 @@ def remove_version(p: AnyPath, generation: int | None) -> None:
 
 
 _CLIENTS = threading.local()  # a client per thread (checksums are written from a background thread)
+_VERDICTS: dict[str, str | None] = {}  # bucket -> why it cannot be used (None: it can)
 
 
 def _client():
@@ -309,6 +311,74 @@ def _blob(p: AnyPath):
     return _client().bucket(bucket).blob(name)
 
 
+def unreachable(p: str | os.PathLike) -> str | None:
+    """Why the bucket of a gs:// path cannot be used from here (no credentials, no network, no
+    such bucket, no access), found within a few seconds: the libraries alone retry for minutes,
+    logging tracebacks. None when it can, and for a local path. Asked once per bucket."""
+    if not is_remote(p):
+        return None
+    bucket = str(p)[len("gs://") :].partition("/")[0]
+    if bucket not in _VERDICTS:
+        found: list[str | None] = []
+        probe = threading.Thread(target=lambda: found.append(_probe(bucket)), daemon=True)
+        probe.start()
+        probe.join(2 * PROBE_SECONDS)  # a bound whatever the libraries do inside
+        late = f"gs://{bucket}: no answer from Cloud Storage in {2 * PROBE_SECONDS:g} s; check the network"
+        _VERDICTS[bucket] = found[0] if found else late
+    return _VERDICTS[bucket]
+
+
+def _probe(bucket: str) -> str | None:
+    """One listing of at most one object of the bucket, retried for PROBE_SECONDS."""
+    import google.auth.exceptions
+    from google.api_core import exceptions
+    from google.cloud.storage.retry import DEFAULT_RETRY
+
+    where = f"gs://{bucket}"
+    try:
+        client = _client()
+        retry = DEFAULT_RETRY.with_timeout(PROBE_SECONDS).with_delay(initial=0.25, maximum=1.0)
+        list(client.list_blobs(bucket, max_results=1, timeout=PROBE_SECONDS, retry=retry))
+    except google.auth.exceptions.DefaultCredentialsError as e:
+        found = str(e).split(". ")[0].rstrip(".")[:200]
+        return (
+            f"{where}: no Google Cloud credentials ({found}); set up Application Default Credentials "
+            "(gcloud auth application-default login, GOOGLE_APPLICATION_CREDENTIALS, "
+            "or a VM's service account)"
+        )
+    except google.auth.exceptions.GoogleAuthError as e:
+        return f"{where}: the Google Cloud credentials cannot be used ({_first_line(e)})"
+    except exceptions.NotFound:
+        return f"{where}: no such bucket"
+    except exceptions.Forbidden as e:
+        return f"{where}: access denied ({_first_line(e)})"
+    except exceptions.GoogleAPICallError as e:
+        return f"{where}: {_first_line(e)}"
+    except Exception as e:  # noqa: BLE001 - the network's failures come in many types
+        return f"{where}: cannot reach Cloud Storage within {PROBE_SECONDS:g} s ({_network_reason(e)})"
+    return None
+
+
+def _network_reason(e: BaseException) -> str:
+    """What failed, in words, from a connection error and the errors it chains from."""
+    text = " ".join(str(x) for x in (e, getattr(e, "cause", None), e.__cause__) if x is not None)
+    host = (os.environ.get("STORAGE_EMULATOR_HOST") or "https://storage.googleapis.com").split("://")[-1]
+    dns = ("Name or service not known", "Failed to resolve", "name resolution", "nodename nor servname")
+    if any(s in text for s in dns):
+        return f"DNS: the name {host.split(':')[0]} does not resolve"
+    if "Connection refused" in text:
+        return f"network: {host} refused the connection"
+    if "timed out" in text.lower() or "timeout" in text.lower():
+        return f"network: {host} did not answer"
+    return f"network: {_first_line(e)}"
+
+
+def _first_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}".splitlines()[0][:200]
+
+
 def reset_clients() -> None:
-    """Forgets this thread's client (after the emulator or credentials changed)."""
+    """Forgets this thread's client and the buckets' verdicts (after the emulator or credentials
+    changed)."""
     _CLIENTS.client = None
+    _VERDICTS.clear()

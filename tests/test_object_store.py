@@ -1,15 +1,18 @@
 """Runs and corpora on Cloud Storage (gs://), against fake-gcs-server on 127.0.0.1 (started and
 stopped here; the libraries reach it through their documented emulator settings): the same
 losses as on local disk across 2 processes, a save cut by kill -9, a corrupt object set aside,
-the lock, and eval and generate reading the remote run."""
+the lock, eval and generate reading the remote run, and a bucket that cannot be reached
+refused in one line."""
 
 import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -305,3 +308,37 @@ def test_kill9_during_a_save_on_gs_resumes_to_the_same_result(gcs, corpora, tmp_
     # the steps logged (those since the killed launch's last flush are logged again by the rerun)
     a, b = losses(remote), losses(local)
     assert 6 in a and [a[s] for s in a] == pytest.approx([b[s] for s in a], rel=1e-5)
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow  # subprocesses
+@pytest.mark.parametrize(
+    "env, says",
+    [
+        ({"STORAGE_EMULATOR_HOST": "http://gcs.invalid:4443"}, "DNS: the name gcs.invalid does not resolve"),
+        ({"STORAGE_EMULATOR_HOST": "http://127.0.0.1:{port}"}, "refused the connection"),
+        ({"GOOGLE_APPLICATION_CREDENTIALS": "/nonexistent/adc.json"}, "no Google Cloud credentials"),
+    ],
+    ids=["dns", "refused", "credentials"],
+)
+def test_an_unreachable_bucket_ends_train_py_in_one_line(tmp_path, corpus_dir, env, says):
+    """train.run_dir in a bucket that cannot be reached (its endpoint does not resolve or refuses,
+    or there are no credentials): one line naming the bucket and what failed, exit 2, in seconds.
+    The client libraries alone retried for over 90 s, logging tracebacks."""
+    env = {k: v.format(port=_closed_port()) for k, v in env.items()}
+    bare = {k: v for k, v in os.environ.items() if k not in (*EMULATOR_ENV, "GOOGLE_APPLICATION_CREDENTIALS")}
+    run_dir = "gs://effattn-unreachable/run"
+    cmd = [sys.executable, str(ROOT / "train.py"), *tiny_overrides(corpus_dir, run_dir)]
+    start = time.perf_counter()
+    p = subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=150, env=bare | env | {"JAX_PLATFORMS": "cpu"}
+    )
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1, p.stderr[-3000:]
+    assert "gs://effattn-unreachable:" in lines[0] and says in lines[0], lines[0]
+    assert time.perf_counter() - start < 60

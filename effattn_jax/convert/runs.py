@@ -50,6 +50,8 @@ def from_hf(model_dir: str | Path, out: str | Path, overrides: list[str] = ()) -
     from effattn_jax.train.run_dir import exclusive
     from effattn_jax.train.state import make_setup
 
+    if why := storage.unreachable(out):
+        raise ConvertError(f"--out={out}: {why}")
     model_dir, out = Path(model_dir), Path(out).absolute()
     if out.exists() and any(out.iterdir()):
         raise ConvertError(f"--out={out}: not empty; convert into a new run directory")
@@ -88,6 +90,8 @@ def to_hf(run_dir: str | Path, out: str | Path, step: str = "latest") -> list[st
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise ConvertError(f"--out={out}: not empty; export into a new directory")
+    if why := storage.unreachable(run_dir):
+        raise ConvertError(f"--run={run_dir}: {why}")
     try:
         step = checkpoint.select_steps(run_dir, step)[0]
         cfg, _, params = checkpoint.load_params(run_dir, step)

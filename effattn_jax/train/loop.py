@@ -88,6 +88,8 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict:
     The directory is locked for the run (one writer) and a resumed run must keep its config
     (effattn_jax/train/run_dir.py), both checked before anything in it is written."""
     run_dir = storage.path(cfg.train.run_dir)
+    if why := storage.unreachable(run_dir):  # in seconds, before anything compiles
+        raise ConfigError("train.run_dir", str(run_dir), why)
     corpus = build_corpus(cfg.data)
     if corpus.vocab_size > cfg.model.vocab_size:
         raise ConfigError(
