@@ -1,8 +1,8 @@
 """Runs and corpora on Cloud Storage (gs://), against fake-gcs-server on 127.0.0.1 (started and
 stopped here; the libraries reach it through their documented emulator settings): the same
 losses as on local disk across 2 processes, a save cut by kill -9, a corrupt object set aside,
-the lock, eval and generate reading the remote run, and a bucket that cannot be reached
-refused in one line."""
+the lock, eval and generate reading the remote run, a converted model written to the bucket, and
+a bucket that cannot be reached refused in one line."""
 
 import json
 import os
@@ -308,6 +308,26 @@ def test_kill9_during_a_save_on_gs_resumes_to_the_same_result(gcs, corpora, tmp_
     # the steps logged (those since the killed launch's last flush are logged again by the rerun)
     a, b = losses(remote), losses(local)
     assert 6 in a and [a[s] for s in a] == pytest.approx([b[s] for s in a], rel=1e-5)
+
+
+def test_convert_from_hf_writes_the_run_into_the_bucket(gcs, tmp_path, monkeypatch, capsys):
+    """`convert from-hf --out gs://...` writes the run into the bucket (not a local directory
+    ./gs:/bucket/...); `to-hf` of that run gives the model's tensors back."""
+    from safetensors.numpy import load_file
+
+    from effattn_jax.convert import main as convert_main
+
+    monkeypatch.chdir(tmp_path)
+    model, run_dir = ROOT / "tests" / "fixtures" / "hf" / "llama", url("converted")
+    assert convert_main(["from-hf", "--model", str(model), "--out", run_dir]) == 0
+    assert not (tmp_path / "gs:").exists()
+    names = {p.name for p in storage.path(run_dir).iterdir()}
+    assert {"tokenizer.json", "config.yaml", "launches.jsonl", "checkpoints"} <= names
+    assert "run.lock" not in names
+    assert checkpoint.kept_steps(run_dir) == [0]
+    assert convert_main(["to-hf", "--run", run_dir, "--out", str(tmp_path / "hf")]) == 0
+    theirs, ours = load_file(model / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
+    assert sorted(ours) == sorted(theirs) and all(np.array_equal(ours[k], theirs[k]) for k in theirs)
 
 
 def _closed_port() -> int:

@@ -40,7 +40,7 @@ def check_tokenizer(model_dir: Path, vocab_size: int) -> Path:
     return path
 
 
-def from_hf(model_dir: str | Path, out: str | Path, overrides: list[str] = ()) -> Path:
+def from_hf(model_dir: str | Path, out: str | Path, overrides: list[str] = ()) -> storage.AnyPath:
     """Converts `model_dir` into the run directory `out` (step 0); returns it. Everything is
     checked (config, tokenizer, every tensor) before anything is written."""
     from effattn_jax import checkpoint
@@ -52,7 +52,7 @@ def from_hf(model_dir: str | Path, out: str | Path, overrides: list[str] = ()) -
 
     if why := storage.unreachable(out):
         raise ConvertError(f"--out={out}: {why}")
-    model_dir, out = Path(model_dir), Path(out).absolute()
+    model_dir, out = Path(model_dir), storage.path(out)
     if out.exists() and any(out.iterdir()):
         raise ConvertError(f"--out={out}: not empty; convert into a new run directory")
     hf = read_hf_config(model_dir)
@@ -63,8 +63,8 @@ def from_hf(model_dir: str | Path, out: str | Path, overrides: list[str] = ()) -
     setup = make_setup(cfg, make_mesh(1, 1, 1, devices=jax.local_devices()[:1]))
     params = load_weights(model_dir, hf, setup.abstract_state["params"])
     out.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(source_tokenizer, out / "tokenizer.json")
-    shutil.copyfile(model_dir / "config.json", out / HF_CONFIG)  # the family, for to-hf
+    storage.copy_file(source_tokenizer, out / "tokenizer.json")
+    storage.copy_file(model_dir / "config.json", out / HF_CONFIG)  # the family, for to-hf
     with exclusive(out):
         record_provenance(out, cfg)
         # at most the largest tensor in flight while saving (whole GB, as Orbax counts), so host
