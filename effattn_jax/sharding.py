@@ -23,6 +23,15 @@ from effattn_jax.config import MESH_AXES
 Rules = tuple[tuple[str, tuple[str, ...]], ...]  # hashable, so modules and jit can hold it
 
 
+def leaves_by_path(tree) -> dict[tuple[str, ...], object]:
+    """A pytree's leaves keyed by their path of dict keys and attribute names (as strings): how a
+    parameter tree is matched against another format's names or another tree's shapes."""
+    return {
+        tuple(str(getattr(k, "key", k)) for k in path): leaf
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+    }
+
+
 def sharding_rules(cfg) -> Rules:
     """The config's `mesh.rules` table in hashable form."""
     return tuple((name, tuple(axes)) for name, axes in cfg.mesh.rules.items())

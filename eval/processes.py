@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -32,14 +30,8 @@ def output_dir(out: str):
     gs:// URL a temporary one whose files are uploaded to it when the command is done."""
     from effattn_jax import storage
 
-    if not storage.is_remote(out):
-        Path(out).mkdir(parents=True, exist_ok=True)
-        yield Path(out)
-        return
-    with tempfile.TemporaryDirectory(prefix="effattn-eval-out-") as tmp:
-        yield Path(tmp)
-        for f in sorted(Path(tmp).iterdir()):
-            storage.upload(f, storage.path(out) / f.name)
+    with storage.staged(out) as stage:
+        yield stage.dir
 
 
 def persistent_compilation_cache() -> None:

@@ -215,6 +215,8 @@ def _config_and_seed(run: str) -> tuple[str, list[str]]:
 
 def run_recipe(name: str, *, root: Path, results: Path, only=None, overrides=(), redraw=False) -> list[dict]:
     """Trains and summarizes every run of a recipe that has no summary yet; returns all summaries."""
+    from effattn_jax import storage
+
     recipe = RECIPES[name]
     out = results / name
     out.mkdir(parents=True, exist_ok=True)
@@ -239,9 +241,7 @@ def run_recipe(name: str, *, root: Path, results: Path, only=None, overrides=(),
             "train_seconds": round(seconds, 1),
         }
         summary["eval_seconds"] = round(time.perf_counter() - start, 1)
-        tmp = summary_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(summary, indent=1) + "\n")
-        tmp.rename(summary_path)
+        storage.write_atomic(summary_path, json.dumps(summary, indent=1) + "\n")
         print(f"{run}: summary written, {summary['train_seconds']} s training", flush=True)
     summaries = [json.loads((out / f"{r}.json").read_text()) for r in runs if (out / f"{r}.json").exists()]
     if summaries:

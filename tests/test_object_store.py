@@ -1,12 +1,14 @@
 """Runs and corpora on Cloud Storage (gs://), against fake-gcs-server on 127.0.0.1 (started and
 stopped here; the libraries reach it through their documented emulator settings): the same
 losses as on local disk across 2 processes, a save cut by kill -9, a corrupt object set aside,
-the lock, and eval and generate reading the remote run."""
+the lock, eval and generate reading the remote run, a converted model written to the bucket, and
+a bucket that cannot be reached refused in one line."""
 
 import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -21,6 +23,7 @@ from effattn_jax.checkpoint.store import unwritable
 from effattn_jax.config import ConfigError, load_config
 from effattn_jax.data.corpus import DataError, Inputs, expand_globs
 from effattn_jax.data.prepare import prepare
+from effattn_jax.data.shards import MANIFEST
 from effattn_jax.train import run_dir as run_guard
 from effattn_jax.train.loop import run
 from effattn_jax.train.metrics import ScalarWriter, read_scalars
@@ -74,9 +77,10 @@ def url(*parts: str) -> str:
     return "/".join([f"gs://{BUCKET}", *parts])
 
 
-def test_object_store_primitives(gcs):
+def test_object_store_primitives(gcs, tmp_path):
     """The operations that differ on an object store: a conditional create, a move that copies and
-    deletes, an atomic write, a recursive listing, and TensorBoard events written whole."""
+    deletes, an atomic write, a recursive listing, a staged upload, and TensorBoard events written
+    whole."""
     lock = storage.path(url("prims", "lock"))
     assert storage.create_exclusive(lock, "a") and not storage.create_exclusive(lock, "b")
     text, generation = storage.read_versioned(lock)
@@ -102,6 +106,20 @@ def test_object_store_primitives(gcs):
     gcs.blob("prims/in/a.txt").upload_from_string("changed")
     assert expand_globs([url("prims", "in", "a.txt")], "k")[0].read_text() == "changed"
 
+    # a staged directory: uploaded when the block ends (hidden names stay local), kept when it fails
+    with storage.staged(url("prims", "staged")) as stage:
+        (stage.dir / "sub").mkdir()
+        for name in ("a.png", "sub/b.json", ".lock"):
+            (stage.dir / name).write_text(name)
+    assert not stage.dir.exists()
+    uploaded = storage.files_under(storage.path(url("prims", "staged")))
+    assert [str(p).rpartition("staged/")[2] for p in uploaded] == ["a.png", "sub/b.json"]
+    staging = tmp_path / "staging"
+    with pytest.raises(RuntimeError), storage.staged(url("prims", "failed"), staging) as stage:
+        (stage.dir / "part.txt").write_text("unfinished")
+        raise RuntimeError
+    assert (staging / "part.txt").exists() and not storage.path(url("prims", "failed")).exists()
+
     writer = ScalarWriter(url("prims", "tb"))
     for step in range(1, 4):
         writer.scalars(step, {"loss": 1.0 / step})
@@ -123,7 +141,10 @@ def corpora(gcs, tmp_path_factory):
     remote = prepare(inputs, url("corpus"), tokenizer="gpt-neox-olmo", workers=0, progress=False)
     local = prepare(inputs, root.parent / "prepared", tokenizer="gpt-neox-olmo", workers=0, progress=False)
     assert remote.data == local.data  # the same shards, now in the bucket
-    assert not any(storage.path(url("corpus")).glob("*.tmp"))
+    # exactly the corpus's files: no lock, progress or partial file of the staging directory
+    shards = {s["file"] for split in ("train", "val") for s in remote.data[split]["shards"]}
+    uploaded = {str(p)[len(url("corpus")) + 1 :] for p in storage.files_under(storage.path(url("corpus")))}
+    assert uploaded == shards | {MANIFEST, "train_token_counts.npy"}
     return {"remote": url("corpus"), "local": str(root.parent / "prepared"), "root": root}
 
 
@@ -244,30 +265,42 @@ def _steps(run_dir: str) -> tuple[list[str], list[str]]:
     return whole, [p.name for p in names if p.name not in whole]
 
 
+# train.py, killed (SIGKILL) at a known point of step 3's save: its objects written and committed
+# by Orbax, its checksum manifest not yet written
+KILLED_BEFORE_THE_MANIFEST = """
+import os, runpy, signal, sys
+from effattn_jax import checksums
+write_manifest = checksums.write_manifest
+def killed_at_step_3(step_dir):
+    if str(step_dir).endswith("/checkpoints/3"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    write_manifest(step_dir)
+checksums.write_manifest = killed_at_step_3
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
 @pytest.mark.slow
 def test_kill9_during_a_save_on_gs_resumes_to_the_same_result(gcs, corpora, tmp_path, capsys):
-    """train.py on a gs:// run dir, killed (SIGKILL) while a step's objects are being written; the
-    rerun sets the unfinished step aside or removes it, resumes, and ends with the losses of a run
-    that was never interrupted. A lock left by the killed process is taken over (its pid is gone)."""
+    """train.py on a gs:// run dir, killed (SIGKILL) in the middle of step 3's save; the rerun sets
+    the unfinished step aside, resumes, and ends with the losses of a run that was never
+    interrupted. A lock left by the killed process is taken over (its pid is gone)."""
     remote = url("killed")
     extra = {"train.steps": 6, "checkpoint.every_steps": 1}
-    cmd = [sys.executable, str(ROOT / "train.py"), "--config", str(ROOT / "configs/cpu/default.yaml")]
+    cmd = [sys.executable, "-c", KILLED_BEFORE_THE_MANIFEST, str(ROOT / "train.py")]
+    cmd += ["--config", str(ROOT / "configs/cpu/default.yaml")]
     cmd += overrides(corpora, "remote", remote, **extra)
-    with open(tmp_path / "killed.log", "w") as log:
-        p = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=log, env=os.environ | {"JAX_PLATFORMS": "cpu"})
-    try:
-        end = time.time() + 120
-        while not all(_steps(remote)):  # a step saved, and the next one being written
-            assert p.poll() is None and time.time() < end, (tmp_path / "killed.log").read_text()[-2000:]
-            time.sleep(0.02)
-        p.send_signal(signal.SIGKILL)
-        p.wait(timeout=30)
-    finally:
-        p.kill()
-    assert _steps(remote)[1]  # killed with a step half-saved
+    p = subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=240, env=os.environ | {"JAX_PLATFORMS": "cpu"}
+    )
+    assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
+    whole, partial = _steps(remote)
+    assert "2" in whole and partial == ["3"]  # killed with step 3 half-saved
 
     resumed = run(load_config(None, overrides(corpora, "remote", remote, **extra)))
-    assert "removing a stale lock" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "removing a stale lock" in err and "checkpoint step 3 cannot be verified" in err
     assert checkpoint.kept_steps(remote)[-1] == 6 and not _steps(remote)[1]
     local = tmp_path / "local"
     whole = run(load_config(None, overrides(corpora, "local", str(local), **extra)))
@@ -275,3 +308,57 @@ def test_kill9_during_a_save_on_gs_resumes_to_the_same_result(gcs, corpora, tmp_
     # the steps logged (those since the killed launch's last flush are logged again by the rerun)
     a, b = losses(remote), losses(local)
     assert 6 in a and [a[s] for s in a] == pytest.approx([b[s] for s in a], rel=1e-5)
+
+
+def test_convert_from_hf_writes_the_run_into_the_bucket(gcs, tmp_path, monkeypatch, capsys):
+    """`convert from-hf --out gs://...` writes the run into the bucket (not a local directory
+    ./gs:/bucket/...); `to-hf` of that run gives the model's tensors back."""
+    from safetensors.numpy import load_file
+
+    from effattn_jax.convert import main as convert_main
+
+    monkeypatch.chdir(tmp_path)
+    model, run_dir = ROOT / "tests" / "fixtures" / "hf" / "llama", url("converted")
+    assert convert_main(["from-hf", "--model", str(model), "--out", run_dir]) == 0
+    assert not (tmp_path / "gs:").exists()
+    names = {p.name for p in storage.path(run_dir).iterdir()}
+    assert {"tokenizer.json", "config.yaml", "launches.jsonl", "checkpoints"} <= names
+    assert "run.lock" not in names
+    assert checkpoint.kept_steps(run_dir) == [0]
+    assert convert_main(["to-hf", "--run", run_dir, "--out", str(tmp_path / "hf")]) == 0
+    theirs, ours = load_file(model / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
+    assert sorted(ours) == sorted(theirs) and all(np.array_equal(ours[k], theirs[k]) for k in theirs)
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow  # subprocesses
+@pytest.mark.parametrize(
+    "env, says",
+    [
+        ({"STORAGE_EMULATOR_HOST": "http://gcs.invalid:4443"}, "DNS: the name gcs.invalid does not resolve"),
+        ({"STORAGE_EMULATOR_HOST": "http://127.0.0.1:{port}"}, "refused the connection"),
+        ({"GOOGLE_APPLICATION_CREDENTIALS": "/nonexistent/adc.json"}, "no Google Cloud credentials"),
+    ],
+    ids=["dns", "refused", "credentials"],
+)
+def test_an_unreachable_bucket_ends_train_py_in_one_line(tmp_path, corpus_dir, env, says):
+    """train.run_dir in a bucket that cannot be reached (its endpoint does not resolve or refuses,
+    or there are no credentials): one line naming the bucket and what failed, exit 2, in seconds.
+    The client libraries alone retried for over 90 s, logging tracebacks."""
+    env = {k: v.format(port=_closed_port()) for k, v in env.items()}
+    bare = {k: v for k, v in os.environ.items() if k not in (*EMULATOR_ENV, "GOOGLE_APPLICATION_CREDENTIALS")}
+    run_dir = "gs://effattn-unreachable/run"
+    cmd = [sys.executable, str(ROOT / "train.py"), *tiny_overrides(corpus_dir, run_dir)]
+    start = time.perf_counter()
+    p = subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=150, env=bare | env | {"JAX_PLATFORMS": "cpu"}
+    )
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1, p.stderr[-3000:]
+    assert "gs://effattn-unreachable:" in lines[0] and says in lines[0], lines[0]
+    assert time.perf_counter() - start < 60

@@ -34,6 +34,16 @@ def test_tiny_run_learns_and_logs(tmp_path, corpus_dir):
     )  # the profiler window wrote a trace
 
 
+def test_a_run_resumed_inside_its_profile_window_stops_no_trace(tmp_path, corpus_dir):
+    """Preempted at step 3, then resumed with train.profile_steps=[2,5]: the trace was never started
+    (it starts at step 2), so the resumed run stops none (jax: "No profile started") and writes none."""
+    run_dir = tmp_path / "run"
+    with pytest.raises(Preempted):
+        run(tiny_cfg(corpus_dir, run_dir), stop_at=3)
+    res = run(tiny_cfg(corpus_dir, run_dir, **{"train.profile_steps": "[2,5]"}))
+    assert res["step"] == 6 and not (run_dir / "profile").exists()
+
+
 def test_resume_is_bitwise_identical_past_corrupt_steps(tmp_path, corpus_dir, capsys):
     """A run cut short resumes to the uninterrupted run's losses and state bitwise, also when its newest
     step is corrupt each time it resumes (flipped, truncated, deleted file; flipped or truncated with the

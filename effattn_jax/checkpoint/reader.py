@@ -13,7 +13,7 @@ from effattn_jax import checksums, storage
 from effattn_jax.checkpoint.store import CheckpointError, manager
 from effattn_jax.config import ConfigError, config_from_dict
 from effattn_jax.model import abstract_params, new_model
-from effattn_jax.sharding import make_mesh
+from effattn_jax.sharding import leaves_by_path, make_mesh
 
 
 def restore_config(run_dir: str | Path, step: int | None = None) -> dict:
@@ -114,10 +114,7 @@ def shape_changes(run_dir: str | Path, step: int, abstract: dict) -> list[str]:
     that `abstract` lacks."""
     cfg = load_run_config(run_dir, step).at_step(step)
     saved = jax.eval_shape(lambda: nnx.to_pure_dict(nnx.split(new_model(cfg))[1]))
-    flat = lambda tree: {
-        "/".join(str(getattr(k, "key", k)) for k in path): tuple(x.shape)
-        for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
-    }
+    flat = lambda tree: {"/".join(path): tuple(x.shape) for path, x in leaves_by_path(tree).items()}
     old, new = flat(saved), flat(abstract)
     return [
         f"{name}: {old.get(name, 'absent')} -> {new.get(name, 'absent')}"

@@ -82,7 +82,9 @@ def _quiet_if(quiet: bool):
 
 def unwritable(directory: AnyPath) -> str | None:
     """Why `directory` cannot be created or a file written in it ('Read-only file system
-    (EROFS)'); None when it can."""
+    (EROFS)', or why its bucket cannot be reached); None when it can."""
+    if why := storage.unreachable(directory):
+        return why
     try:
         directory.mkdir(parents=True, exist_ok=True)
         probe = directory / f".writable-{jax.process_index()}"

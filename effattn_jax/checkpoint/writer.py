@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import shutil
 import sys
 import threading
 from pathlib import Path
@@ -168,10 +167,10 @@ class Checkpoints:
     def _check_room(self, step: int, state) -> None:
         """SaveError before Orbax writes anything when the filesystem lacks room for the step
         (its arrays' bytes and some slack), on any process; an object store's room is its quota's."""
-        if storage.is_remote(self.directory):
+        free = storage.free_bytes(self.directory)
+        if free is None:
             return
         need = sum(leaf.nbytes for leaf in jax.tree.leaves(state)) * 1.05 + (1 << 20)
-        free = shutil.disk_usage(self.directory).free
         if not _everywhere(free >= need):
             self._failed = True
             raise SaveError(
@@ -202,7 +201,7 @@ class Checkpoints:
         for p in self.directory.iterdir():
             unfinished = p.name == str(step) and not checksums.has_manifest(p)
             if (p.name[:1].isdigit() and not ocp.step.is_path_finalized(p)) or unfinished:
-                _remove_tree(p)
+                storage.remove_tree(p)
 
     def _last_good(self) -> str:
         good = [s for s in self.all_steps() if checksums.has_manifest(self._step_dir(s))]
@@ -241,13 +240,6 @@ def _everywhere(ok: bool) -> bool:
     if jax.process_count() == 1:
         return ok
     return bool(np.all(multihost_utils.process_allgather(np.int32(ok))))
-
-
-def _remove_tree(p: AnyPath) -> None:
-    if storage.is_remote(p):
-        p.rmtree(missing_ok=True)
-    else:
-        shutil.rmtree(p, ignore_errors=True)
 
 
 def _restore_args(step_dir: AnyPath, abstract_state, data_iter) -> ocp.args.Composite:

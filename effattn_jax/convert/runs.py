@@ -21,6 +21,7 @@ from effattn_jax.convert.hf_config import (
     read_hf_config,
 )
 from effattn_jax.convert.weights import layouts, load_weights, mla_tensors
+from effattn_jax.sharding import leaves_by_path
 
 
 def check_tokenizer(model_dir: Path, vocab_size: int) -> Path:
@@ -39,17 +40,19 @@ def check_tokenizer(model_dir: Path, vocab_size: int) -> Path:
     return path
 
 
-def from_hf(model_dir: str | Path, out: str | Path, overrides: list[str] = ()) -> Path:
+def from_hf(model_dir: str | Path, out: str | Path, overrides: list[str] = ()) -> storage.AnyPath:
     """Converts `model_dir` into the run directory `out` (step 0); returns it. Everything is
     checked (config, tokenizer, every tensor) before anything is written."""
     from effattn_jax import checkpoint
     from effattn_jax.config import load_config
     from effattn_jax.sharding import make_mesh
-    from effattn_jax.train.loop import record_provenance
+    from effattn_jax.train.provenance import record_provenance
     from effattn_jax.train.run_dir import exclusive
     from effattn_jax.train.state import make_setup
 
-    model_dir, out = Path(model_dir), Path(out).absolute()
+    if why := storage.unreachable(out):
+        raise ConvertError(f"--out={out}: {why}")
+    model_dir, out = Path(model_dir), storage.path(out)
     if out.exists() and any(out.iterdir()):
         raise ConvertError(f"--out={out}: not empty; convert into a new run directory")
     hf = read_hf_config(model_dir)
@@ -60,8 +63,8 @@ def from_hf(model_dir: str | Path, out: str | Path, overrides: list[str] = ()) -
     setup = make_setup(cfg, make_mesh(1, 1, 1, devices=jax.local_devices()[:1]))
     params = load_weights(model_dir, hf, setup.abstract_state["params"])
     out.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(source_tokenizer, out / "tokenizer.json")
-    shutil.copyfile(model_dir / "config.json", out / HF_CONFIG)  # the family, for to-hf
+    storage.copy_file(source_tokenizer, out / "tokenizer.json")
+    storage.copy_file(model_dir / "config.json", out / HF_CONFIG)  # the family, for to-hf
     with exclusive(out):
         record_provenance(out, cfg)
         # at most the largest tensor in flight while saving (whole GB, as Orbax counts), so host
@@ -87,6 +90,8 @@ def to_hf(run_dir: str | Path, out: str | Path, step: str = "latest") -> list[st
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise ConvertError(f"--out={out}: not empty; export into a new directory")
+    if why := storage.unreachable(run_dir):
+        raise ConvertError(f"--run={run_dir}: {why}")
     try:
         step = checkpoint.select_steps(run_dir, step)[0]
         cfg, _, params = checkpoint.load_params(run_dir, step)
@@ -110,10 +115,7 @@ def to_hf(run_dir: str | Path, out: str | Path, step: str = "latest") -> list[st
             "as its dense architecture (the weights are the same); its MoBA settings are in "
             "config.json's effattn_moba"
         )
-    flat = {
-        tuple(str(getattr(k, "key", k)) for k in path): leaf
-        for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
-    }
+    flat = leaves_by_path(params)
     tensors = {
         name: np.ascontiguousarray(theirs(np.asarray(flat[key], np.float32)))
         for name, (key, _, theirs) in layouts(hf).items()

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 
 from effattn_jax.convert.hf_config import ConvertError, family
+from effattn_jax.sharding import leaves_by_path
 
 IGNORED = (".rotary_emb.inv_freq",)  # buffers some checkpoints carry; recomputed here
 
@@ -185,10 +186,7 @@ def load_weights(model_dir: Path, hf: dict, abstract: dict) -> dict:
     """The model's parameters, each tensor read, laid out and placed into its sharding in turn
     (host memory: one tensor at a time); ConvertError naming the first tensor that is unknown,
     missing or of the wrong shape for the config."""
-    flat = {
-        tuple(str(getattr(k, "key", k)) for k in path): leaf
-        for path, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]
-    }
+    flat = leaves_by_path(abstract)
     where, done = layouts(hf), {}
     for name, array in _split(_tensors(model_dir), hf, model_dir):
         if name.endswith(IGNORED):

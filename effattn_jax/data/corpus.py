@@ -164,10 +164,7 @@ def expand_globs(patterns: list[str], key: str) -> list[Path]:
     the cache (once per version of each) and read from there."""
     matches = {p for pat in patterns for p in storage.glob(pat) if p.is_file()}
     remote = cache_root() / "remote-inputs"
-    in_order = sorted(
-        matches, key=lambda p: (storage.is_remote(p), str(p) if storage.is_remote(p) else p.parts)
-    )
-    paths = [storage.local_copy(p, remote) if storage.is_remote(p) else p for p in in_order]
+    paths = [storage.local_copy(p, remote) for p in sorted(matches, key=storage.sort_key)]
     if not paths:
         raise DataError(f"{key}={patterns}: no files match")
     return paths

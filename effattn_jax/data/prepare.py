@@ -20,10 +20,10 @@ import argparse
 import contextlib
 import fcntl
 import hashlib
+import io
 import json
 import os
 import re
-import shutil
 import sys
 import time
 from collections import deque
@@ -91,33 +91,15 @@ def prepare(
     info = tokenizer_info(tokenizer) if isinstance(tokenizer, str) else tokenizer
     request = request_of(inputs, info, shard_tokens, chunk_tokens)
     target = storage.path(out)
-    publish = _Upload(target) if storage.is_remote(out) else None
-    if publish is not None:
-        out = cache_root() / "prepare-staging" / hashlib.sha256(str(target).encode()).hexdigest()[:16]
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    with _exclusive(out):
+    staging = cache_root() / "prepare-staging" / hashlib.sha256(str(target).encode()).hexdigest()[:16]
+    with storage.staged(out, staging) as stage, _exclusive(stage.dir):
         if (target / MANIFEST).exists():
+            stage.discard()  # what an interrupted prepare left here is not wanted
             done = Manifest.load(target)
             _same_request(target, done.data["request"], request, "a prepared corpus")
             return done
-        state = _resume(out, request, progress)
-        manifest = _run(inputs, out, info, request, state, workers, progress, publish)
-    if publish is not None:
-        shutil.rmtree(out, ignore_errors=True)
-        return Manifest.load(target)
-    return manifest
-
-
-class _Upload:
-    """Moves a finished file of a staging directory to the corpus in the store."""
-
-    def __init__(self, target):
-        self.target = target
-
-    def __call__(self, local: Path) -> None:
-        storage.upload(local, self.target / local.name)
-        local.unlink()
+        state = _resume(stage.dir, request, progress)
+        return _run(inputs, stage, info, request, state, workers, progress)
 
 
 def _same_request(out: Path, old: dict, new: dict, what: str) -> None:
@@ -157,22 +139,22 @@ def _resume(out: Path, request: dict, progress: bool) -> dict:
 
 
 def _save_progress(out: Path, request: dict, state: dict, counts: np.ndarray) -> None:
-    np.save(out / "progress_counts.tmp.npy", counts)
-    (out / "progress_counts.tmp.npy").rename(out / "progress_counts.npy")
-    (out / (PROGRESS + ".tmp")).write_text(json.dumps({"request": request, "state": state}))
-    (out / (PROGRESS + ".tmp")).rename(out / PROGRESS)
+    storage.write_atomic(out / "progress_counts.npy", _npy(counts))
+    storage.write_atomic(out / PROGRESS, json.dumps({"request": request, "state": state}))
+
+
+def _npy(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    return buffer.getvalue()
 
 
 def _run(
-    inputs: Inputs,
-    out: Path,
-    info: dict,
-    request: dict,
-    state: dict,
-    workers: int,
-    progress: bool,
-    publish: _Upload | None,
-):
+    inputs: Inputs, stage: storage.Stage, info: dict, request: dict, state: dict, workers: int, progress: bool
+) -> Manifest:
+    """Tokenizes from `state` on into the stage, publishing each shard as it is closed and the
+    manifest last (the corpus in the store is complete once it is there)."""
+    out = stage.dir
     dtype = token_dtype(info["vocab_size"])
     writers = {
         split: ShardWriter(
@@ -205,7 +187,7 @@ def _run(
                     counted.append(ids)
                 if writers["train"].tokens >= request["shard_tokens"]:
                     state["next"] = [file_index, doc_index + 1]
-                    _close_shards(writers, state, publish)
+                    _close_shards(writers, state, stage)
                     count()
                     _save_progress(out, request, state, counts)
                     if progress and bar.disable:  # no terminal: one line per shard instead of the bar
@@ -215,12 +197,12 @@ def _run(
             tokens += len(flat)
             bar.update(len(meta))
             bar.set_postfix_str(f"{tokens / (time.perf_counter() - started):,.0f} tokens/s", refresh=False)
-        _close_shards(writers, state, publish)
+        _close_shards(writers, state, stage)
     finally:
         for w in writers.values():
             w.abandon()
         bar.close()
-    np.save(out / "train_token_counts.npy", counts)
+    storage.write_atomic(out / "train_token_counts.npy", _npy(counts))
     manifest = {
         "format": FORMAT,
         "request": request,
@@ -237,30 +219,27 @@ def _run(
             for split in ("train", "val")
         },
     }
-    (out / (MANIFEST + ".tmp")).write_text(json.dumps(manifest, indent=1))
-    (out / (MANIFEST + ".tmp")).rename(out / MANIFEST)
-    if publish is not None:  # the manifest last
-        publish(out / "train_token_counts.npy")
-        publish(out / MANIFEST)
+    storage.write_atomic(out / MANIFEST, json.dumps(manifest, indent=1))
+    stage.publish(out / "train_token_counts.npy")
+    stage.publish(out / MANIFEST)  # the manifest last
     for f in (PROGRESS, "progress_counts.npy"):
         (out / f).unlink(missing_ok=True)
     if progress:
-        seconds, where = time.perf_counter() - started, publish.target if publish else out
+        seconds, where = time.perf_counter() - started, stage.target
         print(
             f"prepared {where}: {state['documents']['train']:,} + {state['documents']['val']:,} documents, "
             f"{manifest['train']['tokens']:,} training + {manifest['val']['tokens']:,} validation tokens "
             f"in {len(state['shards']['train'])} + {len(state['shards']['val'])} shards; "
             f"{tokens / seconds:,.0f} tokens/s this run"
         )
-    return Manifest(out, manifest)
+    return Manifest(stage.target, manifest)
 
 
-def _close_shards(writers: dict, state: dict, publish: _Upload | None) -> None:
+def _close_shards(writers: dict, state: dict, stage: storage.Stage) -> None:
     for split, w in writers.items():
         if (entry := w.close_shard()) is not None:
             state["shards"][split].append(entry)
-            if publish is not None:
-                publish(w.out / entry["file"])
+            stage.publish(w.out / entry["file"])
 
 
 def _batches(inputs: Inputs, start: list[int]):

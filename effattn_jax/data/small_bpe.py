@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from effattn_jax import storage
 from effattn_jax.data.fetch import cache_root
 
 SMALL_BPE = {"sotu-bpe-4k": 4096}  # built-in name -> vocabulary size (incl. <|endoftext|>)
@@ -43,7 +44,5 @@ def small_bpe_path(name: str) -> Path:
             if not held_out
         )
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(train_small_bpe(SMALL_BPE[name], train))
-        tmp.rename(path)
+        storage.write_atomic(path, train_small_bpe(SMALL_BPE[name], train))
     return path

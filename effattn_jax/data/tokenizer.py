@@ -6,8 +6,9 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from effattn_jax import storage
 from effattn_jax.data.corpus import DataError
-from effattn_jax.data.fetch import neox_tokenizer_path
+from effattn_jax.data.fetch import cache_root, neox_tokenizer_path
 from effattn_jax.data.small_bpe import SMALL_BPE, small_bpe_path
 
 # name -> function returning the .json path
@@ -16,15 +17,17 @@ EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
 
 
 def load_tokenizer(name: str) -> tuple[Tokenizer, int, Path]:
-    """(tokenizer, eos id, file) for a built-in name or a tokenizers .json path. The EOS id is
-    read from the tokenizer's vocabulary (the first of EOS_CANDIDATES it has)."""
+    """(tokenizer, eos id, local file) for a built-in name or a tokenizers .json path (local, or
+    gs:// as a converted run's is: fetched into the cache). The EOS id is read from the
+    tokenizer's vocabulary (the first of EOS_CANDIDATES it has)."""
     if name in BUILTIN:
         path = BUILTIN[name]()
     else:
-        path = Path(name)
-        if not path.is_file():
+        source = storage.path(name)
+        if not source.is_file():
             known = ", ".join(BUILTIN)
             raise DataError(f"data.tokenizer={name!r}: not a built-in ({known}) nor an existing file")
+        path = storage.local_copy(source, cache_root() / "remote-tokenizers")
     try:
         tok = Tokenizer.from_file(str(path))
     except Exception as e:  # noqa: BLE001 - the tokenizers library raises a bare Exception

@@ -9,26 +9,17 @@ SIGTERM/SIGINT finishes its step, checkpoints, prints
 from __future__ import annotations
 
 import contextlib
-import json
-import os
-import signal
-import subprocess
 import sys
-import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from importlib import metadata
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from effattn_jax import checkpoint, storage
 from effattn_jax.checkpoint.store import unwritable
-from effattn_jax.config import MESH_AXES, Config, ConfigError, to_yaml
+from effattn_jax.config import MESH_AXES, Config, ConfigError
 from effattn_jax.data.pipeline import build_corpus, train_iterator, unigram_loss, val_batches
 from effattn_jax.flops import peak_flops, train_flops_per_token
 from effattn_jax.memory import DoesNotFit, check_fits
@@ -39,105 +30,16 @@ from effattn_jax.storage import AnyPath
 from effattn_jax.train import run_dir as run_guard
 from effattn_jax.train.gpu_tiles import check_moba_gpu_tiles
 from effattn_jax.train.metrics import ScalarWriter
+from effattn_jax.train.nonfinite import FiniteCheck, NonFiniteError
+from effattn_jax.train.preemption import Preempted, StopFlag, exit_preempted
+from effattn_jax.train.profile import Profiler
+from effattn_jax.train.provenance import record_provenance
 from effattn_jax.train.state import init_state, make_setup
-from effattn_jax.train.step import all_finite, make_eval_step, make_train_step
+from effattn_jax.train.step import make_eval_step, make_train_step
+from effattn_jax.train.throughput import Throughput
 
-PREEMPTED_EXIT = 143
-PACKAGES = (
-    "jax",
-    "jaxlib",
-    "flax",
-    "optax",
-    "orbax-checkpoint",
-    "grain",
-    "tensorboard",
-    "numpy",
-    "tokenizers",
-)
-
-
-class Preempted(SystemExit):
-    pass
-
-
-class NonFiniteError(RuntimeError):
-    """A step's loss or gradients, or the state about to be saved, is not finite
-    (`train.nonfinite=stop`); the message is one line naming the last good checkpoint."""
-
-
-def _nonfinite_steps(flags: list) -> list[int]:
-    """The steps among (step, device flag) pairs whose flag is set: one host transfer for all."""
-    values = jax.device_get([f for _, f in flags]) if flags else []
-    return [s for (s, _), v in zip(flags, values, strict=True) if int(v)]
-
-
-def _git_commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            cwd=Path(__file__).parent,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-        return out.stdout.strip() or "unknown"
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
-
-
-def _versions() -> dict[str, str]:
-    out = {}
-    for p in PACKAGES:
-        try:
-            out[p] = metadata.version(p)
-        except metadata.PackageNotFoundError:
-            out[p] = "not installed"
-    return out
-
-
-def record_provenance(run_dir: AnyPath, cfg: Config) -> None:
-    """Resolved config (config.yaml, written once per launch) and one line per launch in
-    launches.jsonl, rewritten whole (an object store has no append)."""
-    storage.write_atomic(run_dir / "config.yaml", to_yaml(cfg))
-    entry = {
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "argv": sys.argv,
-        "git_commit": _git_commit(),
-        "packages": _versions(),
-        "devices": [str(d) for d in jax.devices()],
-        "process_count": jax.process_count(),
-    }
-    launches = run_dir / "launches.jsonl"
-    before = storage.read_text(launches) if launches.exists() else ""
-    storage.write_atomic(launches, before + json.dumps(entry) + "\n")
-
-
-class _StopFlag:
-    """SIGTERM/SIGINT, checked after each step. One process: a flag set by our handler. Several:
-    jax's preemption service owns SIGTERM (SIGINT is turned into a SIGTERM) and agrees on one step
-    at which every process stops, whichever process got the signal."""
-
-    def __init__(self):
-        self.signal = None
-        self.multi = jax.process_count() > 1
-
-    def __call__(self, signum, frame):
-        if self.multi:
-            os.kill(os.getpid(), signal.SIGTERM)  # to jax's preemption notifier
-        self.signal = signum
-
-    def install(self):
-        signals = (signal.SIGINT,) if self.multi else (signal.SIGTERM, signal.SIGINT)
-        self.previous = {s: signal.signal(s, self) for s in signals}
-
-    def restore(self):
-        for s, h in self.previous.items():
-            signal.signal(s, h)
-
-    def reached(self, step: int) -> bool:
-        if self.multi:
-            return multihost_utils.reached_preemption_sync_point(step)
-        return self.signal is not None
+# NonFiniteError and Preempted end a run from here: train.py and the tests catch them by this module
+__all__ = ["NonFiniteError", "Preempted", "compile_train_step", "evaluate", "final_line", "run"]
 
 
 def _to_global(batch: dict, sharding) -> dict:
@@ -186,6 +88,8 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict:
     The directory is locked for the run (one writer) and a resumed run must keep its config
     (effattn_jax/train/run_dir.py), both checked before anything in it is written."""
     run_dir = storage.path(cfg.train.run_dir)
+    if why := storage.unreachable(run_dir):  # in seconds, before anything compiles
+        raise ConfigError("train.run_dir", str(run_dir), why)
     corpus = build_corpus(cfg.data)
     if corpus.vocab_size > cfg.model.vocab_size:
         raise ConfigError(
@@ -258,6 +162,19 @@ def compile_train_step(setup) -> Callable:
     return compiled
 
 
+def _start_state(checkpoints, setup, data_iter, init: tuple[str, int] | None) -> tuple[int, dict, bool]:
+    """(step, state, resumed): the run's newest good checkpoint (parameters only, as a converted
+    model's step 0: with a fresh optimizer state), else step 0 from `train.init_from`'s
+    parameters or a fresh initialization."""
+    step, state = checkpoints.restore_latest(setup.abstract_state, data_iter)
+    if state is None:
+        params = checkpoint.restore_params(*init, setup.abstract_state["params"]) if init else None
+        return 0, init_state(setup, params), False
+    if state["opt_state"] is None:
+        state = init_state(setup, state["params"]) | {"step": jnp.asarray(step, jnp.int32)}
+    return step, state, True
+
+
 def _train(
     cfg: Config,
     corpus,
@@ -278,17 +195,10 @@ def _train(
     checkpoints = checkpoint.Checkpoints(
         run_dir, keep_last=ckpt_cfg.keep_last, keep_every=ckpt_cfg.keep_every, async_save=ckpt_cfg.async_save
     )
-    step, state = checkpoints.restore_latest(setup.abstract_state, data_iter)
-    resumed = state is not None
-    if resumed and state["opt_state"] is None:  # parameters only (a converted model's step 0)
-        state = init_state(setup, state["params"]) | {"step": jnp.asarray(step, jnp.int32)}
-    if not resumed:
-        params = checkpoint.restore_params(*init, setup.abstract_state["params"]) if init else None
-        step, state = 0, init_state(setup, params)
+    step, state, resumed = _start_state(checkpoints, setup, data_iter, init)
 
     counts = param_counts(setup.model(state["params"]))
     phase_at = _phase_schedule(cfg, setup, train_step, counts["non_embedding"])
-    tokens_per_step = data_cfg.batch_size * data_cfg.seq_len
     lead = jax.process_index() == 0  # logs, progress and TensorBoard come from process 0 only
     log = (lambda msg: print(msg, file=sys.stderr)) if lead else (lambda msg: None)
     log(
@@ -300,7 +210,7 @@ def _train(
     device_peak = peak_flops(mesh.devices.flat[0].device_kind)  # MFU: the whole mesh's peak, where known
     peak = device_peak * mesh.devices.size if device_peak else None
     writer = ScalarWriter(run_dir, enabled=lead)
-    stop = _StopFlag()
+    stop = StopFlag()
     stop.install()  # before the "resumed" line: a signal from then on is a clean preemption
     if resumed:
         log(f"resumed from step {step} in {run_dir}")
@@ -314,85 +224,44 @@ def _train(
         desc="train",
         file=sys.stderr,
     )
-    profile = train_cfg.profile_steps
-    last_saved = step
-    flags, nonfinite_steps = [], 0  # per-step non-finite flags not yet read; steps found so far
+    profiler = Profiler(train_cfg.profile_steps, run_dir)
+    finite = FiniteCheck(train_cfg.nonfinite, run_dir / "checkpoints", last_saved=step)
 
-    def check_finite(state=None) -> None:
-        """Reads the pending flags (at log and save steps only: no extra host sync per step);
-        with train.nonfinite=stop, or a state about to be saved that is not finite, stops."""
-        nonlocal flags, nonfinite_steps
-        bad, flags = _nonfinite_steps(flags), []
-        nonfinite_steps += len(bad)
-        why = None
-        if bad and train_cfg.nonfinite == "stop":
-            why = f"non-finite loss or gradients at step {bad[0]}"
-        elif state is not None and not bool(all_finite(state)):
-            why = f"the state after step {step} is not finite"
-        if why:
-            kept = f"step {last_saved}" if last_saved else "none"
-            raise NonFiniteError(
-                f"{why}; nothing saved after it; last good checkpoint: {kept} in {run_dir / 'checkpoints'} "
-                "(train.nonfinite=skip resumes skipping such steps; a lower train.lr needs a new run_dir)"
-            )
+    def save() -> None:
+        finite.check(step, state)  # what is saved is finite
+        checkpoints.save(step, state, data_iter, cfg.to_dict())
+        finite.last_saved = step
 
     try:
-        tick, tick_step = time.perf_counter(), step
+        throughput = Throughput(step, data_cfg.batch_size * data_cfg.seq_len, peak, writer, bar)
         while step < train_cfg.steps:
-            if profile and step == profile[0]:
-                remote = storage.is_remote(run_dir)  # the profiler writes local files only
-                trace_dir = Path(tempfile.mkdtemp()) if remote else run_dir / "profile"
-                jax.profiler.start_trace(str(trace_dir))
+            profiler.before(step)
             phase = phase_at(step)
             state, metrics = phase.train_step(state, _to_global(next(data_iter), batch_sharding))
             step += 1
-            flags.append((step, metrics["nonfinite"]))
+            finite.add(step, metrics["nonfinite"])
             bar.update(1)
-            if profile and step == profile[1]:
-                jax.block_until_ready(state)
-                jax.profiler.stop_trace()
-                if storage.is_remote(run_dir):
-                    storage.upload_tree(trace_dir, run_dir / "profile")
+            profiler.after(step, state)
             if step % train_cfg.log_every == 0 or step == train_cfg.steps:
-                check_finite()
-                logged = {k: float(v) for k, v in jax.device_get(metrics).items()}
-                now = time.perf_counter()
-                tokens_per_sec = (step - tick_step) * tokens_per_step / (now - tick)
-                tick, tick_step = now, step
-                flops_per_sec = tokens_per_sec * phase.flops_per_token
-                scalars = {
-                    "loss": logged["loss"],
-                    "learning_rate": logged["lr"],
-                    "grad_norm": logged["grad_norm"],
-                    "tokens_per_sec": tokens_per_sec,
-                    "tokens_seen": step * tokens_per_step,
-                    "model_flops_per_sec": flops_per_sec,
-                    "nonfinite_steps": nonfinite_steps,
-                    "skipped_records": len(corpus.train.skipped | corpus.val.skipped),
-                }
-                mfu = {"mfu": flops_per_sec / peak} if peak else {}  # of every device's peak bf16 rate
-                writer.scalars(step, scalars | mfu)
-                shown = {"mfu": f"{mfu['mfu']:.1%}"} if mfu else {}
-                bar.set_postfix(loss=f"{logged['loss']:.3f}", tok_s=f"{tokens_per_sec:,.0f}", **shown)
+                finite.check(step)
+                skipped = len(corpus.train.skipped | corpus.val.skipped)
+                counters = {"nonfinite_steps": finite.steps, "skipped_records": skipped}
+                throughput.log(step, metrics, phase.flops_per_token, counters)
             if step % cfg.eval.every_steps == 0 and step < train_cfg.steps:
                 val_loss = evaluate(phase_at(step).eval_step, state["params"], val, batch_sharding)
                 writer.scalars(step, {"val_loss": val_loss})
                 writer.flush()
-                tick = time.perf_counter()  # tokens/s counts training time only
+                throughput.pause_ended()
             preempt = stop.reached(step) or step == stop_at
             if step % ckpt_cfg.every_steps == 0 or step == train_cfg.steps or preempt:
-                check_finite(state)
-                checkpoints.save(step, state, data_iter, cfg.to_dict())
-                last_saved = step
+                save()
             if preempt:
                 checkpoints.finish()
                 bar.close()
                 writer.close()
-                print(f"preempted step={step} run_dir={run_dir}", flush=True)
-                raise Preempted(PREEMPTED_EXIT)
-        if last_saved != step:
-            check_finite(state)
-            checkpoints.save(step, state, data_iter, cfg.to_dict())
+                exit_preempted(step, run_dir)
+        if finite.last_saved != step:
+            save()
         bar.close()
         val_loss = evaluate(phase_at(step).eval_step, state["params"], val, batch_sharding)
         writer.scalars(step, {"val_loss": val_loss})
