@@ -24,6 +24,7 @@ from effattn_jax.ops.moba import BlockSizes
 from effattn_jax.ops.routing import moba_routing
 from eval.bench.common import compiled_bytes
 from eval.processes import platform_line
+from pallas_kernels.common import gpu_lowering_target
 from pallas_kernels.moba.attention import moba_pallas
 
 
@@ -74,11 +75,12 @@ def main(argv=None):
             continue
         t = time.perf_counter()
         triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
-        exported = jax.export.export(
-            grad_fn("gpu", BlockSizes(64, 64), args.head_dim, args.block_size, args.top_k),
-            platforms=["cuda"],
-            disabled_checks=[triton],
-        )(*[jax.ShapeDtypeStruct(shape, jnp.bfloat16)] * 3)
+        with gpu_lowering_target():
+            exported = jax.export.export(
+                grad_fn("gpu", BlockSizes(64, 64), args.head_dim, args.block_size, args.top_k),
+                platforms=["cuda"],
+                disabled_checks=[triton],
+            )(*[jax.ShapeDtypeStruct(shape, jnp.bfloat16)] * 3)
         gpu_s = time.perf_counter() - t
         n_triton = exported.mlir_module().count("xla.gpu.triton")
         print(f"| {seq} | {tpu_s:.0f} | {need:.1f} | {gpu_s:.1f} | {n_triton} |", flush=True)
