@@ -1,6 +1,11 @@
 # `make train` (default small model on CPU), `make test` (lint + every test), `make test-fast` (lint +
 # the quick subset); `make format` fixes style.
-PYTHON ?= python3
+# jax >= 0.11 needs Python >= 3.12: the first of python3.13, python3.12, python3 that runs and is new
+# enough, else pyenv's newest that is (a pyenv shim exits non-zero for a version it does not select).
+PY312 := -c 'import sys; sys.exit(sys.version_info < (3, 12))'
+PYTHON ?= $(shell for p in python3.13 python3.12 python3 \
+	$$(ls -d "$${PYENV_ROOT:-$$HOME/.pyenv}"/versions/3.*/bin/python3 2>/dev/null | sort -rV); do \
+	"$$p" $(PY312) >/dev/null 2>&1 && { echo "$$p"; break; }; done)
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -8,7 +13,10 @@ CONFIG ?= configs/cpu/default.yaml
 
 .PHONY: train test test-fast lint format data clean-venv
 
+# A .venv on an older Python (from before the move to 3.12) is built again.
 $(STAMP): pyproject.toml constraints.txt
+	$(if $(PYTHON),,$(error no Python >= 3.12 found (python3.13, python3.12, python3, pyenv); run make PYTHON=/path/to/python3.12))
+	$(PY) $(PY312) 2>/dev/null || rm -rf $(VENV)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev,tpu,lm-eval]'

@@ -1,6 +1,6 @@
 """What every kernel here shares (MoBA and MLA decode, TPU and GPU): dot dimension numbers,
-the TPU tile alignment, the interpret-mode switch, Triton's compiler parameters and the cost
-estimate of an attention pass."""
+the TPU tile alignment, the interpret-mode switch, Triton's compiler parameters, the target GPU of
+a lowering without one and the cost estimate of an attention pass."""
 
 from __future__ import annotations
 
@@ -45,6 +45,16 @@ def triton_params(num_warps: int = TRITON_WARPS, num_stages: int = TRITON_STAGES
     from jax.experimental.pallas import triton as pltriton
 
     return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def gpu_lowering_target(device_kind: str = "NVIDIA H200"):
+    """A context in which the GPU kernels lower for CUDA on a machine without a GPU (`jax.export` with
+    `platforms=["cuda"]`): Pallas's Triton lowering takes the compute capability from this abstract
+    device (jax >= 0.11 raises without one). An H200, the GPU suite's, by default."""
+    import jax
+
+    device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=None, platform="gpu")
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device))
 
 
 def attention_cost(pairs: int, qk_dim: int, v_dim: int, bytes_read: int):

@@ -21,6 +21,7 @@ from effattn_jax.train.loop import Preempted, run
 from effattn_jax.train.metrics import read_scalars
 from effattn_jax.train.state import init_state, make_setup
 from effattn_jax.train.step import loss_sums
+from pallas_kernels.common import gpu_lowering_target
 from pallas_kernels.moba.context import moba_pallas_local
 
 
@@ -198,6 +199,7 @@ def test_moba_gpu_kernels_over_a_shard_lower_for_cuda():
     q, kv = (jax.ShapeDtypeStruct((1, s, 2, 128), jnp.bfloat16) for s in (512, 1024))
     triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")  # not a stable-ABI call
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-    exported = jax.export.export(grad, platforms=["cuda"], disabled_checks=[triton])(q, kv, kv)
+    with gpu_lowering_target():
+        exported = jax.export.export(grad, platforms=["cuda"], disabled_checks=[triton])(q, kv, kv)
     names = set(re.findall(r'name = "(moba_\w+_gpu)"', exported.mlir_module()))
     assert names == {f"moba_{k}_{p}_gpu" for k in ("own", "block") for p in ("fwd", "dq", "dkv")}

@@ -13,6 +13,7 @@ from flax import nnx
 from effattn_jax.config import load_config
 from effattn_jax.model import Transformer, init_cache
 from effattn_jax.ops.mla_decode import absorbed_attention
+from pallas_kernels.common import gpu_lowering_target
 from pallas_kernels.mla_decode.gpu import mla_decode_gpu
 from pallas_kernels.mla_decode.tpu import mla_decode_tpu
 
@@ -81,11 +82,12 @@ def test_gpu_kernel_lowers_for_cuda(heads, d):
     triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
     arg = jax.ShapeDtypeStruct
     step = jax.jit(lambda ql, qr, lat, kr, lens: mla_decode_gpu(ql, qr, lat, kr, lens, 0.1))
-    exported = jax.export.export(step, platforms=["cuda"], disabled_checks=[triton])(
-        arg((2, heads, d), jnp.bfloat16),
-        arg((2, heads, 64), jnp.bfloat16),
-        arg((2, 4100, d), jnp.bfloat16),
-        arg((2, 4100, 64), jnp.bfloat16),
-        arg((2,), jnp.int32),
-    )
+    with gpu_lowering_target():
+        exported = jax.export.export(step, platforms=["cuda"], disabled_checks=[triton])(
+            arg((2, heads, d), jnp.bfloat16),
+            arg((2, heads, 64), jnp.bfloat16),
+            arg((2, 4100, d), jnp.bfloat16),
+            arg((2, 4100, 64), jnp.bfloat16),
+            arg((2,), jnp.int32),
+        )
     assert re.findall(r'name = "(mla_\w+_gpu)"', exported.mlir_module()) == ["mla_decode_gpu"]

@@ -15,6 +15,7 @@ from effattn_jax.config import load_config
 from effattn_jax.model import Transformer, init_cache
 from effattn_jax.ops.cache import kv_view
 from effattn_jax.ops.moba_decode import empty_block_means, moba_decode_attention, prefill_block_means
+from pallas_kernels.common import gpu_lowering_target
 from pallas_kernels.moba.gpu_decode import moba_decode_gpu
 
 BLOCK = 4
@@ -187,7 +188,8 @@ def test_gpu_decode_kernel_matches_xla_and_lowers_for_cuda():
     tables = [jax.ShapeDtypeStruct((2, 8, 3), jnp.int32)] * 3
     cache = jax.ShapeDtypeStruct((2, 2, 4096, 64), jnp.bfloat16)
     kernel = lambda q, k, v, *tables: moba_decode_gpu(q, k, v, *tables, 512, 0.125)
-    exported = jax.export.export(jax.jit(kernel), platforms=["cuda"], disabled_checks=[triton])(
-        jax.ShapeDtypeStruct((2, 8, 64), jnp.bfloat16), cache, cache, *tables
-    )
+    with gpu_lowering_target():
+        exported = jax.export.export(jax.jit(kernel), platforms=["cuda"], disabled_checks=[triton])(
+            jax.ShapeDtypeStruct((2, 8, 64), jnp.bfloat16), cache, cache, *tables
+        )
     assert re.findall(r'name = "(moba_\w+_gpu)"', exported.mlir_module()) == ["moba_decode_gpu"]

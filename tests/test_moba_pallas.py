@@ -20,7 +20,7 @@ from effattn_jax.ops.routing import moba_routing
 from effattn_jax.sharding import make_mesh
 from effattn_jax.train.state import init_state, make_setup
 from effattn_jax.train.step import make_train_step
-from pallas_kernels.common import ALIGN
+from pallas_kernels.common import ALIGN, gpu_lowering_target
 from pallas_kernels.moba import parts
 from pallas_kernels.moba.attention import forward, moba_pallas
 from pallas_kernels.moba.parts import KernelCall, layout, padded_length, past_schedule
@@ -236,13 +236,13 @@ def test_block_sizes_are_checked_and_impls_resolve():
     assert resolve_impl("pallas_gpu", "cpu") == ("pallas", "gpu", True)
 
 
-def _moba_grad_fn(kernel, block_sizes, s, d, wrap=lambda loss: loss, block_size=512, top_k=3):
+def _moba_grad_fn(kernel, block_sizes, s, d, wrap=lambda loss: loss, block_size=512, top_k=3, grad=jax.grad):
     def loss(q, k, v):
         r = moba_routing(q, k, block_size=block_size, top_k=top_k)
         out = moba_pallas(q, k, v, r.own_start, r.past_start, block_size, d**-0.5, kernel, False, block_sizes)
         return out.astype(jnp.float32).sum()
 
-    return jax.jit(jax.grad(wrap(loss), argnums=(0, 1, 2)))
+    return jax.jit(grad(wrap(loss), argnums=(0, 1, 2)))
 
 
 @pytest.mark.slow
@@ -306,7 +306,9 @@ def test_remat_keeps_the_schedule():
 
     def sorts(policy):
         remat = functools.partial(jax.checkpoint, policy=policy)
-        lowered = _moba_grad_fn("tpu", BlockSizes(), 1024, 128, wrap=remat).lower(x, x, x)
+        # the loss too, as a train step returns it: jax drops a forward that nothing uses
+        grad = jax.value_and_grad
+        lowered = _moba_grad_fn("tpu", BlockSizes(), 1024, 128, wrap=remat, grad=grad).lower(x, x, x)
         return lowered.as_text().count("stablehlo.sort")
 
     assert sorts(REMAT_POLICY) == 1 and sorts(None) == 2
@@ -319,9 +321,10 @@ def test_gpu_kernels_lower_for_cuda():
     fallback, auto tiles that the shared-memory check (against an H100/H200 here) refuses."""
     x = jax.ShapeDtypeStruct((1, 1024, 2, 128), jnp.bfloat16)
     triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")  # not a stable-ABI call
-    exported = jax.export.export(
-        _moba_grad_fn("gpu", BlockSizes(), 1024, 128), platforms=["cuda"], disabled_checks=[triton]
-    )(x, x, x)
+    with gpu_lowering_target():
+        exported = jax.export.export(
+            _moba_grad_fn("gpu", BlockSizes(), 1024, 128), platforms=["cuda"], disabled_checks=[triton]
+        )(x, x, x)
     names = re.findall(r'name = "(moba_\w+_gpu)"', exported.mlir_module())
     parts = ("fwd", "dq", "dkv")
     assert sorted(names) == sorted([f"moba_{k}_{p}_gpu" for k in ("own", "block") for p in parts])

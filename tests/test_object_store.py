@@ -260,7 +260,10 @@ def test_two_processes_on_gs_match_local_disk(gcs, corpora, tmp_path, capsys):
 def _steps(run_dir: str) -> tuple[list[str], list[str]]:
     """(steps saved whole, steps being saved: objects under them but no checksum manifest yet)."""
     steps = storage.path(f"{run_dir}/checkpoints")
-    names = [p for p in steps.iterdir() if p.name.isdigit()] if steps.exists() else []
+    try:
+        names = [p for p in steps.iterdir() if p.name.isdigit()] if steps.exists() else []
+    except FileNotFoundError:  # exists() then an empty listing, polled while train.py starts to save
+        names = []
     whole = [p.name for p in names if (p / "checksums.json").exists()]
     return whole, [p.name for p in names if p.name not in whole]
 

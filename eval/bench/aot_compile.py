@@ -26,6 +26,7 @@ from effattn_jax.memory import program_bytes
 from effattn_jax.ops.moba import BlockSizes
 from effattn_jax.ops.routing import moba_routing
 from eval.bench import common
+from pallas_kernels.common import gpu_lowering_target
 from pallas_kernels.moba.attention import moba_pallas
 
 
@@ -86,11 +87,12 @@ def compile_one(args, topo, seq: int) -> dict:
         return row
     t = time.perf_counter()
     triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
-    exported = jax.export.export(
-        grad_fn("gpu", BlockSizes(), args.head_dim, args.block_size, args.top_k),  # auto tiles
-        platforms=["cuda"],
-        disabled_checks=[triton],
-    )(*[jax.ShapeDtypeStruct(shape, jnp.bfloat16)] * 3)
+    with gpu_lowering_target():
+        exported = jax.export.export(
+            grad_fn("gpu", BlockSizes(), args.head_dim, args.block_size, args.top_k),  # auto tiles
+            platforms=["cuda"],
+            disabled_checks=[triton],
+        )(*[jax.ShapeDtypeStruct(shape, jnp.bfloat16)] * 3)
     row["cuda_export_s"] = time.perf_counter() - t
     row["triton_kernels"] = exported.mlir_module().count("xla.gpu.triton")
     return row
