@@ -34,12 +34,16 @@ def smem_limit(capability: str | None = None) -> int:
     return SMEM_LIMITS.get(capability, min(SMEM_LIMITS.values()))
 
 
-def device_capability(device=None) -> str | None:
-    """The compute capability of a CUDA device ("9.0"), or None for any other device."""
+def device_limit(device=None) -> tuple[int, str]:
+    """(per-block limit, the device named in words) of a CUDA device (default: this process's
+    first device); any other device, e.g. the CPU of an AOT export, gets an H100/H200's."""
     import jax
 
     device = device or jax.devices()[0]
-    return getattr(device, "compute_capability", None) if device.platform == "gpu" else None
+    capability = getattr(device, "compute_capability", None) if device.platform == "gpu" else None
+    if capability is None:
+        return smem_limit(), f"an H100/H200 (compute capability {DEFAULT_CAPABILITY})"
+    return smem_limit(capability), f"{device.device_kind} (compute capability {capability})"
 
 
 def tile(rows: int, cols: int, itemsize: int) -> int:

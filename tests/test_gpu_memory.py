@@ -148,3 +148,12 @@ def test_dry_run_refuses_tiles_over_the_limit(tmp_path):
     assert line.startswith("config error: moba.q_tile/kv_block/past_q_tile='128/128/256'")
     assert "a set that fits: moba.q_tile=64 moba.kv_block=64 moba.past_q_tile=64" in line
     assert not run_dir.exists()
+
+
+def test_config_takes_auto_or_an_int_for_the_tiles():
+    """Catches: `auto` refused, or a word other than auto let through to the kernels."""
+    assert load_config(None, ["moba.q_tile=auto", "moba.num_stages=3"]).moba.num_stages == 3
+    for bad, why in [("moba.q_tile=big", "integer or auto"), ("moba.kv_block=12", "multiple of 8"),
+                     ("moba.num_warps=0", "> 0 or auto")]:  # fmt: skip
+        with pytest.raises(ConfigError, match=why):
+            load_config(None, [bad])

@@ -31,13 +31,11 @@ from pallas_kernels.moba.schedule import BlockSizes as BlockSizes
 def gpu_tiles_fit(
     block_sizes: BlockSizes, *, block_size: int, head_dim: int, v_head_dim: int, itemsize: int, device=None
 ) -> str:
-    """Checks MoBA's GPU kernel tiles against the shared memory of `device` (a CUDA device; None: an
-    H100/H200) before anything compiles: ValueError, one line naming the moba.* keys and a set that
-    fits, when over; else one line saying what the tiles resolved to and their largest kernel."""
-    capability = gpu_memory.device_capability(device) if device is not None else None
-    capability = capability or gpu_memory.DEFAULT_CAPABILITY
-    limit = gpu_memory.smem_limit(capability)
-    name = f"{device.device_kind if device is not None else 'an H100/H200'} (compute capability {capability})"
+    """Checks MoBA's GPU kernel tiles against the shared memory of `device` (a CUDA device; None:
+    this process's GPU, else an H100/H200) before anything compiles: ValueError, one line naming
+    the moba.* keys and a set that fits, when over; else one line saying what the tiles resolved
+    to and their largest kernel."""
+    limit, name = gpu_memory.device_limit(device)
     shape = dict(head_dim=head_dim, v_head_dim=v_head_dim, itemsize=itemsize)
     sizes = block_sizes.resolve("gpu", block_size=block_size, smem_limit=limit, **shape)
     sizes.check_backend("gpu", block_size, smem_limit=limit, device=name, **shape)

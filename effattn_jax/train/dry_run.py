@@ -138,8 +138,7 @@ def dry_run(cfg: Config, *, compile: bool = True) -> dict:
         # the MoBA GPU kernels' tiles against this GPU's shared memory (an H100/H200's on a host
         # without one): ConfigError, one line, when they cannot fit
         if moba_block_size(cfg) is not None:
-            gpu = next((d for d in jax.devices() if d.platform == "gpu"), None)
-            for line in check_moba_gpu_tiles(cfg, gpu):
+            for line in check_moba_gpu_tiles(cfg):
                 print(f"MoBA GPU tiles, {line}")
     elif compile:
         fit = compile_for_topology(cfg)

@@ -13,8 +13,9 @@ from effattn_jax.ops.moba import gpu_tiles_fit
 
 def check_moba_gpu_tiles(cfg: Config, device=None) -> list[str]:
     """Refuses (ConfigError, one line) MoBA tiles whose GPU kernels would ask `device` (a CUDA
-    device; None: an H100/H200) for more shared memory per block than it has, for each
-    (kind, core=moba) layer's head dims; else one line per layer kind on what they resolved to."""
+    device; None: this process's GPU, else an H100/H200) for more shared memory per block than
+    it has, for each (kind, core=moba) layer's head dims; else one line per layer kind on what
+    they resolved to."""
     kinds = {cfg.layer_spec(i)[0] for i in range(cfg.model.num_layers) if cfg.layer_spec(i)[1] == "moba"}
     lines = []
     for kind in sorted(kinds):

@@ -294,11 +294,12 @@ def tile_sweep(suite: Suite, rows: list, attn: dict, p: dict) -> None:
     """Forward + backward ms of the attention section's shape at one length per tile set, with each
     set's estimated shared memory; a set over the device's limit is refused before compiling."""
     x = structured_inputs(p["seq"], attn["heads"], attn["head_dim"], jnp.bfloat16)
+    limit = gpu_memory.device_limit()[0]
     for tiles in p["sets"]:
         sizes = BlockSizes(*tiles).resolve("gpu")
         kernel, need = sizes.gpu_smem(attn["head_dim"], attn["head_dim"], 2)
         row = {"tiles": list(tiles), "seq": p["seq"], "smem_estimate": need, "largest_kernel": kernel,
-               "smem_limit": gpu_memory.smem_limit(gpu_memory.device_capability())}  # fmt: skip
+               "smem_limit": limit}  # fmt: skip
         if not suite.time_left():
             suite.add(rows, row | {"skipped": "time budget"})
             continue
@@ -332,9 +333,7 @@ def train_py(suite: Suite, rows: list, p: dict, out: Path) -> None:
         cmd = [sys.executable, "train.py", "--config", f"configs/gpu/{name}.yaml", f"train.run_dir={run_dir}",
                "train.resume=false", "train.progress=false", *p["overrides"]]  # fmt: skip
         t = time.perf_counter()
-        done = subprocess.run(
-            cmd, cwd=ROOT, capture_output=True, text=True, env=os.environ | {"PYTHONPATH": str(ROOT)}
-        )
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
         row = {"config": name, "exit": done.returncode, "wall_s": round(time.perf_counter() - t, 1)}
         if done.returncode:
             row["stderr_tail"] = done.stderr.strip().splitlines()[-3:]

@@ -5,8 +5,8 @@ The group's heads are the rows of each [G, tile] score matrix (G a power of two,
 the least a Triton dot takes); the program loops over the row's latent tiles up to its length
 only, loading the last partial tile under a mask, with an online softmax and a [G, d]
 accumulator in registers. The group and the tile are chosen so the program's shared memory
-fits the GPU (`head_group`): 128 heads of latent 512 + 64 in bf16 ask 294,912 bytes in one
-group, over an H200's 232,448, and fit in two groups of 64.
+fits the GPU (`head_group`): 128 heads of latent 512 + 64 in bf16 ask 294,912 bytes in one group
+with 64-slot tiles, over an H200's 232,448, and fit (221,184) with 32-slot tiles.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def mla_decode_gpu(
     when compiled on one."""
     b, h, d = q_lat.shape
     dr = kr.shape[-1]
-    limit = None if interpret else gpu_memory.smem_limit(gpu_memory.device_capability())
+    limit = None if interpret else gpu_memory.device_limit()[0]
     auto_group, auto_tile = head_group(h, d, dr, lat.dtype.itemsize, limit)
     group, tile = group or auto_group, tile or auto_tile
     rows = -(-h // group) * group

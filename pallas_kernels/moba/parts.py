@@ -47,17 +47,13 @@ class KernelCall:
         hand (an AOT export)."""
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        limit, device = None, None
-        if backend == "gpu" and not interpret:
-            capability = gpu_memory.device_capability()
-            limit = gpu_memory.smem_limit(capability)
-            device = f"a GPU of compute capability {capability or gpu_memory.DEFAULT_CAPABILITY}"
+        limit, device = gpu_memory.device_limit() if backend == "gpu" and not interpret else (None, "")
         shape = dict(head_dim=q.shape[-1], v_head_dim=v.shape[-1], itemsize=q.dtype.itemsize)
         sizes = (block_sizes or BlockSizes()).resolve(
             backend, block_size=block_size, smem_limit=limit, **shape
         )
         sizes.check_backend(
-            backend, block_size, compiler=not interpret, smem_limit=limit, device=device or "", **shape
+            backend, block_size, compiler=not interpret, smem_limit=limit, device=device, **shape
         )
         return cls(backend, interpret, sizes, block_size, float(scale))
 

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import gpu_memory
+from pallas_kernels.common import TRITON_STAGES, TRITON_WARPS
 
 BACKENDS = ("tpu", "gpu")
 SCHEDULE_NAME = "moba_schedule"  # jax.checkpoint_name of the routing tables and schedule (ints)
@@ -89,8 +90,6 @@ class BlockSizes:
         kernels' shared memory fits `smem_limit` (default: an H100/H200's) at this head dim and
         dtype (`itemsize`), with kv_block no larger than a divisor of `block_size`; Triton's
         num_warps 4 and num_stages 2."""
-        from pallas_kernels.common import TRITON_STAGES, TRITON_WARPS
-
         fixed = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         fixed = {k: v for k, v in fixed.items() if v is not None}
         auto = dict(TPU_TILES, num_warps=TRITON_WARPS, num_stages=TRITON_STAGES)
