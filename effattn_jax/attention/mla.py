@@ -20,6 +20,10 @@ from effattn_jax.ops.cache import CacheView, kv_view, take_slots
 from effattn_jax.ops.mla_decode import absorbed_attention
 from effattn_jax.sharding import constrain, sharding_rules
 
+# the latent norms' epsilon (c and c'): DeepSeek's code builds them with its RMSNorm's default,
+# whatever rms_norm_eps says; model.norm_eps governs the other norms (docs/mla.md)
+LATENT_NORM_EPS = 1e-6
+
 
 class MLA(nnx.Module):
     cached_token_ids = False  # see EGMLA
@@ -30,7 +34,7 @@ class MLA(nnx.Module):
         self.num_heads, self.v_dim = h, a.v_head_dim
         self.nope, self.rope_dim = a.qk_nope_head_dim, a.qk_rope_head_dim
         self.dkv = Dense([m.d_model], [a.kv_lora_rank], ("embed", "kv_lora"), rngs=rngs, std=std, dtype=dtype)
-        self.kv_norm = RMSNorm(a.kv_lora_rank, eps=m.norm_eps)
+        self.kv_norm = RMSNorm(a.kv_lora_rank, eps=LATENT_NORM_EPS)
         self.kr = Dense(
             [m.d_model], [a.qk_rope_head_dim], ("embed", "head_dim"), rngs=rngs, std=std, dtype=dtype
         )
@@ -39,7 +43,7 @@ class MLA(nnx.Module):
             self.dq = Dense(
                 [m.d_model], [a.q_lora_rank], ("embed", "q_lora"), rngs=rngs, std=std, dtype=dtype
             )
-            self.q_norm = RMSNorm(a.q_lora_rank, eps=m.norm_eps)
+            self.q_norm = RMSNorm(a.q_lora_rank, eps=LATENT_NORM_EPS)
             q_in, q_axis = a.q_lora_rank, "q_lora"
         self.q = Dense(
             [q_in],
