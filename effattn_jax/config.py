@@ -158,6 +158,10 @@ class DataConfig:
     val_fraction: float = 0.05  # user files only, by a hash of the file path
     jsonl_field: str = "text"  # the text field of jsonl records and Parquet rows
     tokenizer: str = "gpt-neox-olmo"  # built-in name or a tokenizers .json path
+    # the end-of-text ids (a converted model's own, from its generation_config.json, config.json
+    # or tokenizer_config.json): the first separates documents, generation stops at any;
+    # empty: the tokenizer's own (the first of data/tokenizer.py's EOS_CANDIDATES it has)
+    eos_ids: list[int] = field(default_factory=list)
     seq_len: int = 256
     batch_size: int = 16  # global, across all processes
     seed: int = 0
@@ -684,6 +688,12 @@ def _validate_data_and_train(cfg: Config) -> None:
     _check(0.0 < data.val_fraction < 1.0, "data.val_fraction", data.val_fraction, "must be in (0, 1)")
     _positive(data, "data", ["seq_len", "batch_size", "shard_cache_gb"])
     _check(data.on_corrupt in ("stop", "skip"), "data.on_corrupt", data.on_corrupt, "allowed: stop, skip")
+    _check(
+        all(0 <= i < cfg.model.vocab_size for i in data.eos_ids),
+        "data.eos_ids",
+        data.eos_ids,
+        f"token ids in [0, model.vocab_size={cfg.model.vocab_size}), or [] for the tokenizer's own",
+    )
 
     _positive(train, "train", ["steps", "lr", "grad_accum", "log_every"])
     _check(train.nonfinite in ("stop", "skip"), "train.nonfinite", train.nonfinite, "allowed: stop, skip")

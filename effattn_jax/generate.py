@@ -133,7 +133,7 @@ def main(argv=None) -> int:
 
     from effattn_jax.checkpoint import CheckpointError
     from effattn_jax.config import ConfigError, DistributedConfig
-    from effattn_jax.data.tokenizer import load_tokenizer
+    from effattn_jax.data.tokenizer import load_tokenizer, stop_ids
     from effattn_jax.launch import initialize
 
     absl_logging.set_verbosity(absl_logging.ERROR)  # Orbax's read-only notices: not the user's concern
@@ -145,7 +145,8 @@ def main(argv=None) -> int:
         return 2
     from effattn_jax.memory import DoesNotFit
 
-    tok, _, _ = load_tokenizer(cfg.data.tokenizer)
+    tok, eos, _ = load_tokenizer(cfg.data.tokenizer, cfg.data.eos_ids)
+    stops = stop_ids(eos, cfg.data.eos_ids)
     prompts = [tok.encode(t, add_special_tokens=False).ids for t in args.prompt]
     longest = max(len(ids) for ids in prompts)
     if longest == 0:
@@ -164,7 +165,8 @@ def main(argv=None) -> int:
         return 2
     if jax.process_index() == 0:
         for text, ids in zip(args.prompt, outs, strict=True):
-            print(f"{text}{tok.decode(ids)}")
+            end = next((i for i, t in enumerate(ids) if t in stops), len(ids))  # up to its end of text
+            print(f"{text}{tok.decode(ids[:end])}")
             print("---")
     return 0
 

@@ -132,7 +132,7 @@ def run_downstream(model, cfg, names: list[str], *, limit: int | None, progress:
     from effattn_jax.data.tokenizer import load_tokenizer
 
     start = time.perf_counter()
-    tokenizer, eos, _ = load_tokenizer(cfg.data.tokenizer)
+    tokenizer, eos, _ = load_tokenizer(cfg.data.tokenizer, cfg.data.eos_ids)
     results, speed = {}, {}
     for name in names:
         task = load_task(name, limit=limit)

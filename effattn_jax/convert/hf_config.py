@@ -31,6 +31,8 @@ def read_hf_config(model_dir: Path) -> dict:
         raise ConvertError(f"{model_dir}: no config.json; not a Hugging Face model directory") from None
     except ValueError as e:
         raise ConvertError(f"{model_dir / 'config.json'}: not JSON ({e})") from None
+    if not isinstance(hf, dict):
+        raise ConvertError(f"{model_dir / 'config.json'}: a JSON {type(hf).__name__}, not an object")
     arch = (hf.get("architectures") or ["<none>"])[0]
     if arch not in ARCHITECTURES:
         raise ConvertError(
@@ -185,6 +187,8 @@ def hf_config_of(cfg, base: dict) -> dict:
         "rms_norm_eps": m.norm_eps,
         "max_position_embeddings": cfg.data.seq_len,
     }
+    if ids := cfg.data.eos_ids:  # the model's own end-of-text ids (one, or a list of several)
+        hf["eos_token_id"] = ids[0] if len(ids) == 1 else list(ids)
     if family(hf) == "deepseek":
         mla = cfg.mla
         hf |= {

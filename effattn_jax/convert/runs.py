@@ -9,8 +9,10 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from tokenizers import Tokenizer
 
 from effattn_jax import storage
+from effattn_jax.convert.eos import declared_eos_ids
 from effattn_jax.convert.hf_config import (
     HF_CONFIG,
     ConvertError,
@@ -24,20 +26,29 @@ from effattn_jax.convert.weights import layouts, load_weights, mla_tensors
 from effattn_jax.sharding import leaves_by_path
 
 
-def check_tokenizer(model_dir: Path, vocab_size: int) -> Path:
+def check_tokenizer(model_dir: Path, vocab_size: int) -> tuple[Path, list[int]]:
+    """The model's tokenizer.json and its end-of-text ids (declared by the model's own files,
+    convert/eos.py; [] for the tokenizer's own, which it must then have)."""
     from effattn_jax.data.corpus import DataError
     from effattn_jax.data.tokenizer import load_tokenizer
 
     path = model_dir / "tokenizer.json"
-    if not path.exists():
+    if not path.is_file():
         raise ConvertError(f"{model_dir}: no tokenizer.json")
     try:
-        tok, _, _ = load_tokenizer(str(path))
+        tok, _, _ = load_tokenizer(str(path))  # a tokenizers file at all (the EOS: below)
     except DataError as e:
-        raise ConvertError(str(e)) from None
+        if "no end-of-text token" not in str(e):
+            raise ConvertError(str(e)) from None
+        tok = Tokenizer.from_file(str(path))
+    if not (eos_ids := declared_eos_ids(model_dir, tok)):
+        try:
+            load_tokenizer(str(path))
+        except DataError as e:
+            raise ConvertError(f"{e}; nor does the model declare one (eos_token_id, eos_token)") from None
     if (n := tok.get_vocab_size(True)) > vocab_size:
         raise ConvertError(f"{path}: {n} tokens, more than the model's {vocab_size} vocabulary rows")
-    return path
+    return path, eos_ids
 
 
 def from_hf(model_dir: str | Path, out: str | Path, overrides: list[str] = ()) -> storage.AnyPath:
@@ -58,8 +69,8 @@ def from_hf(model_dir: str | Path, out: str | Path, overrides: list[str] = ()) -
     hf = read_hf_config(model_dir)
     keys = config_overrides(hf, model_dir) | {"train.run_dir": str(out)}
     keys["data.tokenizer"] = str(out / "tokenizer.json")
+    source_tokenizer, keys["data.eos_ids"] = check_tokenizer(model_dir, keys["model.vocab_size"])
     cfg = load_config(None, [f"{k}={v}" for k, v in keys.items()] + list(overrides))
-    source_tokenizer = check_tokenizer(model_dir, cfg.model.vocab_size)
     setup = make_setup(cfg, make_mesh(1, 1, 1, devices=jax.local_devices()[:1]))
     params = load_weights(model_dir, hf, setup.abstract_state["params"])
     out.mkdir(parents=True, exist_ok=True)
@@ -123,7 +134,7 @@ def to_hf(run_dir: str | Path, out: str | Path, step: str = "latest") -> list[st
     }
     if family(hf) == "deepseek":
         tensors |= mla_tensors(flat, hf)
-    _, _, tokenizer = load_tokenizer(cfg.data.tokenizer)
+    _, _, tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.data.eos_ids)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")

@@ -31,7 +31,7 @@ def corpus_manifest(data_cfg) -> Manifest:
     """The prepared corpus of `data_cfg`: `data.path` for source=prepared; the built-in corpus and
     user files are prepared once into the cache (keyed by the request and the files' mtimes).
     Fails in one line when it was prepared with another tokenizer than `data.tokenizer`."""
-    info = tokenizer_info(data_cfg.tokenizer)
+    info = tokenizer_info(data_cfg.tokenizer, data_cfg.eos_ids)
     if data_cfg.source == "prepared":
         manifest = Manifest.load(data_cfg.path)
         theirs = manifest.data["tokenizer"]
@@ -39,6 +39,11 @@ def corpus_manifest(data_cfg) -> Manifest:
             raise DataError(
                 f"data.path={data_cfg.path}: prepared with tokenizer {theirs['name']!r}, not "
                 f"data.tokenizer={data_cfg.tokenizer!r} (their files differ); set data.tokenizer to match"
+            )
+        if theirs["eos_id"] != info["eos_id"]:
+            raise DataError(
+                f"data.path={data_cfg.path}: prepared with end-of-text id {theirs['eos_id']}, not "
+                f"{info['eos_id']} (data.eos_ids={data_cfg.eos_ids}); prepare it with --eos-ids to match"
             )
         return manifest
     inputs = config_inputs(data_cfg)

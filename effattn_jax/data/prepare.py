@@ -27,6 +27,7 @@ import re
 import sys
 import time
 from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -44,16 +45,18 @@ DEFAULT_SHARD_TOKENS = 100_000_000
 BATCH_CHARS = 1 << 20  # text per worker task
 
 
-def tokenizer_info(name: str) -> dict:
-    """What a manifest records of the tokenizer (and, under "path", where its file is)."""
-    tok, eos, path = load_tokenizer(name)
-    return {
+def tokenizer_info(name: str, eos_ids: Sequence[int] = ()) -> dict:
+    """What a manifest records of the tokenizer (and, under "path", where its file is); with
+    `eos_ids` (`data.eos_ids`) the first separates documents instead of the tokenizer's own."""
+    tok, eos, path = load_tokenizer(name, eos_ids)
+    info = {
         "name": name,
         "sha256": file_sha256(path),
         "vocab_size": tok.get_vocab_size(True),
         "eos_id": eos,
         "path": str(path),
     }
+    return info | ({"eos_ids": list(eos_ids)} if eos_ids else {})
 
 
 def request_of(inputs: Inputs, tokenizer: dict, shard_tokens: int, chunk_tokens: int = CHUNK_TOKENS) -> dict:
@@ -65,6 +68,7 @@ def request_of(inputs: Inputs, tokenizer: dict, shard_tokens: int, chunk_tokens:
         "val_fraction": inputs.val_fraction,
         "field": inputs.field,
         "tokenizer_sha256": tokenizer["sha256"],
+        **({"eos_id": tokenizer["eos_id"]} if "eos_ids" in tokenizer else {}),  # a declared EOS
         "chunk_tokens": chunk_tokens,
         "shard_tokens": shard_tokens,
     }
@@ -326,6 +330,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--field", default="text", help="the text field of jsonl records and Parquet rows")
     ap.add_argument("--tokenizer", default="gpt-neox-olmo", help="a built-in name or a tokenizers .json file")
+    ap.add_argument(
+        "--eos-ids",
+        type=_ids,
+        default=[],
+        help="comma-separated end-of-text ids, the first between documents (a converted run's "
+        "data.eos_ids); default: the tokenizer's own",
+    )
     ap.add_argument("--out", help="the output directory, or a gs://bucket/path")
     ap.add_argument(
         "--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="training tokens per shard"
@@ -347,15 +358,24 @@ def main(argv: list[str] | None = None) -> int:
         val = glob(args.val_input, "--val-input") if args.val_input else []
         inputs = Inputs.of(glob(args.input, "--input"), val, args.val_fraction, args.field)
         done = (storage.path(args.out) / MANIFEST).exists()
-        m = prepare(
-            inputs, args.out, tokenizer=args.tokenizer, shard_tokens=args.shard_tokens, workers=args.workers
-        )
+        tokenizer = tokenizer_info(args.tokenizer, args.eos_ids)
+        m = prepare(inputs, args.out, tokenizer=tokenizer, shard_tokens=args.shard_tokens, workers=args.workers)
         if done:
             print(f"{args.out}: already prepared ({m.data['train']['tokens']:,} training tokens); not redone")
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.split(",")]
+    except ValueError:
+        ids = [-1]
+    if min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated token ids, e.g. 2 or 1,2")
+    return ids
 
 
 if __name__ == "__main__":

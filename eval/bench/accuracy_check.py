@@ -110,7 +110,7 @@ def check(args, emit) -> int:
     step = checkpoint.kept_steps(args.run)[-1]
     cfg, graphdef, params = checkpoint.load_params(args.run, step)
     model = nnx.merge(graphdef, params)
-    tokenizer, eos, _ = load_tokenizer(cfg.data.tokenizer)
+    tokenizer, eos, _ = load_tokenizer(cfg.data.tokenizer, cfg.data.eos_ids)
     rows = [task_check(model, tokenizer, eos, t, args.limit, cfg.data.seq_len) for t in AVERAGE_TASKS]
     cross = scoring_cross_check(model, tokenizer, eos, args.cross_check, args.limit, cfg.data.seq_len)
     emit({"run": args.run, "step": step, "tasks": rows, "cross_check": cross})

@@ -80,7 +80,7 @@ class EffattnLM(LM):
 
         from effattn_jax import checkpoint
         from effattn_jax.config import DistributedConfig
-        from effattn_jax.data.tokenizer import load_tokenizer
+        from effattn_jax.data.tokenizer import load_tokenizer, stop_ids
         from effattn_jax.launch import initialize
 
         if not jax.distributed.is_initialized():
@@ -94,7 +94,8 @@ class EffattnLM(LM):
         (self.step,) = checkpoint.select_steps(self.run, step)
         cfg, graphdef, params = checkpoint.load_params(self.run, self.step, _parse_mesh(mesh))
         self.model = nnx.merge(graphdef, params)
-        self.tokenizer, self.eos, _ = load_tokenizer(cfg.data.tokenizer)
+        self.tokenizer, self.eos, _ = load_tokenizer(cfg.data.tokenizer, cfg.data.eos_ids)
+        self.stop_ids = stop_ids(self.eos, cfg.data.eos_ids)  # a model may declare several
         self.max_length = cfg.data.seq_len
         self.generate_batch = _batch_size(batch_size)
         self._generator = None
@@ -192,10 +193,14 @@ class EffattnLM(LM):
             stop=done,
             stop_every=STOP_CHECK_EVERY,
         )
-        return [ids[: ids.index(self.eos)] if self.eos in ids else ids for ids in generated[: len(prompts)]]
+        return [ids[: self._end(ids)] for ids in generated[: len(prompts)]]
+
+    def _end(self, ids: list[int]) -> int:
+        """Where a row's text ends: its first end-of-text id (any the model declares), else its length."""
+        return next((i for i, t in enumerate(ids) if t in self.stop_ids), len(ids))
 
     def _reached_stop(self, ids: list[int], until: tuple[str, ...]) -> bool:
-        if self.eos in ids:
+        if self._end(ids) < len(ids):
             return True
         text = self.tokenizer.decode(ids)
         return any(stop in text for stop in until)
