@@ -359,7 +359,9 @@ def main(argv: list[str] | None = None) -> int:
         inputs = Inputs.of(glob(args.input, "--input"), val, args.val_fraction, args.field)
         done = (storage.path(args.out) / MANIFEST).exists()
         tokenizer = tokenizer_info(args.tokenizer, args.eos_ids)
-        m = prepare(inputs, args.out, tokenizer=tokenizer, shard_tokens=args.shard_tokens, workers=args.workers)
+        m = prepare(
+            inputs, args.out, tokenizer=tokenizer, shard_tokens=args.shard_tokens, workers=args.workers
+        )
         if done:
             print(f"{args.out}: already prepared ({m.data['train']['tokens']:,} training tokens); not redone")
     except DataError as e:
