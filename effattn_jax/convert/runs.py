@@ -22,7 +22,7 @@ from effattn_jax.convert.hf_config import (
     hf_config_of,
     read_hf_config,
 )
-from effattn_jax.convert.weights import layouts, load_weights, mla_tensors
+from effattn_jax.convert.weights import Unstacked, layouts, load_weights, mla_tensors, stacked_layers
 from effattn_jax.sharding import leaves_by_path
 
 
@@ -72,7 +72,7 @@ def from_hf(model_dir: str | Path, out: str | Path, overrides: list[str] = ()) -
     source_tokenizer, keys["data.eos_ids"] = check_tokenizer(model_dir, keys["model.vocab_size"])
     cfg = load_config(None, [f"{k}={v}" for k, v in keys.items()] + list(overrides))
     setup = make_setup(cfg, make_mesh(1, 1, 1, devices=jax.local_devices()[:1]))
-    params = load_weights(model_dir, hf, setup.abstract_state["params"])
+    params = load_weights(model_dir, hf, setup.abstract_state["params"], stacked_layers(cfg))
     out.mkdir(parents=True, exist_ok=True)
     storage.copy_file(source_tokenizer, out / "tokenizer.json")
     storage.copy_file(model_dir / "config.json", out / HF_CONFIG)  # the family, for to-hf
@@ -112,9 +112,8 @@ def to_hf(run_dir: str | Path, out: str | Path, step: str = "latest") -> list[st
     kinds = {kind for kind, _ in specs}
     if "eg_mla" in kinds:
         raise ConvertError(f"{run_dir}: EG-MLA has no Hugging Face equivalent; it is not exported")
-    if len(kinds) > 1 or cfg.model.scan_layers:
-        why = "layers of two attention kinds" if len(kinds) > 1 else "model.scan_layers=true"
-        raise ConvertError(f"{run_dir}: {why}: not exported yet")
+    if len(kinds) > 1:
+        raise ConvertError(f"{run_dir}: layers of two attention kinds: not exported yet")
     source = storage.path(run_dir) / HF_CONFIG
     converted = json.loads(storage.read_text(source)) if source.exists() else None
     hf = hf_config_of(cfg, base_config(cfg, converted, mla=kinds == {"mla"}))
@@ -126,7 +125,7 @@ def to_hf(run_dir: str | Path, out: str | Path, step: str = "latest") -> list[st
             "as its dense architecture (the weights are the same); its MoBA settings are in "
             "config.json's effattn_moba"
         )
-    flat = leaves_by_path(params)
+    flat = Unstacked(leaves_by_path(params), stacked_layers(cfg))  # a layer sliced out at a time
     tensors = {
         name: np.ascontiguousarray(theirs(np.asarray(flat[key], np.float32)))
         for name, (key, _, theirs) in layouts(hf).items()

@@ -3,12 +3,14 @@ tensor goes and how it is laid out there, read one tensor at a time."""
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from effattn_jax.convert.hf_config import ConvertError, family
@@ -182,26 +184,86 @@ def _split(tensors: Iterator[tuple[str, np.ndarray]], hf: dict, model_dir: Path)
             yield name, array
 
 
-def load_weights(model_dir: Path, hf: dict, abstract: dict) -> dict:
+def stacked_layers(cfg) -> dict[int, tuple[int, int]]:
+    """Layer -> (its stack in `blocks`, its index there) for a model of stacked layers
+    (`model.scan_layers`, one stack per run of layers of one kind); {} for one Block per layer."""
+    from effattn_jax.model import layer_groups
+
+    if not cfg.model.scan_layers:
+        return {}
+    return {start + j: (g, j) for g, (start, n, _) in enumerate(layer_groups(cfg)) for j in range(n)}
+
+
+def in_stack(
+    key: tuple[str, ...], stacks: dict[int, tuple[int, int]] | None
+) -> tuple[tuple[str, ...], int | None]:
+    """A per-layer parameter path ("blocks", layer, ...) -> (the path holding it, its index in the
+    stack), or (the path, None) where layers are not stacked."""
+    if not stacks or key[0] != "blocks":  # also None
+        return key, None
+    g, j = stacks[int(key[1])]
+    return ("blocks", str(g), *key[2:]), j
+
+
+@functools.cache
+def _zeros(shape: tuple[int, ...], dtype, sharding):
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+
+
+@functools.cache
+def _put_layer(sharding):
+    """stack, layer, j -> the stack with layer j replaced, in place (the stack is donated)."""
+    set_layer = lambda stack, layer, j: jax.lax.dynamic_update_index_in_dim(stack, layer, j, 0)
+    return jax.jit(set_layer, out_shardings=sharding, donate_argnums=0)
+
+
+def load_weights(model_dir: Path, hf: dict, abstract: dict, stacks: dict | None = None) -> dict:
     """The model's parameters, each tensor read, laid out and placed into its sharding in turn
-    (host memory: one tensor at a time); ConvertError naming the first tensor that is unknown,
-    missing or of the wrong shape for the config."""
+    (host memory: one tensor at a time; a stacked layer's goes into its slot of the stack, in
+    place); ConvertError naming the first tensor that is unknown, missing or of the wrong shape
+    for the config. `stacks`: `stacked_layers` of a model of stacked layers."""
     flat = leaves_by_path(abstract)
-    where, done = layouts(hf), {}
+    where, done, filled = layouts(hf), {}, {}
     for name, array in _split(_tensors(model_dir), hf, model_dir):
         if name.endswith(IGNORED):
             continue
-        if name not in where or where[name][0] not in flat:
+        key, j = in_stack(where[name][0], stacks) if name in where else (None, None)
+        if key not in flat:
             raise ConvertError(f"{model_dir}: tensor {name} is not one a {hf['architectures'][0]} has here")
-        key, layout, _ = where[name]
-        value, want = layout(array), flat[key]
-        if value.shape != want.shape:
+        layout, want = where[name][1], flat[key]
+        value, shape = layout(array), want.shape if j is None else want.shape[1:]
+        if value.shape != shape:
             raise ConvertError(
                 f"{model_dir}: tensor {name} of shape {array.shape} does not match its config "
-                f"(expected {want.shape} as {'/'.join(key)})"
+                f"(expected {shape} as {'/'.join(where[name][0])})"
             )
-        done[key] = jax.device_put(np.asarray(value, want.dtype), want.sharding)
+        if j is None:
+            done[key] = jax.device_put(np.asarray(value, want.dtype), want.sharding)
+        else:
+            stack = done[key] if key in done else _zeros(want.shape, want.dtype, want.sharding)()
+            done[key] = _put_layer(want.sharding)(stack, np.asarray(value, want.dtype), j)
+            filled.setdefault(key, set()).add(j)
         del array, value  # one tensor on the host at a time
-    if missing := [k for k in flat if k not in done]:
+    short = lambda k: k not in done or (k in filled and len(filled[k]) < flat[k].shape[0])
+    if missing := [k for k in flat if short(k)]:
         raise ConvertError(f"{model_dir}: no tensor for {'/'.join(missing[0])} ({len(missing)} missing)")
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(abstract), [done[k] for k in flat])
+
+
+class Unstacked(Mapping):
+    """A run's parameters by per-layer path ("blocks", layer, ...), whether its layers are stacked
+    or not: a stacked layer is sliced out when asked for, one tensor at a time (never the whole
+    model unstacked at once)."""
+
+    def __init__(self, flat: dict, stacks: dict[int, tuple[int, int]]):
+        self.flat, self.stacks = flat, stacks
+
+    def __getitem__(self, key):
+        path, j = in_stack(key, self.stacks)
+        return self.flat[path] if j is None else self.flat[path][j]
+
+    def __iter__(self):
+        return iter(self.flat)
+
+    def __len__(self):
+        return len(self.flat)
