@@ -92,6 +92,20 @@ def test_train_cli(tmp_path, corpus_dir, capsys, case, extra, needle):
     assert not (tmp_path / "run").exists()
 
 
+def test_train_init_from_a_corrupt_step(tmp_path, corpus_dir, capsys):
+    """train.init_from a step that fails its checksum: one line naming it, exit 2, and no new run
+    directory. Catches: the source verified only when it is restored, after the run is created."""
+    from conftest import corrupt_step, saved_fresh_run
+
+    saved_fresh_run(tmp_path / "source", [])
+    corrupt_step(tmp_path / "source" / "checkpoints" / "0", "flip")
+    overrides = tiny_overrides(corpus_dir, tmp_path / "run") + [f"train.init_from={tmp_path / 'source'}"]
+    assert train_cli.main(overrides) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "train.init_from" in err[0] and "does not match its checksum" in err[0], err
+    assert not (tmp_path / "run").exists()
+
+
 def _exit_status(main, argv) -> int:
     try:
         return main(argv)

@@ -103,9 +103,15 @@ def restore_params(run_dir: str | Path, step: int, abstract: dict, *, verified: 
 
 
 def init_source(spec: str) -> tuple[str, int]:
-    """`train.init_from` (`RUN_DIR[@STEP]`, default its newest step) -> (run dir, kept step)."""
+    """`train.init_from` (`RUN_DIR[@STEP]`, default its newest step) -> (run dir, kept step),
+    the step verified against its checksums (a new run must not start from a corrupt one)."""
     run_dir, _, which = spec.rpartition("@") if "@" in spec else (spec, "", "latest")
-    return run_dir, select_steps(run_dir, which)[0]
+    step = select_steps(run_dir, which)[0]
+    try:
+        checksums.verify(storage.path(manager(run_dir, read_only=True).directory) / str(step))
+    except checksums.ChecksumError as e:
+        raise CheckpointError(f"{run_dir}: step {step} cannot be used: {type(e).__name__}: {e}") from None
+    return run_dir, step
 
 
 def shape_changes(run_dir: str | Path, step: int, abstract: dict) -> list[str]:

@@ -168,7 +168,8 @@ def _start_state(checkpoints, setup, data_iter, init: tuple[str, int] | None) ->
     parameters or a fresh initialization."""
     step, state = checkpoints.restore_latest(setup.abstract_state, data_iter)
     if state is None:
-        params = checkpoint.restore_params(*init, setup.abstract_state["params"]) if init else None
+        abstract = setup.abstract_state["params"]  # the step was verified by _init_source
+        params = checkpoint.restore_params(*init, abstract, verified=True) if init else None
         return 0, init_state(setup, params), False
     if state["opt_state"] is None:
         state = init_state(setup, state["params"]) | {"step": jnp.asarray(step, jnp.int32)}
