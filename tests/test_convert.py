@@ -18,14 +18,25 @@ from effattn_jax.data.tokenizer import load_tokenizer
 from effattn_jax.generate import Generator
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
-FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "deepseek_v2", "deepseek_v3")
+FAMILIES = (
+    "llama",
+    "llama3",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "deepseek_v2",
+    "deepseek_v3",
+    "deepseek_v2_eps",  # rms_norm_eps 1e-5: MLA's latent norms keep 1e-6; DeepSeek's EOS name
+    "llama_eos_list",  # eos_token_id a list
+)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_converted_model_matches_the_reference(family, tmp_path, capsys):
-    """float32 logits within 1e-4 of the reference's on fixed ids, the same 8 greedy tokens, the
+    """float32 logits within 1e-5 of the reference's on fixed ids, the same 8 greedy tokens, the
     tokenizer recorded in the run. Catches: a transposed or mis-split projection, the wrong RoPE
-    layout or base, a tied head taken as untied, the norm's epsilon."""
+    layout or base, a tied head taken as untied, the norm's epsilon (MLA's latent norms taking
+    rms_norm_eps=1e-5 differ by 2.7e-5 on deepseek_v2_eps)."""
     fixture = FIXTURES / family
     reference = json.loads((fixture / "reference.json").read_text())
     out = tmp_path / "run"
@@ -36,11 +47,75 @@ def test_converted_model_matches_the_reference(family, tmp_path, capsys):
     ids = np.asarray([reference["ids"]], np.int32)
     logits = np.asarray(jax.jit(lambda m, t: m(t))(model, ids))[0]
     want = np.load(fixture / "reference_logits.npy")
-    assert logits.shape == want.shape and np.abs(logits - want).max() < 1e-4
+    assert logits.shape == want.shape and np.abs(logits - want).max() < 1e-5
     greedy = Generator(model).generate([reference["ids"]], len(reference["greedy"]))
     assert greedy[0] == reference["greedy"]
     tok, _, path = load_tokenizer(cfg.data.tokenizer)
     assert path == out / "tokenizer.json" and tok.get_vocab_size(True) <= cfg.model.vocab_size
+
+
+EOS = {  # what each model's own files declare (generation_config.json first), recorded as data.eos_ids
+    "llama": [2],
+    "qwen2": [],  # none declared: the tokenizer's own <|endoftext|>
+    "deepseek_v2_eps": [1],  # <｜end▁of▁sentence｜>
+    "llama_eos_list": [1, 2],
+}
+
+
+@pytest.mark.parametrize("family", sorted(EOS))
+def test_the_end_of_text_ids_come_from_the_models_files(family, tmp_path, capsys):
+    """data.eos_ids of a converted run: the model's declared ids, every one of a list; the
+    tokenizer's EOS is the first (what separates documents); exported back as eos_token_id."""
+    out = tmp_path / "run"
+    assert main(["from-hf", "--model", str(FIXTURES / family), "--out", str(out)]) == 0
+    cfg = checkpoint.load_run_config(out, 0)
+    assert cfg.data.eos_ids == EOS[family]
+    _, eos, _ = load_tokenizer(cfg.data.tokenizer, cfg.data.eos_ids)
+    assert eos == (EOS[family] or [0])[0]
+    assert main(["to-hf", "--run", str(out), "--out", str(tmp_path / "hf")]) == 0
+    declared = json.loads((tmp_path / "hf" / "config.json").read_text()).get("eos_token_id")
+    assert declared == (EOS[family][0] if len(EOS[family]) == 1 else EOS[family] or None)
+
+
+def _without_declared_eos(model: Path) -> None:
+    (model / "generation_config.json").unlink()
+    _edit_config(eos_token_id=None)(model)
+
+
+def test_the_eos_token_of_tokenizer_config_when_no_id_is_declared(tmp_path, capsys):
+    """No eos_token_id anywhere: tokenizer_config.json's eos_token names it (DeepSeek's name,
+    which no fixed list of names holds)."""
+    model, out = _broken(tmp_path, _without_declared_eos, "deepseek_v2_eps"), tmp_path / "run"
+    assert main(["from-hf", "--model", str(model), "--out", str(out)]) == 0
+    assert checkpoint.load_run_config(out, 0).data.eos_ids == [1]
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek_v2_eps"])
+def test_stacked_layers_import_and_export_bit_for_bit(family, tmp_path, capsys):
+    """from-hf with model.scan_layers=true: each stack holds the layers the unstacked run holds,
+    bit for bit; to-hf of it writes the fixture's tensors bit for bit; importing that stacked
+    again gives the same stacks."""
+    from effattn_jax.convert.weights import Unstacked, stacked_layers
+    from effattn_jax.sharding import leaves_by_path
+
+    fixture = FIXTURES / family
+    flat, stacked, exported, again = (tmp_path / n for n in ("flat", "stacked", "hf", "again"))
+    assert main(["from-hf", "--model", str(fixture), "--out", str(flat)]) == 0
+    for source, out in ((fixture, stacked), (exported, again)):
+        if source == exported:
+            assert main(["to-hf", "--run", str(stacked), "--out", str(exported)]) == 0
+        assert main(["from-hf", "--model", str(source), "--out", str(out), "model.scan_layers=true"]) == 0
+    cfg, _, params = checkpoint.load_params(stacked, 0)
+    assert cfg.model.scan_layers and np.shape(params["blocks"][0]["attn_norm"]["scale"])[0] == 2
+    by_layer = Unstacked(leaves_by_path(params), stacked_layers(cfg))
+    for key, value in leaves_by_path(checkpoint.load_params(flat, 0)[2]).items():
+        assert np.array_equal(by_layer[key], value), key
+    theirs, ours = _tensors(fixture), _tensors(exported)
+    assert sorted(ours) == sorted(theirs)
+    assert all(np.array_equal(ours[name], theirs[name]) for name in theirs)
+    a, b = checkpoint.load_params(stacked, 0)[2], checkpoint.load_params(again, 0)[2]
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        assert np.array_equal(x, y)
 
 
 def _tensors(model_dir: Path) -> dict[str, np.ndarray]:
@@ -121,6 +196,29 @@ def _edit_config(**keys):
     return change
 
 
+def _cut(path: Path, size: int) -> None:
+    path.write_bytes(path.read_bytes()[:size])
+
+
+def _eos_token(token):
+    """No eos_token_id declared; tokenizer_config.json's eos_token `token` (None: no such file), and
+    a tokenizer whose only special token has a name outside the fixed list."""
+
+    def change(model):
+        _without_declared_eos(model)
+        (model / "tokenizer_config.json").unlink(missing_ok=True)
+        if token is not None:
+            (model / "tokenizer_config.json").write_text(json.dumps({"eos_token": token}))
+        tok = json.loads((model / "tokenizer.json").read_text())
+        tok["added_tokens"][0]["content"] = "<|eot|>"
+        tok["model"]["vocab"] = {
+            ("<|eot|>" if t == "<|endoftext|>" else t): i for t, i in tok["model"]["vocab"].items()
+        }
+        (model / "tokenizer.json").write_text(json.dumps(tok))
+
+    return change
+
+
 @pytest.mark.parametrize(
     "change, says",
     [
@@ -131,8 +229,34 @@ def _edit_config(**keys):
         (_edit_config(vocab_size=256), "more than the model's 256 vocabulary rows"),
         (_edit_config(rope_parameters={"rope_type": "longrope", "factor": 8.0}), "rope scaling 'longrope'"),
         (_edit_config(first_k_dense_replace=1), "layers 1-1 are mixture-of-experts layers \\(1 of 2\\)"),
+        (
+            lambda m: _cut(m / "model.safetensors", 100_000),
+            "tensor .* has \\d+ of its \\d+ bytes; the file is truncated",
+        ),
+        (lambda m: _cut(m / "model.safetensors", 100), "not a safetensors file, or truncated.*not JSON"),
+        (lambda m: (m / "config.json").write_text("[]"), "config.json: a JSON list, not an object"),
+        (
+            lambda m: (m / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 999]})),
+            "generation_config.json: eos_token_id 999 is not in tokenizer.json's vocabulary \\(300 tokens\\)",
+        ),
+        (_eos_token("<nope>"), "eos_token '<nope>' is not in tokenizer.json's vocabulary"),
+        (_eos_token(None), "no end-of-text token among .*; nor does the model declare one"),
     ],
-    ids=["no-config", "no-weights", "architecture", "shape", "tokenizer", "rope-scaling", "moe"],
+    ids=[
+        "no-config",
+        "no-weights",
+        "architecture",
+        "shape",
+        "tokenizer",
+        "rope-scaling",
+        "moe",
+        "truncated-weights",
+        "weights-cut-to-100-bytes",
+        "config-not-an-object",
+        "eos-id-not-in-vocabulary",
+        "eos-token-not-in-vocabulary",
+        "no-eos-at-all",
+    ],
 )
 def test_bad_model_directories_are_refused_in_one_line(tmp_path, capsys, change, says):
     out = tmp_path / "out"

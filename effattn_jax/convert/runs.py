@@ -51,6 +51,26 @@ def check_tokenizer(model_dir: Path, vocab_size: int) -> tuple[Path, list[int]]:
     return path, eos_ids
 
 
+def check_out(out, what: str) -> None:
+    """--out must be a new or empty directory."""
+    if out.exists() and not out.is_dir():
+        raise ConvertError(f"--out={out}: a file, not a directory; {what}")
+    if out.exists() and any(out.iterdir()):
+        raise ConvertError(f"--out={out}: not empty; {what}")
+
+
+def make_out(out) -> None:
+    """Creates --out, once everything else is checked; one line when it cannot be created or
+    written (a read-only file system, a file in the way), and no directory left behind."""
+    from effattn_jax.checkpoint.store import unwritable
+
+    existed = out.exists()
+    if why := unwritable(out):
+        if not existed and out.exists():
+            shutil.rmtree(out, ignore_errors=True)
+        raise ConvertError(f"--out={out}: cannot be written ({why})")
+
+
 def from_hf(model_dir: str | Path, out: str | Path, overrides: list[str] = ()) -> storage.AnyPath:
     """Converts `model_dir` into the run directory `out` (step 0); returns it. Everything is
     checked (config, tokenizer, every tensor) before anything is written."""
@@ -64,8 +84,7 @@ def from_hf(model_dir: str | Path, out: str | Path, overrides: list[str] = ()) -
     if why := storage.unreachable(out):
         raise ConvertError(f"--out={out}: {why}")
     model_dir, out = Path(model_dir), storage.path(out)
-    if out.exists() and any(out.iterdir()):
-        raise ConvertError(f"--out={out}: not empty; convert into a new run directory")
+    check_out(out, "convert into a new run directory")
     hf = read_hf_config(model_dir)
     keys = config_overrides(hf, model_dir) | {"train.run_dir": str(out)}
     keys["data.tokenizer"] = str(out / "tokenizer.json")
@@ -73,7 +92,7 @@ def from_hf(model_dir: str | Path, out: str | Path, overrides: list[str] = ()) -
     cfg = load_config(None, [f"{k}={v}" for k, v in keys.items()] + list(overrides))
     setup = make_setup(cfg, make_mesh(1, 1, 1, devices=jax.local_devices()[:1]))
     params = load_weights(model_dir, hf, setup.abstract_state["params"], stacked_layers(cfg))
-    out.mkdir(parents=True, exist_ok=True)
+    make_out(out)
     storage.copy_file(source_tokenizer, out / "tokenizer.json")
     storage.copy_file(model_dir / "config.json", out / HF_CONFIG)  # the family, for to-hf
     with exclusive(out):
@@ -99,8 +118,7 @@ def to_hf(run_dir: str | Path, out: str | Path, step: str = "latest") -> list[st
     from effattn_jax.data.tokenizer import load_tokenizer
 
     out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise ConvertError(f"--out={out}: not empty; export into a new directory")
+    check_out(out, "export into a new directory")
     if why := storage.unreachable(run_dir):
         raise ConvertError(f"--run={run_dir}: {why}")
     try:
@@ -134,7 +152,7 @@ def to_hf(run_dir: str | Path, out: str | Path, step: str = "latest") -> list[st
     if family(hf) == "deepseek":
         tensors |= mla_tensors(flat, hf)
     _, _, tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.data.eos_ids)
-    out.mkdir(parents=True, exist_ok=True)
+    make_out(out)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
     shutil.copyfile(tokenizer, out / "tokenizer.json")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import struct
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -42,16 +43,43 @@ def _tensors(model_dir: Path) -> Iterator[tuple[str, np.ndarray]]:
     dtypes = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
     for path in _weight_files(model_dir):
         with open(path, "rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(size))
-            header.pop("__metadata__", None)
+            header, size = _header(path, f)
             for name, entry in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
                 if entry["dtype"] not in dtypes:
                     raise ConvertError(f"{path}: tensor {name} is {entry['dtype']}; floating point expected")
                 start, end = entry["data_offsets"]
+                want = math.prod(entry["shape"]) * np.dtype(dtypes[entry["dtype"]]).itemsize
                 f.seek(8 + size + start)
-                raw = np.frombuffer(f.read(end - start), dtypes[entry["dtype"]]).reshape(entry["shape"])
-                yield name, raw.astype(np.float32)
+                data = f.read(end - start)
+                if len(data) != want:
+                    raise ConvertError(
+                        f"{path}: tensor {name} has {len(data)} of its {want} bytes; the file is "
+                        "truncated or corrupt (download it again)"
+                    )
+                yield (
+                    name,
+                    np.frombuffer(data, dtypes[entry["dtype"]]).reshape(entry["shape"]).astype(np.float32),
+                )
+
+
+def _header(path: Path, f) -> tuple[dict, int]:
+    """A safetensors file's tensor entries and header length; ConvertError when it has none."""
+    bad = f"{path}: not a safetensors file, or truncated (download it again)"
+    prefix = f.read(8)
+    if len(prefix) < 8:
+        raise ConvertError(bad)
+    (size,) = struct.unpack("<Q", prefix)
+    try:
+        header = json.loads(f.read(min(size, 100_000_000)))
+    except (ValueError, UnicodeDecodeError):
+        raise ConvertError(f"{bad}: its header is not JSON") from None
+    if not isinstance(header, dict):
+        raise ConvertError(f"{bad}: its header is not a JSON object")
+    header.pop("__metadata__", None)
+    entry_ok = lambda e: isinstance(e, dict) and {"dtype", "shape", "data_offsets"} <= set(e)
+    if not all(entry_ok(e) for e in header.values()):
+        raise ConvertError(f"{bad}: a header entry lacks dtype, shape or data_offsets")
+    return header, size
 
 
 def layouts(hf: dict) -> dict[str, tuple[tuple[str, ...], Callable, Callable]]:
