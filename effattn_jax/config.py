@@ -730,7 +730,11 @@ def _validate_mesh(cfg: Config) -> None:
         size = getattr(mesh, axis)
         _check(size == -1 or size > 0, f"mesh.{axis}", size, "must be a positive size or -1 (fill)")
     sizes = [getattr(mesh, axis) for axis in MESH_AXES]
-    _check(sizes.count(-1) <= 1, "mesh", "-1", "at most one axis may be -1")
+    if sizes.count(-1) > 1:
+        filling = " ".join(f"mesh.{axis}=-1" for axis in MESH_AXES if getattr(mesh, axis) == -1)
+        raise ConfigError(
+            filling, NO_VALUE, f"at most one of {', '.join(MESH_AXES)} may be -1 (it fills the devices left)"
+        )
     for name, axes in mesh.rules.items():
         for axis in axes:
             _check(axis in MESH_AXES, f"mesh.rules.{name}", axes, f"mesh axes: {', '.join(MESH_AXES)}")
@@ -762,8 +766,8 @@ def context_split_error(seq_len: int, shards: int, block_size: int | None = None
     chunk = seq_len // (2 * shards)
     if block_size and chunk % block_size:
         return (
-            f"its {2 * shards} chunks of {chunk} tokens "
-            f"must each be a multiple of moba.block_size={block_size}"
+            f"splits into {2 * shards} chunks of {chunk} tokens, "
+            f"which must each be a multiple of moba.block_size={block_size}"
         )
     return None
 

@@ -47,6 +47,16 @@ TRAIN_CASES = [
         ["mesh.data=1", "mesh.context=4", "data.seq_len=36"],
         "data.seq_len=36: with mesh.context=4 it must split into 2 x 4 equal chunks",
     ),
+    (
+        "MoBA chunks of the context axis not whole blocks",
+        ["mesh.data=1", "mesh.context=2", "data.seq_len=48", "attention.core=moba", "moba.block_size=8"],
+        "with mesh.context=2 it splits into 4 chunks of 12 tokens, which must each be a multiple of moba",
+    ),
+    (
+        "two mesh axes filling the devices",
+        ["mesh.data=-1", "mesh.context=-1"],
+        "config error: mesh.data=-1 mesh.context=-1: at most one of data, fsdp, context, tensor may be -1",
+    ),
     ("config path a directory", ["--config", "{tmp}"], "is a directory, not a YAML file"),
     ("base: a directory", ["--config", "{tmp}/base_dir.yaml"], "config error: base="),
     ("Latin-1 config", ["--config", "{tmp}/latin1.yaml"], "not UTF-8 text (byte 0xe9"),

@@ -56,10 +56,30 @@ def test_bad_model_args_are_one_line_and_exit_2(harness_inputs, capsys, monkeypa
         (f"run={run},stepp=3", "unknown key ['stepp']; allowed: run, step"),
         ("step=0", "run=RUN_DIR is required"),
         (f"run={root / 'nothing'}", "not a run directory"),
+        (f"run={run},batch_size=0", "batch_size=0: must be a positive number of prompts, or auto"),
+        (
+            f"run={run},mesh=3x3",
+            "mesh=3x3: expected DxFxT[xC] sizes (data, fsdp, tensor, context), e.g. 1x1x1",
+        ),
     ):
         assert main([*base, "--model_args", model_args]) == 2
         last = capsys.readouterr().err.strip().splitlines()[-1]
         assert last.startswith("error: ") and says in last, last
+
+
+def test_batch_size_in_model_args_wins_over_the_harness_own(monkeypatch):
+    """The harness passes its own batch_size to every model: one given in --model_args is taken
+    instead of the two colliding (a TypeError before)."""
+    from eval.harness import EffattnLM
+
+    seen = {}
+    monkeypatch.setattr(EffattnLM, "__init__", lambda self, **kw: seen.update(kw))
+    harness_own = {"batch_size": 1, "max_batch_size": None, "device": "cpu"}
+    EffattnLM.create_from_arg_string("run=r,batch_size=4", harness_own)
+    assert seen == {"run": "r", "batch_size": 4, "device": "cpu"}
+    seen.clear()
+    EffattnLM.create_from_arg_string("run=r", harness_own)
+    assert seen == {"run": "r", "batch_size": 1, "device": "cpu"}
 
 
 def _texts(rng, n, words):

@@ -1,5 +1,5 @@
 """This project's models in lm-evaluation-harness: `--model effattn --model_args run=DIR[,step=N|latest]
-[,mesh=DxFxT[xC]]`.
+[,mesh=DxFxT[xC]][,batch_size=N|auto]` (batch_size there wins over the harness's --batch_size).
 
 The harness finds the model by the `lm_eval.models` entry point (harness releases with plugin
 discovery), or by importing this module, which registers it (`python -m eval.harness` does, for
@@ -24,6 +24,7 @@ the scoring and generation are split over processes as the suite splits its work
 
 from __future__ import annotations
 
+import re
 import sys
 
 import jax
@@ -43,13 +44,18 @@ def _parse_mesh(spec: str | None):
     """`mesh=DxFxT[xC]` (the harness splits model_args at commas) -> this process's mesh."""
     from eval.lm_loss import parse_mesh
 
+    if spec is not None and not re.fullmatch(r"\d+(x\d+){2,3}", str(spec)):
+        raise ValueError(
+            f"--model_args mesh={spec}: expected DxFxT[xC] sizes (data, fsdp, tensor, context), "
+            "e.g. 1x1x1 or 1x1x1x4"
+        )
     return parse_mesh(str(spec or "1x1x1").replace("x", ","))
 
 
 def _batch_size(value) -> int:
     if value is None or str(value).startswith("auto"):  # also "auto:N", the harness's re-detection
         return DEFAULT_GENERATE_BATCH
-    size = int(value)
+    size = int(value) if str(value).isdigit() else 0
     if size < 1:
         raise ValueError(f"batch_size={value!r}: must be a positive number of prompts, or auto")
     return size
@@ -73,7 +79,8 @@ class EffattnLM(LM):
         if unknown or run is None:
             what = f"unknown key {sorted(unknown)}" if unknown else "run=RUN_DIR is required"
             raise ValueError(
-                f"--model_args for effattn: {what}; allowed: run, step (N or latest), mesh (DxFxT[xC])"
+                f"--model_args for effattn: {what}; allowed: run, step (N or latest), mesh (DxFxT[xC]), "
+                "batch_size (N or auto)"
             )
         from absl import logging as absl_logging
         from flax import nnx
@@ -99,6 +106,19 @@ class EffattnLM(LM):
         self.max_length = cfg.data.seq_len
         self.generate_batch = _batch_size(batch_size)
         self._generator = None
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None):
+        """As the harness's, except that a key given in --model_args (batch_size=N) wins over the
+        harness's own (--batch_size), instead of being passed twice."""
+        from lm_eval.utils import simple_parse_args_string
+
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None):
+        extra = {k: v for k, v in (additional_config or {}).items() if v is not None and k not in arg_dict}
+        return cls(**arg_dict, **extra)
 
     # -- the three request kinds ------------------------------------------------------------
 
