@@ -50,7 +50,7 @@ def test_converted_model_matches_the_reference(family, tmp_path, capsys):
     assert logits.shape == want.shape and np.abs(logits - want).max() < 1e-5
     greedy = Generator(model).generate([reference["ids"]], len(reference["greedy"]))
     assert greedy[0] == reference["greedy"]
-    tok, _, path = load_tokenizer(cfg.data.tokenizer)
+    tok, _, path = load_tokenizer(cfg.data.tokenizer, cfg.data.eos_ids)
     assert path == out / "tokenizer.json" and tok.get_vocab_size(True) <= cfg.model.vocab_size
 
 
@@ -300,3 +300,54 @@ def test_a_converted_model_resumes_in_place_and_trains_on_as_moba(tmp_path, corp
     result = run(load_config(None, tiny_overrides(corpus_dir, tmp_path / "moba", **keys)))
     assert result["step"] == 2 and np.isfinite(result["val_loss"])
     assert f"started from the parameters of {converted} step 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["from-hf", "to-hf"])
+@pytest.mark.parametrize("where", ["a file", "read-only"])
+def test_an_out_that_cannot_be_written_is_refused_in_one_line(command, where, tmp_path, capsys, monkeypatch):
+    """--out an existing file, or in a read-only file system (mkdir raising EROFS): one line,
+    exit 2, nothing created. Catches: NotADirectoryError or OSError ending in a traceback."""
+    import errno
+    import pathlib
+
+    saved_fresh_run(tmp_path / "run", [])
+    if where == "a file":
+        out = tmp_path / "a_file"
+        out.write_text("x")
+    else:
+        out = tmp_path / "ro" / "out"
+        mkdir = pathlib.Path.mkdir
+
+        def read_only(self, *args, **kwargs):
+            if str(self).startswith(str(tmp_path / "ro")):
+                raise OSError(errno.EROFS, "Read-only file system", str(self))
+            return mkdir(self, *args, **kwargs)
+
+        monkeypatch.setattr(pathlib.Path, "mkdir", read_only)
+    source = (
+        ["--model", str(FIXTURES / "llama")] if command == "from-hf" else ["--run", str(tmp_path / "run")]
+    )
+    capsys.readouterr()
+    assert main([command, *source, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    says = (
+        "a file, not a directory"
+        if where == "a file"
+        else "cannot be written (Read-only file system (EROFS))"
+    )
+    assert len(err.splitlines()) == 1 and err.startswith(f"error: --out={out}: {says}"), err
+    assert out.read_text() == "x" if where == "a file" else not (tmp_path / "ro").exists()
+
+
+def test_eos_ids_outside_the_vocabulary_are_refused():
+    """data.eos_ids past the model's rows (config), or past the tokenizer's (on loading it)."""
+    from effattn_jax.config import ConfigError, load_config
+    from effattn_jax.data.corpus import DataError
+
+    with pytest.raises(ConfigError, match=r"data.eos_ids=\[999999\]: token ids in \[0, model.vocab_size="):
+        load_config(None, ["data.eos_ids=[999999]"])
+    with pytest.raises(
+        DataError, match=r"data.eos_ids=\[2, 300\]: id 300 is not in the vocabulary of .*300 tokens"
+    ):
+        load_tokenizer(str(FIXTURES / "llama" / "tokenizer.json"), [2, 300])
+    assert load_tokenizer(str(FIXTURES / "llama" / "tokenizer.json"), [2, 1])[1] == 2

@@ -11,12 +11,15 @@ overrides after it); the tokenizer is copied into the run and recorded as `data.
 Weights are read tensor by tensor into their shardings. Families (hf_config.py): Llama (with
 Llama 3's RoPE scaling), Mistral (no sliding window), Qwen2 (q/k/v biases), Qwen3 (q/k norms)
 and DeepSeek-V2/V3 attention (MLA with YaRN; layers with a dense MLP only). Anything else is
-refused in one line, exit 2, nothing written.
+refused in one line, exit 2, nothing written. The end-of-text ids are the model's own
+(generation_config.json, config.json or tokenizer_config.json: convert/eos.py), recorded as
+`data.eos_ids`. With `model.scan_layers=true` the run's layers are stacked, filled a layer at a
+time.
 
 `to-hf` writes a run's step back out: MHA/GQA models as Llama, Qwen2 or Qwen3 by their
 architecture (or as the family they came from), MLA models as DeepSeek-V2, MoBA models as their
 dense architecture (the weights are the same) with a note; EG-MLA has no Hugging Face
-equivalent and is refused.
+equivalent and is refused. A run of stacked layers is sliced one layer's tensor at a time.
 """
 
 from effattn_jax.convert.cli import main
