@@ -82,6 +82,18 @@ def test_batch_size_in_model_args_wins_over_the_harness_own(monkeypatch):
     assert seen == {"run": "r", "batch_size": 1, "device": "cpu"}
 
 
+def test_generated_text_ends_at_any_declared_end_of_text():
+    """A model declaring several EOS ids (data.eos_ids, e.g. Llama 3 Instruct's two): a row's
+    text ends at the first of any of them."""
+    from effattn_jax.data.tokenizer import stop_ids
+    from eval.harness import EffattnLM
+
+    lm = object.__new__(EffattnLM)
+    lm.stop_ids = stop_ids(1, [1, 2])
+    assert (lm._end([5, 6, 2, 1]), lm._end([5, 6]), lm._end([1, 5])) == (2, 2, 0)
+    assert stop_ids(0) == {0}
+
+
 def _texts(rng, n, words):
     return [" ".join(WORDS[int(i)] for i in rng.integers(0, len(WORDS), k)).capitalize() for k in words[:n]]
 

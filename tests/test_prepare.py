@@ -250,3 +250,27 @@ def test_a_corrupt_shard_stops_in_one_line_or_is_skipped(tmp_path, corpus_dir, c
         run(load_config(None, tiny_overrides(corpus_dir, tmp_path / "cut") + skip), stop_at=3)
     resumed = run(load_config(None, tiny_overrides(corpus_dir, tmp_path / "cut") + skip))
     assert resumed["val_loss"] == full["val_loss"]
+
+
+def test_a_declared_eos_separates_documents_and_must_match_the_prepared_corpus(tmp_path):
+    """data.eos_ids (a converted model's own EOS) ends every document instead of the tokenizer's,
+    is part of the request (another EOS is another corpus; none declared: the request as before),
+    and a prepared corpus of another EOS is refused in one line. The CLI takes it as --eos-ids."""
+    from effattn_jax.data.pipeline import corpus_manifest
+
+    inputs = jsonl_corpus(tmp_path / "corpus", n_files=1, docs=6)
+    small = SMALL | {"tokenizer": prep.tokenizer_info("gpt-neox-olmo", [5, 7])}
+    m = prep.prepare(inputs, tmp_path / "declared", **small)
+    docs = [list(d) for d in m.stream("train").documents()]
+    assert docs and all(d[-1] == 5 for d in docs)
+    assert m.data["tokenizer"]["eos_id"] == 5 and m.data["tokenizer"]["eos_ids"] == [5, 7]
+    plain = prep.tokenizer_info("gpt-neox-olmo")
+    assert "eos_id" not in prep.request_of(inputs, plain, 120) and "eos_ids" not in plain
+    assert prep.request_of(inputs, small["tokenizer"], 120)["eos_id"] == 5
+    cfg = load_config(None, ["data.source=prepared", f"data.path={tmp_path / 'declared'}"])
+    with pytest.raises(DataError, match="prepared with end-of-text id 5, not 50279"):
+        corpus_manifest(cfg.data)
+    files = [str(p) for p in inputs.files]
+    argv = ["--input", *files, "--out", str(tmp_path / "cli"), "--eos-ids", "5,7", "--workers", "0"]
+    assert prep.main([*argv, "--shard-tokens", "120"]) == 0
+    assert Manifest.load(tmp_path / "cli").data["tokenizer"]["eos_ids"] == [5, 7]
