@@ -22,7 +22,14 @@ from effattn_jax.convert.hf_config import (
     hf_config_of,
     read_hf_config,
 )
-from effattn_jax.convert.weights import Unstacked, layouts, load_weights, mla_tensors, stacked_layers
+from effattn_jax.convert.weights import (
+    Unstacked,
+    layouts,
+    load_weights,
+    mla_tensors,
+    stacked_layers,
+    write_safetensors,
+)
 from effattn_jax.sharding import leaves_by_path
 
 
@@ -110,10 +117,9 @@ def from_hf(model_dir: str | Path, out: str | Path, overrides: list[str] = ()) -
 
 def to_hf(run_dir: str | Path, out: str | Path, step: str = "latest") -> list[str]:
     """Writes a run's step as a Hugging Face model directory (safetensors, config.json, the
-    tokenizer): MHA/GQA models as Llama, or as the family they were converted from. Returns
-    notes for the user (MoBA is exported as its dense architecture)."""
-    from safetensors.numpy import save_file
-
+    tokenizer): MHA/GQA models as Llama, or as the family they were converted from. Host
+    memory: one tensor at a time (a stacked layer's sliced out of its stack). Returns notes for
+    the user (MoBA is exported as its dense architecture)."""
     from effattn_jax import checkpoint
     from effattn_jax.data.tokenizer import load_tokenizer
 
@@ -144,16 +150,17 @@ def to_hf(run_dir: str | Path, out: str | Path, step: str = "latest") -> list[st
             "config.json's effattn_moba"
         )
     flat = Unstacked(leaves_by_path(params), stacked_layers(cfg))  # a layer sliced out at a time
-    tensors = {
-        name: np.ascontiguousarray(theirs(np.asarray(flat[key], np.float32)))
-        for name, (key, _, theirs) in layouts(hf).items()
-        if theirs is not None
-    }
-    if family(hf) == "deepseek":
-        tensors |= mla_tensors(flat, hf)
+
+    def tensors():  # one at a time, from the parameters on their devices
+        for name, (key, _, theirs) in layouts(hf).items():
+            if theirs is not None:
+                yield name, theirs(np.asarray(flat[key], np.float32))
+        if family(hf) == "deepseek":
+            yield from mla_tensors(flat, hf)
+
     _, _, tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.data.eos_ids)
     make_out(out)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    write_safetensors(out / "model.safetensors", tensors(), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
     shutil.copyfile(tokenizer, out / "tokenizer.json")
     return notes

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import shutil
 import struct
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -161,16 +162,16 @@ def _mla_layouts(hf: dict) -> dict:
     return out
 
 
-def mla_tensors(flat: dict, hf: dict) -> dict[str, np.ndarray]:
+def mla_tensors(flat: Mapping, hf: dict) -> Iterator[tuple[str, np.ndarray]]:
     """DeepSeek's attention tensors of this model's MLA parameters (the inverse of
-    `_mla_layouts` and `_split`)."""
+    `_mla_layouts` and `_split`), a layer at a time."""
     n, r = hf["qk_nope_head_dim"], hf["qk_rope_head_dim"]
     interleaved = np.argsort(np.concatenate([np.arange(0, r, 2), np.arange(1, r, 2)]))
     if not hf.get("rope_interleave", True):
         interleaved = np.arange(r)
     q_order = np.concatenate([np.arange(n), n + interleaved])
-    out = {}
     for i in range(hf["num_hidden_layers"]):
+        out = {}
         p = lambda *path: np.asarray(flat[("blocks", str(i), "attn", *path)], np.float32)  # noqa: B023
         name = f"model.layers.{i}.self_attn."
         q = p("q", "kernel")  # [in, H, n + r]
@@ -188,7 +189,34 @@ def mla_tensors(flat: dict, hf: dict) -> dict[str, np.ndarray]:
         out[name + "kv_b_proj.weight"] = np.concatenate([uk, uv], axis=1).reshape(-1, uk.shape[-1])
         o = p("o", "kernel")  # [H, v, D]
         out[name + "o_proj.weight"] = o.reshape(-1, o.shape[-1]).T
-    return {k: np.ascontiguousarray(v) for k, v in out.items()}
+        yield from out.items()
+
+
+def write_safetensors(path: Path, tensors: Iterator[tuple[str, np.ndarray]], metadata: dict) -> None:
+    """(name, array) pairs as one float32 safetensors file, one tensor on the host at a time. The
+    format puts a header naming every tensor's offsets before the bytes: the bytes go to a side
+    file first, then follow the header into `path`."""
+    entries, offset = {}, 0
+    side = path.with_name(path.name + ".partial")
+    with open(side, "wb") as data:
+        for name, array in tensors:
+            array = np.ascontiguousarray(array, np.float32)
+            data.write(memoryview(array).cast("B"))
+            entries[name] = {
+                "dtype": "F32",
+                "shape": list(array.shape),
+                "data_offsets": [offset, offset + array.nbytes],
+            }
+            offset += array.nbytes
+            del array
+    header = json.dumps({"__metadata__": metadata, **entries}, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)  # the tensors' bytes start 8-aligned, as safetensors writes them
+    try:
+        with open(path, "wb") as f, open(side, "rb") as data:
+            f.write(struct.pack("<Q", len(header)) + header)
+            shutil.copyfileobj(data, f, 1 << 24)
+    finally:
+        side.unlink()
 
 
 def _split(tensors: Iterator[tuple[str, np.ndarray]], hf: dict, model_dir: Path):
