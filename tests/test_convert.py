@@ -351,3 +351,19 @@ def test_eos_ids_outside_the_vocabulary_are_refused():
     ):
         load_tokenizer(str(FIXTURES / "llama" / "tokenizer.json"), [2, 300])
     assert load_tokenizer(str(FIXTURES / "llama" / "tokenizer.json"), [2, 1])[1] == 2
+
+
+def test_generate_ends_the_text_at_any_declared_end_of_text(tmp_path, capsys, monkeypatch):
+    """`python -m effattn_jax.generate` on a model declaring two EOS ids prints each row up to the
+    first of either (the generated ids are fixed here: a random model rarely emits one)."""
+    from effattn_jax import generate
+
+    run = tmp_path / "run"
+    assert main(["from-hf", "--model", str(FIXTURES / "llama_eos_list"), "--out", str(run)]) == 0
+    rows = [[40, 41, 2, 42], [43, 1, 44], [45, 46]]
+    monkeypatch.setattr(generate.Generator, "generate", lambda self, prompts, n, **kw: rows)
+    capsys.readouterr()
+    assert generate.main(["--run", str(run), "--max-new-tokens", "4"] + ["--prompt", "the"] * 3) == 0
+    tok = load_tokenizer(str(run / "tokenizer.json"), [1, 2])[0]
+    texts = capsys.readouterr().out.split("---\n")[:3]
+    assert texts == [f"the{tok.decode(ids)}\n" for ids in ([40, 41], [43], [45, 46])]
