@@ -14,12 +14,13 @@ from effattn_jax.config import load_config
 from effattn_jax.model import Transformer, init_cache
 from effattn_jax.ops.mla_decode import absorbed_attention
 from pallas_kernels.common import gpu_lowering_target
-from pallas_kernels.mla_decode.gpu import mla_decode_gpu
+from pallas_kernels.mla_decode.gpu import mla_decode_gpu, slices
 from pallas_kernels.mla_decode.tpu import mla_decode_tpu
 
 
 @pytest.mark.parametrize(
-    "kind, impl", [("mla", "pallas_tpu"), ("eg_mla", "pallas_tpu"), ("mla", "pallas_gpu")]
+    "kind, impl",
+    [("mla", "pallas_tpu"), ("eg_mla", "pallas_tpu"), ("mla", "pallas_gpu"), ("eg_mla", "pallas_gpu")],
 )
 def test_kernel_decode_equals_xla_decode(kind, impl):
     """Prefill 11 tokens (XLA), then single-token steps (the kernel's case) over a 40-slot
@@ -58,6 +59,43 @@ def test_kernel_tiles_equal_xla(kernel, interpret):
     out = kernel(q_lat[:, 0], q_rope[:, 0], lat, kr, positions[:, 0] + 1, 0.3, tile=16, interpret=interpret)
     want = absorbed_attention(q_lat, q_rope, lat, kr, positions, 0.3, "xla")[:, 0]
     np.testing.assert_allclose(out, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("heads", [16, 128])
+def test_gpu_kernel_slices_equal_xla(heads):
+    """The GPU kernel split over the cache: 100 slots in 3 slices of 48 (16-slot tiles), rows of
+    lengths 10 (its later slices empty), 57 (ending inside the second slice and inside a tile) and 100
+    (the last slice partial, reaching past the cache), at 16 heads (one group) and 128 (in groups of
+    32). Catches: an empty slice that still weighs in the combine, a slice that reads past the row's
+    length or its own end, a combine weighted without the softmax sums, a head group's slices swapped."""
+    keys = jax.random.split(jax.random.key(1), 4)
+    q_lat, q_rope = (
+        jax.random.normal(keys[0], (3, 1, heads, 16)),
+        jax.random.normal(keys[1], (3, 1, heads, 8)),
+    )
+    lat, kr = jax.random.normal(keys[2], (3, 100, 16)), jax.random.normal(keys[3], (3, 100, 8))
+    positions = jnp.array([[9], [56], [99]])
+    want = absorbed_attention(q_lat, q_rope, lat, kr, positions, 0.3, "xla")[:, 0]
+    for group in (16, 32) if heads == 128 else (16,):
+        out = mla_decode_gpu(
+            q_lat[:, 0], q_rope[:, 0], lat, kr, positions[:, 0] + 1, 0.3,
+            tile=16, group=group, num_slices=3, interpret=True,
+        )  # fmt: skip
+        np.testing.assert_allclose(out, want, atol=1e-5, rtol=1e-5)
+
+
+def test_gpu_slices_fill_the_multiprocessors():
+    """The slice count: a batch of one at 32K over 132 multiprocessors takes 128 slices of 256 slots
+    (every SM busy once), batch 16 takes 9, a short cache or a full batch one; slices are whole tiles
+    and cover the cache."""
+    assert slices(1, 1, 32768, 64, 132) == (128, 256)
+    assert slices(16, 1, 32768, 64, 132) == (9, 3648)
+    assert slices(1, 4, 32768, 32, 132) == (32, 1024)
+    assert slices(1, 1, 300, 64, 132) == (1, 320)
+    assert slices(256, 1, 32768, 64, 132) == (1, 32768)
+    for length, tile in [(5000, 16), (4100, 64)]:
+        count, size = slices(1, 1, length, tile, 108)
+        assert size % tile == 0 and (count - 1) * size < length <= count * size
 
 
 @pytest.mark.slow
