@@ -16,6 +16,7 @@ from effattn_jax.model import Transformer, init_cache
 from effattn_jax.ops.cache import kv_view
 from effattn_jax.ops.moba_decode import empty_block_means, moba_decode_attention, prefill_block_means
 from pallas_kernels.common import gpu_lowering_target
+from pallas_kernels.moba import gpu_decode
 from pallas_kernels.moba.gpu_decode import moba_decode_gpu
 
 BLOCK = 4
@@ -177,10 +178,15 @@ def test_tpu_decode_kernel_compiles_for_a_real_tpu():
         lowered.compile()
 
 
-def test_gpu_decode_kernel_matches_xla_and_lowers_for_cuda():
+@pytest.mark.parametrize("min_piece", [64, 2], ids=["whole_blocks", "pieces_of_2"])
+def test_gpu_decode_kernel_matches_xla_and_lowers_for_cuda(min_piece, monkeypatch):
     """A single-token step through the GPU kernel (interpreted here) equals the XLA step (GQA, a partial
-    own block, picks and an unused pick), and lowers for CUDA with jax.export. Catches: the same mutations
-    as the TPU kernel's test, and a dispatch that silently falls back to XLA."""
+    own block, picks and an unused pick), each 8-slot block one program or cut in 4 pieces of 2 slots
+    (pieces wholly after the query or in an unused pick), and lowers for CUDA with jax.export. Catches:
+    the same mutations as the TPU kernel's test, a piece with no slot that weighs in the combine, a piece
+    reading another piece's slots, and a dispatch that silently falls back to XLA."""
+    monkeypatch.setattr(gpu_decode, "MIN_PIECE", min_piece)
+    assert gpu_decode.pieces(2 * 4 * 4, 8, 132) == (4 if min_piece == 2 else 1)
     step = _kernel_case(70, 8)
     assert "moba_decode_gpu" in str(jax.make_jaxpr(lambda: step("pallas_gpu"))())  # the kernel ran
     np.testing.assert_allclose(step("pallas_gpu"), step("xla"), atol=1e-5, rtol=1e-5)

@@ -6,7 +6,7 @@ The group's heads are the rows of each [G, tile] score matrix (G a power of two,
 the least a Triton dot takes); a program loops over its slice's latent tiles up to the row's
 length only, loading the last partial tile under a mask, with an online softmax and a [G, d]
 accumulator in registers, and writes its slice's normalised output with the softmax's max and
-sum. `combine_slices` (XLA, one small fusion) merges the slices; one slice needs no merge. A
+sum. `common.combine_partials` (XLA, one small fusion) merges the slices; one slice needs no merge. A
 slice past a row's length does no work (rows of different lengths share the grid).
 
 The group and the tile are chosen so a program's shared memory fits the GPU (`head_group`): 128
@@ -26,7 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import gpu_backend, gpu_memory
-from pallas_kernels.common import NT, TRITON_STAGES, attention_cost, triton_params
+from pallas_kernels.common import NT, TRITON_STAGES, attention_cost, combine_partials, triton_params
 
 TILE = 64  # latent slots per loop step, at most
 MIN_ROWS = 16  # Triton's dot needs 16 rows: the heads are padded to this
@@ -103,14 +103,6 @@ def _kernel(len_ref, ql_ref, qr_ref, lat_ref, kr_ref, o_ref, m_ref, l_ref, *, sc
     l_ref[...] = l
 
 
-def combine_slices(out, m, l):
-    """One output per row and head from its slices' normalised outputs out [B, S, H, d], softmax
-    maxima m and sums l [B, S, H]: each slice weighted by its share of the whole softmax sum. A
-    slice with no slots (m = -inf, l = 0) weighs nothing; the first always holds slot 0."""
-    weight = l * jnp.exp(m - jnp.max(m, axis=1, keepdims=True))  # [B, S, H]
-    return jnp.einsum("bsh,bshd->bhd", weight, out) / jnp.sum(weight, axis=1)[..., None]
-
-
 def mla_decode_gpu(
     q_lat,
     q_rope,
@@ -165,5 +157,5 @@ def mla_decode_gpu(
             b * rows // group * length * (d + dr) * lat.dtype.itemsize,
         ),
     )(lengths.astype(jnp.int32), pad(q_lat), pad(q_rope), lat, kr)
-    out = out[:, 0] if count == 1 else combine_slices(out, m, l)
+    out = out[:, 0] if count == 1 else combine_partials(out, m, l, axis=1)
     return out[:, :h]
