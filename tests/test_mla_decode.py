@@ -12,7 +12,9 @@ from flax import nnx
 
 from effattn_jax.config import load_config
 from effattn_jax.model import Transformer, init_cache
+from effattn_jax.ops import mla_decode
 from effattn_jax.ops.mla_decode import absorbed_attention
+from effattn_jax.ops.platform import tracing_for
 from pallas_kernels.common import gpu_lowering_target
 from pallas_kernels.mla_decode.gpu import mla_decode_gpu, slices
 from pallas_kernels.mla_decode.tpu import mla_decode_tpu
@@ -129,3 +131,28 @@ def test_gpu_kernel_lowers_for_cuda(heads, d):
             arg((2,), jnp.int32),
         )
     assert re.findall(r'name = "(mla_\w+_gpu)"', exported.mlir_module()) == ["mla_decode_gpu"]
+
+
+def test_auto_takes_xla_where_the_table_says_it_is_faster(monkeypatch):
+    """impl="auto" traced for a GPU runs the kernel, unless GPU_XLA_FASTER lists the step's heads with
+    a batch and length at least its own; an explicit "pallas_gpu" runs the kernel regardless."""
+    keys = jax.random.split(jax.random.key(0), 4)
+    q_lat, q_rope = jax.random.normal(keys[0], (2, 1, 4, 16)), jax.random.normal(keys[1], (2, 1, 4, 8))
+    lat, kr = jax.random.normal(keys[2], (2, 40, 16)), jax.random.normal(keys[3], (2, 40, 8))
+    pos = jnp.array([[9], [39]])
+    kernel_ran = lambda impl: (
+        "mla_decode_gpu"
+        in str(jax.make_jaxpr(lambda: absorbed_attention(q_lat, q_rope, lat, kr, pos, 0.3, impl))())
+    )
+    with tracing_for("gpu"):
+        assert kernel_ran("auto")
+        for table, xla in [
+            ([(4, 2, 40)], True),
+            ([(4, 1, 40)], False),
+            ([(8, 2, 40)], False),
+            ([(4, 2, 39)], False),
+        ]:
+            monkeypatch.setattr(mla_decode, "GPU_XLA_FASTER", table)
+            assert kernel_ran("auto") != xla, table
+        monkeypatch.setattr(mla_decode, "GPU_XLA_FASTER", [(4, 2, 40)])
+        assert kernel_ran("pallas_gpu")
