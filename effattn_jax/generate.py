@@ -65,11 +65,13 @@ class Generator:
             return model.decode(tokens, positions, caches, absorb=absorb, prefill=prefill)
 
         def prefill(params, tokens, positions, caches, last, key, temperature, top_p):
-            """The prompts [B, P] into the cache, and the first new token [B] sampled at `last` [B]."""
-            logits, caches = decode(params, tokens, positions, caches, prefill=True)
+            """The prompts [B, P] into the cache, and the first new token [B] sampled at `last` [B]
+            (logits at those positions only: [B, P, vocab] would not fit at long prompts)."""
+            model = nnx.merge(self.graphdef, params)
+            x, caches = model.decode_hidden(tokens, positions, caches, absorb=absorb, prefill=True)
             key, sub = jax.random.split(key)
-            first = sample(logits[jnp.arange(tokens.shape[0]), last], sub, temperature, top_p)
-            return first, caches, key
+            logits = model.logits(x[jnp.arange(tokens.shape[0]), last])  # [B, vocab]
+            return sample(logits, sub, temperature, top_p), caches, key
 
         def step(params, tokens, positions, caches, key, temperature, top_p):
             """tokens [B] at positions [B] into the cache -> (the next tokens, positions + 1, cache, key)."""
@@ -79,7 +81,6 @@ class Generator:
 
         sampling = ("temperature", "top_p")
         self._inits = {}
-        self._decode = jax.jit(decode, donate_argnums=3, static_argnames="prefill")
         self._prefill = fit_checked(
             jax.jit(prefill, donate_argnums=3, static_argnames=sampling),
             "the prefill",
