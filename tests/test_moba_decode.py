@@ -13,8 +13,10 @@ from flax import nnx
 
 from effattn_jax.config import load_config
 from effattn_jax.model import Transformer, init_cache
+from effattn_jax.ops import moba_decode
 from effattn_jax.ops.cache import kv_view
 from effattn_jax.ops.moba_decode import empty_block_means, moba_decode_attention, prefill_block_means
+from effattn_jax.ops.platform import tracing_for
 from pallas_kernels.common import gpu_lowering_target
 from pallas_kernels.moba import gpu_decode
 from pallas_kernels.moba.gpu_decode import moba_decode_gpu
@@ -199,3 +201,16 @@ def test_gpu_decode_kernel_matches_xla_and_lowers_for_cuda(min_piece, monkeypatc
             jax.ShapeDtypeStruct((2, 8, 64), jnp.bfloat16), cache, cache, *tables
         )
     assert re.findall(r'name = "(moba_\w+_gpu)"', exported.mlir_module()) == ["moba_decode_gpu"]
+
+
+def test_auto_takes_xla_where_the_gpu_table_says_it_is_faster(monkeypatch):
+    """impl="auto" traced for a GPU runs the decode kernel, unless GPU_XLA_FASTER lists a batch and a
+    cache length at least the step's; an explicit "pallas_gpu" runs it regardless."""
+    step = _kernel_case(64, 8)
+    kernel_ran = lambda impl: "moba_decode_gpu" in str(jax.make_jaxpr(lambda: step(impl))())
+    with tracing_for("gpu"):
+        assert kernel_ran("auto")
+        for table, xla in [([(2, 64)], True), ([(1, 64)], False), ([(2, 63)], False)]:
+            monkeypatch.setattr(moba_decode, "GPU_XLA_FASTER", table)
+            assert kernel_ran("auto") != xla, table
+        assert kernel_ran("pallas_gpu")
