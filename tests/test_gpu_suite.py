@@ -55,5 +55,7 @@ def test_dry_run_writes_every_section_without_the_data_stack(tmp_path):
     # transformers: our side runs (tiny, in its own process); theirs says why it does not here
     ours, theirs = sections["transformers"][:2]
     assert ours["side"] == "ours" and "decode_tokens_per_s" in ours and ours["batch"] == 2
+    assert ours["step_ops"].get("fusion", 0) > 0 and ours["step_bytes_accessed"] > 0
+    assert list((tmp_path / "traces").rglob("*.xplane.pb"))  # the profiler trace of our generation
     assert theirs["side"] == "transformers" and ("skipped" in theirs or "decode_tokens_per_s" in theirs)
     assert sections["train"][-1]["losses_agree"] and sections["train"][-1]["max_loss_difference"] < 1e-4

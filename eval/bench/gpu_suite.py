@@ -33,8 +33,9 @@ says so in the JSON):
 - long attention: 256K and 512K if the budget and memory allow.
 - transformers: decode tokens/s of our Generator beside transformers' generate (static cache,
   SDPA) on the same Llama-architecture shapes, prompts of 4K and 32K, batch 1 and 16, each side
-  in a process of its own (eval/bench/gpu_transformers.py); without torch and transformers it
-  says so. Every case takes minutes: --budget-s 1800 reaches them all.
+  in a process of its own (eval/bench/gpu_transformers.py), with what our compiled step launches
+  (operations by kind, bytes) and a profiler trace of each of our generations under <out>/traces;
+  without torch and transformers it says so. Every case takes minutes: --budget-s 1800 reaches them all.
 
 The suite's own JAX does not preallocate the GPU's memory (XLA_PYTHON_CLIENT_PREALLOCATE=false
 unless set), so the processes of the transformers section find it free.
@@ -430,7 +431,8 @@ def run(args) -> Suite:
     train_pair(suite, suite.section("train"), plan["train"], plan["train_steps"], args.loss_tol)
     train_py(suite, suite.section("train_py"), plan["train_py"], args.out.resolve())
     attention(suite, suite.section("long_attention"), plan["attention"], plan["long_seqs"], compare_xla=False)
-    gpu_transformers.section(suite, suite.section("transformers"), plan["transformers"])
+    traces = args.out.resolve() / "traces"
+    gpu_transformers.section(suite, suite.section("transformers"), plan["transformers"], traces)
     print(f"done in {time.perf_counter() - suite.start:.0f} s: {suite.path}", flush=True)
     return suite
 

@@ -4,7 +4,8 @@ for the same Llama-architecture model (random weights, bf16 weights, caches and 
     python -m eval.bench.gpu_transformers --side ours|transformers --shape llama_12l_d768 \
         --prompt 4096 --batch 1 [--new-tokens 64] [--dry]
 
-prints one JSON row (keys: side, shape, prompt, batch, new_tokens, decode_tokens_per_s, ...;
+prints one JSON row (keys: side, shape, prompt, batch, new_tokens, decode_tokens_per_s; ours
+also step_ops, the operations its compiled step launches, and step_bytes_accessed; ...;
 `skipped` where that side cannot run here). Decode tokens/s = batch x (new_tokens - 1) over the
 time of a `new_tokens` generation less that of a one-token one (prefill and first token), each
 the median of alternated repeats after a warm-up that compiles: the prompt's prefill is not
@@ -85,8 +86,30 @@ def decode_rate(generate, batch: int, new_tokens: int, repeats: int) -> dict:
     }
 
 
-def ours(shape: str, prompt: int, batch: int, new_tokens: int, repeats: int, dtype: str) -> dict:
-    """Our Generator: bf16 compute, weights cast to bf16 (as transformers holds them), a bf16 cache."""
+NOT_LAUNCHED = {"parameter", "constant", "bitcast", "get-tuple-element", "tuple"}
+
+
+def program_census(compiled) -> dict:
+    """What one compiled decode step runs: the operations of its entry computation that launch work
+    on the device (fusions, custom calls such as the Pallas kernels, copies; by opcode) and XLA's
+    estimate of the bytes it accesses. A copy of a cache here would be a donation that failed."""
+    import collections
+    import re
+
+    text = compiled.as_text()
+    entry = text[text.index("\nENTRY") :]
+    entry = entry[: entry.index("\n}")]
+    ops = collections.Counter(op for op in re.findall(r"= \S+ ([\w-]+)\(", entry) if op not in NOT_LAUNCHED)
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return {"step_ops": dict(ops), "step_bytes_accessed": (cost or {}).get("bytes accessed")}
+
+
+def ours(
+    shape: str, prompt: int, batch: int, new_tokens: int, repeats: int, dtype: str, trace: str = ""
+) -> dict:
+    """Our Generator: bf16 compute, weights cast to bf16 (as transformers holds them), a bf16 cache;
+    with the census of its compiled step, and a profiler trace of one generation into `trace`."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -94,6 +117,7 @@ def ours(shape: str, prompt: int, batch: int, new_tokens: int, repeats: int, dty
     from effattn_jax.config import load_config
     from effattn_jax.generate import Generator
     from effattn_jax.model import Transformer
+    from effattn_jax.ops.cache import cache_length
 
     overrides = SHAPES[shape]["ours"] + [f"model.dtype={dtype}", f"data.seq_len={prompt + new_tokens}"]
     model = Transformer(load_config(None, overrides), rngs=nnx.Rngs(0))
@@ -102,7 +126,14 @@ def ours(shape: str, prompt: int, batch: int, new_tokens: int, repeats: int, dty
     gen.params = jax.tree.map(lambda x: x.astype(dtype) if floating(x) else x, gen.params)
     prompts = np.random.default_rng(0).integers(0, model.embed.shape[0], (batch, prompt)).tolist()
     rate = decode_rate(lambda n: gen.generate(prompts, n), batch, new_tokens, repeats)
-    return {"impl": "effattn_jax Generator", "jax": jax.__version__} | rate
+    caches = gen._empty_caches(batch, cache_length(prompt + new_tokens))
+    tokens = jnp.zeros(batch, jnp.int32)
+    step = gen._step.lower(gen.params, tokens, tokens, caches, jax.random.key(0), temperature=0.0, top_p=1.0)
+    census = program_census(step.compile())
+    if trace:
+        with jax.profiler.trace(trace):
+            gen.generate(prompts, new_tokens)
+    return {"impl": "effattn_jax Generator", "jax": jax.__version__} | rate | census
 
 
 def transformers_side(shape: str, prompt: int, batch: int, new_tokens: int, repeats: int, dtype: str) -> list:
@@ -143,10 +174,12 @@ def transformers_side(shape: str, prompt: int, batch: int, new_tokens: int, repe
     return rows
 
 
-def _run_case(case: dict, p: dict, seconds: float) -> list[dict]:
+def _run_case(case: dict, p: dict, seconds: float, trace: Path | None) -> list[dict]:
     """One side of one case in a process of its own (JAX in it does not preallocate): its rows."""
     env = os.environ | {"PYTHONPATH": str(ROOT), "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     flags = dict(case, new_tokens=p["new_tokens"], repeats=p["repeats"], dtype=p["dtype"])
+    if trace and case["side"] == "ours":
+        flags["trace"] = trace / "{shape}_{prompt}_b{batch}".format(**case)
     cmd = [sys.executable, "-m", "eval.bench.gpu_transformers"]
     cmd += [arg for key, value in flags.items() for arg in (f"--{key.replace('_', '-')}", str(value))]
     try:
@@ -158,9 +191,10 @@ def _run_case(case: dict, p: dict, seconds: float) -> list[dict]:
     return [json.loads(line) for line in done.stdout.splitlines()]
 
 
-def section(suite, rows: list, p: dict) -> None:
+def section(suite, rows: list, p: dict, trace: Path | None = None) -> None:
     """The GPU suite's section: every (shape, prompt, batch) for both sides, then ours over theirs
-    (their fastest setting). Once transformers is found missing, its later cases are not started."""
+    (their fastest setting); our side's profiler traces under `trace`. Once transformers is found
+    missing, its later cases are not started."""
     missing = False
     cases = [
         dict(shape=s, prompt=n, batch=b) for s in p["shapes"] for n in p["prompts"] for b in p["batches"]
@@ -170,7 +204,7 @@ def section(suite, rows: list, p: dict) -> None:
         for side in ("ours", "transformers")[: 1 if missing else 2]:
             left = suite.deadline - time.perf_counter()
             got = (
-                _run_case(case | {"side": side}, p, left)
+                _run_case(case | {"side": side}, p, left, trace)
                 if left > 0
                 else [case | {"side": side, "skipped": "time budget"}]
             )
@@ -196,13 +230,14 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per row (at least 2)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--trace", default="", help="ours: a jax.profiler trace of one generation into this dir")
     args = p.parse_args(argv)
     if args.new_tokens < 2:
         p.error(f"--new-tokens={args.new_tokens}: at least 2 (the decode rate is the steps after the first)")
     case = dict(side=args.side, shape=args.shape, prompt=args.prompt, batch=args.batch,
                 new_tokens=args.new_tokens, dtype=args.dtype)  # fmt: skip
-    run = ours if args.side == "ours" else transformers_side
-    rows = run(args.shape, args.prompt, args.batch, args.new_tokens, args.repeats, args.dtype)
+    shared = (args.shape, args.prompt, args.batch, args.new_tokens, args.repeats, args.dtype)
+    rows = ours(*shared, trace=args.trace) if args.side == "ours" else transformers_side(*shared)
     for row in rows if isinstance(rows, list) else [rows]:
         print(json.dumps(case | row), flush=True)
     return 0
