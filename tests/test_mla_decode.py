@@ -16,6 +16,7 @@ from effattn_jax.ops import mla_decode
 from effattn_jax.ops.mla_decode import absorbed_attention
 from effattn_jax.ops.platform import tracing_for
 from pallas_kernels.common import gpu_lowering_target
+from pallas_kernels.mla_decode import gpu as mla_gpu
 from pallas_kernels.mla_decode.gpu import mla_decode_gpu, slices
 from pallas_kernels.mla_decode.tpu import mla_decode_tpu
 
@@ -24,10 +25,15 @@ from pallas_kernels.mla_decode.tpu import mla_decode_tpu
     "kind, impl",
     [("mla", "pallas_tpu"), ("eg_mla", "pallas_tpu"), ("mla", "pallas_gpu"), ("eg_mla", "pallas_gpu")],
 )
-def test_kernel_decode_equals_xla_decode(kind, impl):
+def test_kernel_decode_equals_xla_decode(kind, impl, monkeypatch):
     """Prefill 11 tokens (XLA), then single-token steps (the kernel's case) over a 40-slot
-    cache, the rows at different lengths; EG-MLA passes its c~. The kernel's steps are checked
-    to contain its pallas_call (a dispatch that fell back to XLA would compare XLA with itself)."""
+    cache, the rows at different lengths; EG-MLA passes its c~. The GPU kernel, with 16-slot
+    tiles and slices, splits the cache in 2 slices of 32: one row ends in the first (the second
+    empty), the other inside the second. The kernel's steps are checked to contain its pallas_call
+    (a dispatch that fell back to XLA would compare XLA with itself)."""
+    monkeypatch.setattr(mla_gpu, "TILE", 16)
+    monkeypatch.setattr(mla_gpu, "MIN_SLICE", 16)
+    assert mla_gpu.slices(2, 1, 40, 16, 132) == (2, 32)
     logits = {}
     for name in ("xla", impl):
         cfg = load_config(None, TINY_MLA + [f"attention.kind={kind}", f"mla.decode_impl={name}"])
