@@ -9,7 +9,8 @@ Every kernel runs with the shipped defaults (tiles `auto`).
 date, jax, device, backend, device_count, dry, sections (section name -> its rows).
 
 Sections, in order (a section stops starting cases once its share of the budget is spent, and
-says so in the JSON):
+says so in the JSON; the transformers section's share, 0.3, comes on top of the others', which
+sum to the budget):
 - correctness: the compiled kernels against the references (eval/bench/gpu_checks.py): MoBA
   forward and gradients at 8K, bf16 (packed documents with GQA, top-k 1, top-k covering every
   block), and the MLA and MoBA decode kernels against XLA at 16 and 128 heads.
