@@ -26,17 +26,3 @@ def device_backend(device=None) -> str:
     device = device or jax.devices()[0]
     capability = getattr(device, "compute_capability", None) if device.platform == "gpu" else None
     return backend_for(capability)
-
-
-DEFAULT_MULTIPROCESSORS = 132  # an H100/H200 SXM's: what work is split for without a GPU at hand
-
-
-def multiprocessors(device=None) -> int:
-    """Streaming multiprocessors of `device` (default: this process's first device), which a split
-    decode kernel fills; anything but a GPU (an AOT export for CUDA, an interpreted run) gets
-    DEFAULT_MULTIPROCESSORS."""
-    import jax
-
-    device = device or jax.devices()[0]
-    count = getattr(device, "core_count", None) if device.platform == "gpu" else None
-    return int(count) if count else DEFAULT_MULTIPROCESSORS

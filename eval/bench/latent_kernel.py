@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from effattn_jax.ops.mla_decode import absorbed_attention
 from eval.timing import alternated, seconds
-from pallas_kernels import gpu_backend
+from pallas_kernels import gpu_memory
 from pallas_kernels.mla_decode import gpu as mla_gpu
 
 
@@ -43,7 +43,7 @@ def latent_kernel_case(
     ms = alternated({name: seconds(fn, *args) for name, fn in fns.items()}, repeats)
     group, tile = mla_gpu.head_group(heads, latent, rope, jnp.dtype(dtype).itemsize)
     groups = -(-heads // group)
-    slices = mla_gpu.slices(batch, groups, context, tile, gpu_backend.multiprocessors())[0]
+    slices = mla_gpu.slices(batch, groups, context, tile, gpu_memory.multiprocessors())[0]
     read = batch * context * (latent + rope) * jnp.dtype(dtype).itemsize
     kernel_s, xla_s = ms[impl], ms["xla"]
     return {

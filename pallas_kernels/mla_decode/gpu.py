@@ -12,7 +12,7 @@ slice past a row's length does no work (rows of different lengths share the grid
 The group and the tile are chosen so a program's shared memory fits the GPU (`head_group`): 128
 heads of latent 512 + 64 in bf16 ask 294,912 bytes in one group with 64-slot tiles, over an
 H200's 232,448, and fit (221,184) with 32-slot tiles. The slices (`slices`) are chosen so the
-grid covers the device's multiprocessors once (`gpu_backend.multiprocessors`), each slice at
+grid covers the device's multiprocessors once (`gpu_memory.multiprocessors`), each slice at
 least MIN_SLICE slots.
 """
 
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels import gpu_backend, gpu_memory
+from pallas_kernels import gpu_memory
 from pallas_kernels.common import NT, TRITON_STAGES, attention_cost, combine_partials, triton_params
 
 TILE = 64  # latent slots per loop step, at most
@@ -128,7 +128,7 @@ def mla_decode_gpu(
     group, tile = group or auto_group, tile or auto_tile
     rows = -(-h // group) * group
     if num_slices is None:
-        count, size = slices(b, rows // group, length, tile, gpu_backend.multiprocessors())
+        count, size = slices(b, rows // group, length, tile, gpu_memory.multiprocessors())
     else:
         count, size = slice_size(length, num_slices, tile)
     pad = lambda x: jnp.pad(x, ((0, 0), (0, rows - h), (0, 0)))

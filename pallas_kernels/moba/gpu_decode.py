@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import gpu_backend
+from pallas_kernels import gpu_memory
 from pallas_kernels.common import attention_cost, combine_partials, triton_params
 
 MIN_PIECE = 64  # slots a program reads at least: a smaller piece costs more in partials than it saves
@@ -65,7 +65,7 @@ def moba_decode_gpu(
     per block; default `pieces`) one dividing it."""
     b, hq, d = q.shape
     dv, blocks = v_cache.shape[-1], starts.shape[-1]
-    parts = num_pieces or pieces(b * hq * blocks, size, gpu_backend.multiprocessors())
+    parts = num_pieces or pieces(b * hq * blocks, size, gpu_memory.multiprocessors())
     whole = pl.no_block_spec
     row = pl.BlockSpec((None, None, d), lambda i, h, p: (i, h, 0))
     part = pl.BlockSpec((None, None, None, dv), lambda i, h, p: (i, h, p, 0))
