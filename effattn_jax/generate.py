@@ -7,7 +7,9 @@ Prompts of different lengths share one batch: they are right-padded and every
 row keeps its own position, so a row's padding slots are never attended
 (causal by position) and are overwritten as the row generates. One prefill
 call per prompt length (through the training attention: MoBA's sub-quadratic op)
-and one decode step (compiled once) per token. What is cached is each kind's own
+and one decode step (compiled once: the model's step and the sampling, over a donated cache)
+per token, with no transfer to or from the host between the prompt and the last token.
+What is cached is each kind's own
 (`init_cache`): K/V for MHA, the latent and RoPE key for MLA, plus token ids for
 EG-MLA (once per model), plus MoBA's block means, so a MoBA step reads only its selected blocks.
 MLA and EG-MLA (gate_at=latent) decode with absorbed weights unless --naive.
@@ -46,7 +48,11 @@ def sample(logits: jax.Array, key, temperature: float = 0.0, top_p: float = 1.0)
 
 
 class Generator:
-    """Jitted prefill and decode step for one model; `generate` runs a batch of prompts."""
+    """Jitted prefill and decode step for one model; `generate` runs a batch of prompts.
+
+    Each new token costs one compiled program (`step`: the model's step, then sampling, with the
+    key split and the position advanced inside it) over a donated cache, and no host round-trip:
+    the tokens stay on the device until the end (or until `stop` asks for them)."""
 
     def __init__(self, model: Transformer, *, absorb: bool = True, cache_dtype=jnp.float32):
         ready_for_decoding(model)  # layers unstacked, projected gates folded (the model is not trained)
@@ -58,12 +64,44 @@ class Generator:
             model = nnx.merge(self.graphdef, params)
             return model.decode(tokens, positions, caches, absorb=absorb, prefill=prefill)
 
-        self._decode = fit_checked(
-            jax.jit(decode, donate_argnums=3, static_argnames="prefill"),
+        def prefill(params, tokens, positions, caches, last, key, temperature, top_p):
+            """The prompts [B, P] into the cache, and the first new token [B] sampled at `last` [B]
+            (logits at those positions only: [B, P, vocab] would not fit at long prompts)."""
+            model = nnx.merge(self.graphdef, params)
+            x, caches = model.decode_hidden(tokens, positions, caches, absorb=absorb, prefill=True)
+            key, sub = jax.random.split(key)
+            logits = model.logits(x[jnp.arange(tokens.shape[0]), last])  # [B, vocab]
+            return sample(logits, sub, temperature, top_p), caches, key
+
+        def step(params, tokens, positions, caches, key, temperature, top_p):
+            """tokens [B] at positions [B] into the cache -> (the next tokens, positions + 1, cache, key)."""
+            logits, caches = decode(params, tokens[:, None], positions[:, None], caches)
+            key, sub = jax.random.split(key)
+            return sample(logits[:, 0], sub, temperature, top_p), positions + 1, caches, key
+
+        sampling = ("temperature", "top_p")
+        self._inits = {}
+        self._prefill = fit_checked(
+            jax.jit(prefill, donate_argnums=3, static_argnames=sampling),
+            "the prefill",
+            "fewer or shorter prompts, or fewer --max-new-tokens",
+            static_argnames=sampling,
+        )
+        self._step = jax.jit(step, donate_argnums=3, static_argnames=sampling)
+        # the memory check of the first step of each shape; later steps call _step directly
+        self._checked_step = fit_checked(
+            self._step,
             "the decode step",
             "fewer or shorter prompts, or fewer --max-new-tokens",
-            static_argnames=("prefill",),
+            static_argnames=sampling,
         )
+
+    def _empty_caches(self, batch: int, length: int) -> list[dict]:
+        """init_cache's zeros made on the device (one compiled program per shape, kept)."""
+        if (batch, length) not in self._inits:
+            make = lambda: init_cache(self.model, batch, length, self.cache_dtype)
+            self._inits[batch, length] = jax.jit(make)
+        return self._inits[batch, length]()
 
     def generate(
         self,
@@ -82,30 +120,31 @@ class Generator:
         `prompt_width` if wider than the longest (fewer prefill shapes to compile)."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
-        lens = np.array([len(p) for p in prompts])
+        if max_new_tokens <= 0:
+            return [[] for _ in prompts]
+        lens = np.array([len(p) for p in prompts], np.int32)
         b, lp = len(prompts), max(int(lens.max()), prompt_width)
         tokens = np.zeros((b, lp), np.int32)
         for i, p in enumerate(prompts):
             tokens[i, : len(p)] = p
         length = cache_length(lp + max_new_tokens)
-        caches = init_cache(self.model, b, length, self.cache_dtype)
+        caches = self._empty_caches(b, length)
         positions = np.broadcast_to(np.arange(lp, dtype=np.int32), (b, lp))
-        logits, caches = self._decode(
-            self.params, jnp.asarray(tokens), jnp.asarray(positions), caches, prefill=True
+        sampling = dict(temperature=float(temperature), top_p=float(top_p))
+        tokens, positions, last, pos, seed = jax.device_put(
+            (tokens, positions, lens - 1, lens, np.uint32(seed))
         )
-        last = logits[jnp.arange(b), jnp.asarray(lens - 1)]
-        key = jax.random.key(seed)
-        out, pos = [], jnp.asarray(lens, jnp.int32)
-        for step in range(max_new_tokens):
-            key, sub = jax.random.split(key)
-            nxt = sample(last, sub, temperature, top_p)
-            out.append(nxt)
-            if stop is not None and (step + 1) % stop_every == 0 and stop(np.stack(out, axis=1)):
+        nxt, caches, key = self._prefill(
+            self.params, tokens, positions, caches, last, jax.random.key(seed), **sampling
+        )
+        out, step = [nxt], self._checked_step
+        for made in range(1, max_new_tokens):
+            if stop is not None and made % stop_every == 0 and stop(jax.device_get(jnp.stack(out, axis=1))):
                 break
-            if step + 1 < max_new_tokens:
-                logits, caches = self._decode(self.params, nxt[:, None], pos[:, None], caches)
-                last, pos = logits[:, 0], pos + 1
-        return np.stack([np.asarray(t) for t in out], axis=1).tolist() if out else [[] for _ in prompts]
+            nxt, pos, caches, key = step(self.params, nxt, pos, caches, key, **sampling)
+            out.append(nxt)
+            step = self._step
+        return jax.device_get(jnp.stack(out, axis=1)).tolist()  # the one transfer back
 
 
 def load_run(run_dir: str) -> tuple[Transformer, object]:

@@ -1,6 +1,7 @@
 """What every kernel here shares (MoBA and MLA decode, TPU and GPU): dot dimension numbers,
 the TPU tile alignment, the interpret-mode switch, Triton's compiler parameters, the target GPU of
-a lowering without one and the cost estimate of an attention pass."""
+a lowering without one, the cost estimate of an attention pass and the merge of a split decode's
+partial results."""
 
 from __future__ import annotations
 
@@ -65,3 +66,13 @@ def attention_cost(pairs: int, qk_dim: int, v_dim: int, bytes_read: int):
     return pl.CostEstimate(
         flops=2 * pairs * (qk_dim + v_dim), transcendentals=pairs, bytes_accessed=bytes_read
     )
+
+
+def combine_partials(out, m, l, axis: int):
+    """Attention over the union of key sets from each set's normalised output `out` (its feature
+    axis last), softmax maximum `m` and sum `l` (out's shape without the feature axis), the sets
+    along `axis`: each set weighted by its share of the whole softmax sum (flash-decoding's
+    combine). A set with no keys (m = -inf, l = 0) weighs nothing; one set at least must have keys."""
+    weight = l * jnp.exp(m - jnp.max(m, axis=axis, keepdims=True))
+    total = jnp.sum(weight, axis=axis)
+    return jnp.sum(weight[..., None] * out, axis=axis) / total[..., None]

@@ -10,6 +10,7 @@ its dot from registers, except a transposed one (dK/dV's p^T and dS^T), which go
 memory (one tile at a time); and the [rows, 1] vectors a loop step loads (own starts, lse, delta)
 each take a small buffer. It is calibrated against every request measured on an H200
 (tests/test_gpu_memory.py lists them): the requests it reproduces exactly, the rest within 3 %.
+Beside it, the device's multiprocessor count, which the split decode kernels fill.
 """
 
 from __future__ import annotations
@@ -44,6 +45,20 @@ def device_limit(device=None) -> tuple[int, str]:
     if capability is None:
         return smem_limit(), f"an H100/H200 (compute capability {DEFAULT_CAPABILITY})"
     return smem_limit(capability), f"{device.device_kind} (compute capability {capability})"
+
+
+DEFAULT_MULTIPROCESSORS = 132  # an H100/H200 SXM's: what work is split for without a GPU at hand
+
+
+def multiprocessors(device=None) -> int:
+    """Streaming multiprocessors of `device` (default: this process's first device), which a split
+    decode kernel fills; anything but a GPU (an AOT export for CUDA, an interpreted run) gets
+    DEFAULT_MULTIPROCESSORS."""
+    import jax
+
+    device = device or jax.devices()[0]
+    count = getattr(device, "core_count", None) if device.platform == "gpu" else None
+    return int(count) if count else DEFAULT_MULTIPROCESSORS
 
 
 def tile(rows: int, cols: int, itemsize: int) -> int:

@@ -96,6 +96,35 @@ def test_token_ids_cached_once_per_model(kind, copies):
     assert [name for c in caches for name in c if name == "token_ids"] == ["token_ids"] * copies
 
 
+def test_generation_is_one_donated_program_per_token(caplog):
+    """After a first call compiled everything, generating 6 tokens runs the prefill and 5 calls of one
+    jitted step (model step and sampling together), compiles nothing, moves nothing between host and
+    device implicitly (transfer guard), and each step takes the cache donated (its buffers are gone
+    after the call, and the compiled step copies no cache-sized array). Catches: sampling or position
+    updates run eagerly per token, a token read back to the host inside the loop, a cache copied each
+    step, a step recompiled per token."""
+    model = model_for("gqa")
+    gen = Generator(model)
+    prompts = [[5, 17, 3], [9, 1]]
+    first = gen.generate(prompts, 6, temperature=1.0, seed=3)
+    calls, step = [], gen._step
+    for name in ("_step", "_checked_step"):
+        fn = getattr(gen, name)
+        setattr(gen, name, lambda *a, fn=fn, **kw: calls.append(1) or fn(*a, **kw))
+    with jax.log_compiles(), caplog.at_level("WARNING"), jax.transfer_guard("disallow"):
+        again = gen.generate(prompts, 6, temperature=1.0, seed=3)
+    assert again == first and len(calls) == 5
+    assert not [r for r in caplog.records if "ompil" in r.getMessage()], caplog.text
+    caches = gen._empty_caches(2, 16)
+    tokens, pos = jnp.zeros(2, jnp.int32), jnp.full(2, 3, jnp.int32)
+    args = (gen.params, tokens, pos, caches, jax.random.key(0))
+    hlo = step.lower(*args, temperature=0.0, top_p=1.0).compile().as_text()
+    cache_shape = ",".join(map(str, jax.tree.leaves(caches)[0].shape))
+    assert cache_shape in hlo and not [x for x in hlo.splitlines() if " copy(" in x and cache_shape in x]
+    step(*args, temperature=0.0, top_p=1.0)
+    assert all(x.is_deleted() for x in jax.tree.leaves(caches))
+
+
 def test_sampling():
     logits = jnp.log(jnp.asarray([[0.6, 0.3, 0.1], [0.1, 0.2, 0.7]]))
     key = jax.random.key(0)

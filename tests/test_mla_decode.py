@@ -12,19 +12,28 @@ from flax import nnx
 
 from effattn_jax.config import load_config
 from effattn_jax.model import Transformer, init_cache
+from effattn_jax.ops import mla_decode
 from effattn_jax.ops.mla_decode import absorbed_attention
+from effattn_jax.ops.platform import tracing_for
 from pallas_kernels.common import gpu_lowering_target
-from pallas_kernels.mla_decode.gpu import mla_decode_gpu
+from pallas_kernels.mla_decode import gpu as mla_gpu
+from pallas_kernels.mla_decode.gpu import mla_decode_gpu, slices
 from pallas_kernels.mla_decode.tpu import mla_decode_tpu
 
 
 @pytest.mark.parametrize(
-    "kind, impl", [("mla", "pallas_tpu"), ("eg_mla", "pallas_tpu"), ("mla", "pallas_gpu")]
+    "kind, impl",
+    [("mla", "pallas_tpu"), ("eg_mla", "pallas_tpu"), ("mla", "pallas_gpu"), ("eg_mla", "pallas_gpu")],
 )
-def test_kernel_decode_equals_xla_decode(kind, impl):
+def test_kernel_decode_equals_xla_decode(kind, impl, monkeypatch):
     """Prefill 11 tokens (XLA), then single-token steps (the kernel's case) over a 40-slot
-    cache, the rows at different lengths; EG-MLA passes its c~. The kernel's steps are checked
-    to contain its pallas_call (a dispatch that fell back to XLA would compare XLA with itself)."""
+    cache, the rows at different lengths; EG-MLA passes its c~. The GPU kernel, with 16-slot
+    tiles and slices, splits the cache in 2 slices of 32: one row ends in the first (the second
+    empty), the other inside the second. The kernel's steps are checked to contain its pallas_call
+    (a dispatch that fell back to XLA would compare XLA with itself)."""
+    monkeypatch.setattr(mla_gpu, "TILE", 16)
+    monkeypatch.setattr(mla_gpu, "MIN_SLICE", 16)
+    assert mla_gpu.slices(2, 1, 40, 16, 132) == (2, 32)
     logits = {}
     for name in ("xla", impl):
         cfg = load_config(None, TINY_MLA + [f"attention.kind={kind}", f"mla.decode_impl={name}"])
@@ -60,6 +69,43 @@ def test_kernel_tiles_equal_xla(kernel, interpret):
     np.testing.assert_allclose(out, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("heads", [16, 128])
+def test_gpu_kernel_slices_equal_xla(heads):
+    """The GPU kernel split over the cache: 100 slots in 3 slices of 48 (16-slot tiles), rows of
+    lengths 10 (its later slices empty), 57 (ending inside the second slice and inside a tile) and 100
+    (the last slice partial, reaching past the cache), at 16 heads (one group) and 128 (in groups of
+    32). Catches: an empty slice that still weighs in the combine, a slice that reads past the row's
+    length or its own end, a combine weighted without the softmax sums, a head group's slices swapped."""
+    keys = jax.random.split(jax.random.key(1), 4)
+    q_lat, q_rope = (
+        jax.random.normal(keys[0], (3, 1, heads, 16)),
+        jax.random.normal(keys[1], (3, 1, heads, 8)),
+    )
+    lat, kr = jax.random.normal(keys[2], (3, 100, 16)), jax.random.normal(keys[3], (3, 100, 8))
+    positions = jnp.array([[9], [56], [99]])
+    want = absorbed_attention(q_lat, q_rope, lat, kr, positions, 0.3, "xla")[:, 0]
+    for group in (16, 32) if heads == 128 else (16,):
+        out = mla_decode_gpu(
+            q_lat[:, 0], q_rope[:, 0], lat, kr, positions[:, 0] + 1, 0.3,
+            tile=16, group=group, num_slices=3, interpret=True,
+        )  # fmt: skip
+        np.testing.assert_allclose(out, want, atol=1e-5, rtol=1e-5)
+
+
+def test_gpu_slices_fill_the_multiprocessors():
+    """The slice count: a batch of one at 32K over 132 multiprocessors takes 128 slices of 256 slots
+    (every SM busy once), batch 16 takes 9, a short cache or a full batch one; slices are whole tiles
+    and cover the cache."""
+    assert slices(1, 1, 32768, 64, 132) == (128, 256)
+    assert slices(16, 1, 32768, 64, 132) == (9, 3648)
+    assert slices(1, 4, 32768, 32, 132) == (32, 1024)
+    assert slices(1, 1, 300, 64, 132) == (1, 320)
+    assert slices(256, 1, 32768, 64, 132) == (1, 32768)
+    for length, tile in [(5000, 16), (4100, 64)]:
+        count, size = slices(1, 1, length, tile, 108)
+        assert size % tile == 0 and (count - 1) * size < length <= count * size
+
+
 @pytest.mark.slow
 def test_kernel_compiles_for_a_real_tpu():
     """Mosaic lowering and a libtpu compile (no TPU needed): bf16, 12 heads, MLA-Base's latent
@@ -91,3 +137,28 @@ def test_gpu_kernel_lowers_for_cuda(heads, d):
             arg((2,), jnp.int32),
         )
     assert re.findall(r'name = "(mla_\w+_gpu)"', exported.mlir_module()) == ["mla_decode_gpu"]
+
+
+def test_auto_takes_xla_where_the_table_says_it_is_faster(monkeypatch):
+    """impl="auto" traced for a GPU runs the kernel, unless GPU_XLA_FASTER lists the step's heads with
+    a batch and length at least its own; an explicit "pallas_gpu" runs the kernel regardless."""
+    keys = jax.random.split(jax.random.key(0), 4)
+    q_lat, q_rope = jax.random.normal(keys[0], (2, 1, 4, 16)), jax.random.normal(keys[1], (2, 1, 4, 8))
+    lat, kr = jax.random.normal(keys[2], (2, 40, 16)), jax.random.normal(keys[3], (2, 40, 8))
+    pos = jnp.array([[9], [39]])
+    kernel_ran = lambda impl: (
+        "mla_decode_gpu"
+        in str(jax.make_jaxpr(lambda: absorbed_attention(q_lat, q_rope, lat, kr, pos, 0.3, impl))())
+    )
+    with tracing_for("gpu"):
+        assert kernel_ran("auto")
+        for table, xla in [
+            ([(4, 2, 40)], True),
+            ([(4, 1, 40)], False),
+            ([(8, 2, 40)], False),
+            ([(4, 2, 39)], False),
+        ]:
+            monkeypatch.setattr(mla_decode, "GPU_XLA_FASTER", table)
+            assert kernel_ran("auto") != xla, table
+        monkeypatch.setattr(mla_decode, "GPU_XLA_FASTER", [(4, 2, 40)])
+        assert kernel_ran("pallas_gpu")

@@ -13,9 +13,12 @@ from flax import nnx
 
 from effattn_jax.config import load_config
 from effattn_jax.model import Transformer, init_cache
+from effattn_jax.ops import moba_decode
 from effattn_jax.ops.cache import kv_view
 from effattn_jax.ops.moba_decode import empty_block_means, moba_decode_attention, prefill_block_means
+from effattn_jax.ops.platform import tracing_for
 from pallas_kernels.common import gpu_lowering_target
+from pallas_kernels.moba import gpu_decode
 from pallas_kernels.moba.gpu_decode import moba_decode_gpu
 
 BLOCK = 4
@@ -177,10 +180,15 @@ def test_tpu_decode_kernel_compiles_for_a_real_tpu():
         lowered.compile()
 
 
-def test_gpu_decode_kernel_matches_xla_and_lowers_for_cuda():
+@pytest.mark.parametrize("min_piece", [64, 2], ids=["whole_blocks", "pieces_of_2"])
+def test_gpu_decode_kernel_matches_xla_and_lowers_for_cuda(min_piece, monkeypatch):
     """A single-token step through the GPU kernel (interpreted here) equals the XLA step (GQA, a partial
-    own block, picks and an unused pick), and lowers for CUDA with jax.export. Catches: the same mutations
-    as the TPU kernel's test, and a dispatch that silently falls back to XLA."""
+    own block, picks and an unused pick), each 8-slot block one program or cut in 4 pieces of 2 slots
+    (pieces wholly after the query or in an unused pick), and lowers for CUDA with jax.export. Catches:
+    the same mutations as the TPU kernel's test, a piece with no slot that weighs in the combine, a piece
+    reading another piece's slots, and a dispatch that silently falls back to XLA."""
+    monkeypatch.setattr(gpu_decode, "MIN_PIECE", min_piece)
+    assert gpu_decode.pieces(2 * 4 * 4, 8, 132) == (4 if min_piece == 2 else 1)
     step = _kernel_case(70, 8)
     assert "moba_decode_gpu" in str(jax.make_jaxpr(lambda: step("pallas_gpu"))())  # the kernel ran
     np.testing.assert_allclose(step("pallas_gpu"), step("xla"), atol=1e-5, rtol=1e-5)
@@ -193,3 +201,16 @@ def test_gpu_decode_kernel_matches_xla_and_lowers_for_cuda():
             jax.ShapeDtypeStruct((2, 8, 64), jnp.bfloat16), cache, cache, *tables
         )
     assert re.findall(r'name = "(moba_\w+_gpu)"', exported.mlir_module()) == ["moba_decode_gpu"]
+
+
+def test_auto_takes_xla_where_the_gpu_table_says_it_is_faster(monkeypatch):
+    """impl="auto" traced for a GPU runs the decode kernel, unless GPU_XLA_FASTER lists a batch and a
+    cache length at least the step's; an explicit "pallas_gpu" runs it regardless."""
+    step = _kernel_case(64, 8)
+    kernel_ran = lambda impl: "moba_decode_gpu" in str(jax.make_jaxpr(lambda: step(impl))())
+    with tracing_for("gpu"):
+        assert kernel_ran("auto")
+        for table, xla in [([(2, 64)], True), ([(1, 64)], False), ([(2, 63)], False)]:
+            monkeypatch.setattr(moba_decode, "GPU_XLA_FASTER", table)
+            assert kernel_ran("auto") != xla, table
+        assert kernel_ran("pallas_gpu")

@@ -9,6 +9,18 @@ import jax.numpy as jnp
 
 from effattn_jax.ops.platform import resolve_impl
 
+# Where XLA's step beats the GPU kernel, from the GPU suite's latent_decode section (BENCHMARKS.md):
+# each entry (heads, most rows, most cache slots) sends an "auto" step with that many heads, at most
+# that batch and that cache length, to XLA. Empty until the split kernel is measured: "auto" runs
+# the kernel at every GPU shape (an explicit "pallas_gpu" always does).
+GPU_XLA_FASTER: tuple[tuple[int, int, int], ...] = ()
+
+
+def xla_faster_on_gpu(heads: int, batch: int, length: int, table=None) -> bool:
+    """Whether GPU_XLA_FASTER (or `table`) sends this single-token step to XLA."""
+    table = GPU_XLA_FASTER if table is None else table
+    return any(heads == h and batch <= b and length <= n for h, b, n in table)
+
 
 def absorbed_attention(q_lat, q_rope, lat, kr, positions, scale: float, impl: str = "xla"):
     """Causal attention in latent space: q_lat [B, T, H, d] (W_UK already folded in), q_rope
@@ -16,9 +28,13 @@ def absorbed_attention(q_lat, q_rope, lat, kr, positions, scale: float, impl: st
     -> [B, T, H, d] float32 (W_UV applies after). impl (`mla.decode_impl`), as `moba.impl`
     resolves it: "auto" (the kernel on TPU and GPU, XLA elsewhere), "xla", "pallas" (this
     backend's kernel, the TPU one interpreted on CPU), "pallas_tpu" / "pallas_gpu". A kernel
-    runs a single-token step (more tokens: XLA); the GPU one needs power-of-two widths."""
+    runs a single-token step (more tokens: XLA); the GPU one needs power-of-two widths, and under
+    "auto" gives way to XLA where GPU_XLA_FASTER says XLA is faster."""
     path, kernel, interpret = resolve_impl(impl)
     pow2 = all(w & (w - 1) == 0 for w in (lat.shape[-1], kr.shape[-1]))
+    b, _, h, _ = q_lat.shape
+    if impl == "auto" and kernel == "gpu" and xla_faster_on_gpu(h, b, lat.shape[1]):
+        path = "xla"
     if path == "pallas" and q_lat.shape[1] == 1 and (kernel == "tpu" or pow2):
         if kernel == "tpu":
             from pallas_kernels.mla_decode.tpu import mla_decode_tpu as decode

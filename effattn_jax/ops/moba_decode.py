@@ -81,10 +81,20 @@ def moba_decode_attention(
     return attend_blocks(view, starts, lo, hi, size, scale)
 
 
+# Where XLA's step beats the GPU decode kernel, from the GPU suite's moba_decode section
+# (BENCHMARKS.md): each entry (most rows, most cache slots) sends an "auto" single-token step of at
+# most that batch and cache length to XLA. Empty until the split kernel is measured: "auto" runs
+# the kernel at every GPU shape it takes (an explicit "pallas_gpu" always does).
+GPU_XLA_FASTER: tuple[tuple[int, int], ...] = ()
+
+
 def decode_kernel(view: CacheView, size: int, impl: str):
     """The Pallas decode step `impl` resolves to for this view and block, or None (XLA)."""
     _, kernel, interpret = resolve_impl(impl)
     if kernel is None or view.caches is None or view.q.shape[1] != 1:
+        return None
+    batch = view.q.shape[0]
+    if impl == "auto" and kernel == "gpu" and any(batch <= b and view.length <= n for b, n in GPU_XLA_FASTER):
         return None
     if kernel == "tpu":
         from pallas_kernels.moba import tpu_decode

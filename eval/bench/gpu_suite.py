@@ -9,7 +9,8 @@ Every kernel runs with the shipped defaults (tiles `auto`).
 date, jax, device, backend, device_count, dry, sections (section name -> its rows).
 
 Sections, in order (a section stops starting cases once its share of the budget is spent, and
-says so in the JSON):
+says so in the JSON; the transformers section's share, 0.3, comes on top of the others', which
+sum to the budget):
 - correctness: the compiled kernels against the references (eval/bench/gpu_checks.py): MoBA
   forward and gradients at 8K, bf16 (packed documents with GQA, top-k 1, top-k covering every
   block), and the MLA and MoBA decode kernels against XLA at 16 and 128 heads.
@@ -22,7 +23,8 @@ says so in the JSON):
 - moba_decode: a decode step of a 12-layer d-768 MHA model, MoBA core (its decode kernel) against
   dense, at 32K and 128K (eval/decoding.py).
 - latent_decode: the absorbed MLA and EG-MLA decode steps (their kernels) at 32K, the cache
-  bytes they read per second against a device-to-device copy.
+  bytes they read per second against a device-to-device copy; then the MLA decode kernel alone
+  against the XLA step at 16 and 128 heads, batch 1 and 16 (eval/bench/latent_kernel.py).
 - train: 30 steps of a small MoBA model with the GPU kernels beside the same run with the XLA
   path (same initialisation, same batches, float32): the losses must agree within `--loss-tol`.
 - train_py: `train.py` itself on the configs/gpu/ models for a few dozen steps (a subprocess each):
@@ -30,6 +32,14 @@ says so in the JSON):
   built-in corpus (`python -m effattn_jax.data.fetch`, or $EFFATTN_CACHE holding it); without
   them the section says so.
 - long attention: 256K and 512K if the budget and memory allow.
+- transformers: decode tokens/s of our Generator beside transformers' generate (static cache,
+  SDPA) on the same Llama-architecture shapes, prompts of 4K and 32K, batch 1 and 16, each side
+  in a process of its own (eval/bench/gpu_transformers.py), with what our compiled step launches
+  (operations by kind, bytes) and a profiler trace of each of our generations under <out>/traces;
+  without torch and transformers it says so. Every case takes minutes: --budget-s 1800 reaches them all.
+
+The suite's own JAX does not preallocate the GPU's memory (XLA_PYTHON_CLIENT_PREALLOCATE=false
+unless set), so the processes of the transformers section find it free.
 
 Apart from train_py it imports nothing from the data stack: batches are synthetic.
 """
@@ -37,6 +47,7 @@ Apart from train_py it imports nothing from the data stack: batches are syntheti
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
 import os
 import subprocess
@@ -53,8 +64,9 @@ from effattn_jax.ops.moba import BlockSizes, moba_attention
 from effattn_jax.sharding import make_mesh
 from effattn_jax.train.state import init_state, make_setup
 from effattn_jax.train.step import make_train_step
-from eval.bench import common, gpu_checks
+from eval.bench import common, gpu_checks, gpu_transformers
 from eval.bench.attention import structured_inputs
+from eval.bench.latent_kernel import latent_kernel_case
 from eval.decoding import copy_bandwidth, latent_decode, moba_vs_dense_decode
 from eval.timing import alternated, seconds
 from pallas_kernels import gpu_memory
@@ -78,6 +90,7 @@ SHARES = {
     "train": 0.13,
     "train_py": 0.22,
     "long_attention": 0.08,
+    "transformers": 0.3,
 }
 MOBA_CHECKS = [dict(heads=16, kv_heads=4, top_k=3, docs=3), dict(heads=16, kv_heads=16, top_k=1, docs=1),
                dict(heads=16, kv_heads=16, top_k=None, docs=1)]  # top_k None: every block  # fmt: skip
@@ -99,6 +112,10 @@ FULL = {
     "long_seqs": [262144, 524288],
     "moba_decode": dict(contexts=[32768, 131072], model=None),
     "latent_decode": dict(contexts=[32768], batches=[1, 16], overrides=(), copy_gib=1.0),
+    "latent_kernel": dict(contexts=[32768], heads=[16, 128], batches=[1, 16], latent=512, rope=64,
+                          dtype=jnp.bfloat16, impl=GPU, repeats=5),
+    "transformers": dict(shapes=["llama_12l_d768", "qwen3_0.6b"], prompts=[4096, 32768], batches=[1, 16],
+                         new_tokens=64, repeats=3, dtype="bfloat16"),
     "train": ["model.num_layers=4", "model.d_model=512", "model.num_heads=8", "model.mlp_dim=1408",
               "model.vocab_size=32768", "data.seq_len=8192", "data.batch_size=2", "moba.block_size=512",
               "moba.top_k=3", "model.dtype=float32", "train.lr=3e-4", "train.warmup_steps=5"],
@@ -122,6 +139,10 @@ DRY = {
                         "moba.block_size=32", "moba.top_k=3"]),
     "latent_decode": dict(contexts=[64], batches=[1], copy_gib=0.01,
                           overrides=("model.num_layers=1", "model.vocab_size=256")),
+    "latent_kernel": dict(contexts=[64], heads=[4], batches=[1], latent=16, rope=8, dtype=jnp.float32,
+                          impl=GPU, repeats=1),
+    "transformers": dict(shapes=["tiny"], prompts=[32], batches=[2], new_tokens=8, repeats=1,
+                         dtype="float32"),
     "train": ["model.num_layers=2", "model.d_model=32", "model.num_heads=2", "model.mlp_dim=64",
               "model.vocab_size=256", "data.seq_len=64", "data.batch_size=2", "moba.block_size=16",
               "moba.top_k=3", "model.dtype=float32", "moba.q_tile=16", "moba.kv_block=16",
@@ -357,6 +378,7 @@ def main(argv=None) -> int:
     p.add_argument("--loss-tol", type=float, default=2e-3, help="largest loss difference pallas vs xla")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # before JAX first opens the GPU
     with common.report(args, f"budget {args.budget_s:.0f} s" + (", dry" if args.dry else "")) as emit:
         suite = run(args)
         emit(suite.data)
@@ -379,7 +401,10 @@ def run(args) -> Suite:
             suite.add(rows, {"context": context, "skipped": "time budget"})
             continue
         model = {"overrides": decode["model"]} if decode["model"] else {}
-        suite.add(rows, moba_vs_dense_decode(context, 1, repeats=3, **model))
+        row = moba_vs_dense_decode(context, 1, repeats=3, **model)
+        if context >= 131072:  # the goal at 128K: a MoBA step at most 1/4 of the dense one
+            row |= {"goal_ratio_at_most": 0.25, "meets_goal": row["ratio"] <= 0.25}
+        suite.add(rows, row)
     rows = suite.section("latent_decode")
     latent = plan["latent_decode"]
     copy = copy_bandwidth(latent["copy_gib"])
@@ -393,9 +418,22 @@ def run(args) -> Suite:
                 r["read_bytes_per_s"] = r["cache_bytes_read"] / (r["ms"] / 1e3)
                 r["of_copy_bandwidth"] = r["read_bytes_per_s"] / copy
                 suite.add(rows, r)
+    kernel = plan["latent_kernel"]
+    for context, heads, batch in itertools.product(kernel["contexts"], kernel["heads"], kernel["batches"]):
+        case = dict(context=context, heads=heads, batch=batch)
+        if not suite.time_left():
+            suite.add(rows, case | {"kernel": "mla_decode_gpu", "skipped": "time budget"})
+            continue
+        params = {k: v for k, v in kernel.items() if k not in ("contexts", "heads", "batches")}
+        try:
+            suite.add(rows, latent_kernel_case(**case, **params, copy=copy))
+        except Exception as e:  # noqa: BLE001 - a kernel that fails to compile at a shape is the finding
+            suite.add(rows, case | {"kernel": "mla_decode_gpu", "error": _error(e)})
     train_pair(suite, suite.section("train"), plan["train"], plan["train_steps"], args.loss_tol)
     train_py(suite, suite.section("train_py"), plan["train_py"], args.out.resolve())
     attention(suite, suite.section("long_attention"), plan["attention"], plan["long_seqs"], compare_xla=False)
+    traces = args.out.resolve() / "traces"
+    gpu_transformers.section(suite, suite.section("transformers"), plan["transformers"], traces)
     print(f"done in {time.perf_counter() - suite.start:.0f} s: {suite.path}", flush=True)
     return suite
 

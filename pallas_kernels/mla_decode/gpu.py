@@ -1,12 +1,19 @@
-"""Absorbed MLA decode step on GPU (Pallas -> Triton): the same one pass over each row's
-cached latent for a group of heads as `tpu.py`, one program per (batch row, head group).
+"""Absorbed MLA decode step on GPU (Pallas -> Triton), split over the cache (flash-decoding, as
+FlashMLA): the same pass over each row's cached latent for a group of heads as `tpu.py`, but one
+program per (batch row, head group, slice of the cache), so a batch of one still fills the GPU.
 
 The group's heads are the rows of each [G, tile] score matrix (G a power of two, at least 16,
-the least a Triton dot takes); the program loops over the row's latent tiles up to its length
-only, loading the last partial tile under a mask, with an online softmax and a [G, d]
-accumulator in registers. The group and the tile are chosen so the program's shared memory
-fits the GPU (`head_group`): 128 heads of latent 512 + 64 in bf16 ask 294,912 bytes in one group
-with 64-slot tiles, over an H200's 232,448, and fit (221,184) with 32-slot tiles.
+the least a Triton dot takes); a program loops over its slice's latent tiles up to the row's
+length only, loading the last partial tile under a mask, with an online softmax and a [G, d]
+accumulator in registers, and writes its slice's normalised output with the softmax's max and
+sum. `common.combine_partials` (XLA, one small fusion) merges the slices; one slice needs no merge. A
+slice past a row's length does no work (rows of different lengths share the grid).
+
+The group and the tile are chosen so a program's shared memory fits the GPU (`head_group`): 128
+heads of latent 512 + 64 in bf16 ask 294,912 bytes in one group with 64-slot tiles, over an
+H200's 232,448, and fit (221,184) with 32-slot tiles. The slices (`slices`) are chosen so the
+grid covers the device's multiprocessors once (`gpu_memory.multiprocessors`), each slice at
+least MIN_SLICE slots.
 """
 
 from __future__ import annotations
@@ -19,10 +26,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import gpu_memory
-from pallas_kernels.common import NT, TRITON_STAGES, attention_cost, triton_params
+from pallas_kernels.common import NT, TRITON_STAGES, attention_cost, combine_partials, triton_params
 
 TILE = 64  # latent slots per loop step, at most
 MIN_ROWS = 16  # Triton's dot needs 16 rows: the heads are padded to this
+MIN_SLICE = 256  # cache slots a slice takes at least: shorter ones cost more in partials than they save
 
 
 def smem_bytes(rows: int, tile: int, d: int, dr: int, itemsize: int, stages: int = TRITON_STAGES) -> int:
@@ -47,67 +55,107 @@ def head_group(heads: int, d: int, dr: int, itemsize: int, limit: int | None = N
         group //= 2
 
 
-def _kernel(len_ref, ql_ref, qr_ref, lat_ref, kr_ref, o_ref, *, scale, tile):
-    b = pl.program_id(0)
-    n = len_ref[b]
-    q_lat, q_rope = ql_ref[...], qr_ref[...]  # [H, d], [H, d_R]
+def slices(batch: int, groups: int, length: int, tile: int, multiprocessors: int) -> tuple[int, int]:
+    """(slices per row, slots per slice, a multiple of `tile`): enough slices that batch x groups x
+    slices programs cover the multiprocessors once, none shorter than MIN_SLICE slots (one slice
+    for a short cache or a batch that already fills the GPU)."""
+    want = -(-multiprocessors // (batch * groups))
+    return slice_size(length, max(1, min(want, length // MIN_SLICE)), tile)
+
+
+def slice_size(length: int, count: int, tile: int) -> tuple[int, int]:
+    """(slices, slots per slice): `count` slices of `length` slots rounded up to whole tiles (the
+    rounding may leave fewer slices)."""
+    size = pl.cdiv(pl.cdiv(length, count), tile) * tile
+    return pl.cdiv(length, size), size
+
+
+def _kernel(len_ref, ql_ref, qr_ref, lat_ref, kr_ref, o_ref, m_ref, l_ref, *, scale, tile, size):
+    b, first = pl.program_id(0), pl.program_id(2) * size
+    end = jnp.minimum(len_ref[b], first + size)  # this slice's slots: first .. end - 1
+    q_lat, q_rope = ql_ref[...], qr_ref[...]  # [G, d], [G, d_R]
     rows = q_lat.shape[0]
 
     def body(j, carry):
         m, l, acc = carry
-        slot = j * tile + jax.lax.broadcasted_iota(jnp.int32, (tile,), 0)
-        ok = slot < n
-        window = (b, pl.ds(j * tile, tile), slice(None))
+        start = first + j * tile
+        ok = start + jax.lax.broadcasted_iota(jnp.int32, (tile,), 0) < end
+        window = (b, pl.ds(start, tile), slice(None))
         lat = pltriton.load(lat_ref.at[window], mask=ok[:, None], other=0.0)  # [tile, d]
         kr = pltriton.load(kr_ref.at[window], mask=ok[:, None], other=0.0)
         s = jax.lax.dot_general(q_lat, lat, NT, preferred_element_type=jnp.float32)
         s += jax.lax.dot_general(q_rope, kr, NT, preferred_element_type=jnp.float32)
-        s = jnp.where(ok[None, :], s * scale, -jnp.inf)  # [H, tile]
-        m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))  # finite: slot 0 is real
-        p = jnp.exp(s - m_new)
+        s = jnp.where(ok[None, :], s * scale, -jnp.inf)  # [G, tile]
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))  # finite: a tile's first slot is real
+        p = jnp.exp(s - m_new[:, None])
         alpha = jnp.exp(m - m_new)
-        acc = alpha * acc + jnp.dot(p.astype(lat.dtype), lat, preferred_element_type=jnp.float32)
-        return m_new, alpha * l + jnp.sum(p, axis=1, keepdims=True), acc
+        acc = alpha[:, None] * acc + jnp.dot(p.astype(lat.dtype), lat, preferred_element_type=jnp.float32)
+        return m_new, alpha * l + jnp.sum(p, axis=1), acc
 
     init = (
-        jnp.full((rows, 1), -jnp.inf, jnp.float32),
-        jnp.zeros((rows, 1), jnp.float32),
+        jnp.full((rows,), -jnp.inf, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
         jnp.zeros(o_ref.shape, jnp.float32),
     )
-    _, l, acc = jax.lax.fori_loop(0, pl.cdiv(n, tile), body, init)
-    o_ref[...] = acc / l
+    m, l, acc = jax.lax.fori_loop(0, pl.cdiv(jnp.maximum(end - first, 0), tile), body, init)
+    o_ref[...] = acc / jnp.where(l > 0, l, 1.0)[:, None]  # a slice past the row's end: zeros, l = 0
+    m_ref[...] = m
+    l_ref[...] = l
 
 
 def mla_decode_gpu(
-    q_lat, q_rope, lat, kr, lengths, scale: float, *, tile: int | None = None, group=None, interpret=False
+    q_lat,
+    q_rope,
+    lat,
+    kr,
+    lengths,
+    scale: float,
+    *,
+    tile: int | None = None,
+    group=None,
+    num_slices: int | None = None,
+    interpret=False,
 ):
     """As `tpu.mla_decode_tpu`: q_lat [B, H, d], q_rope [B, H, d_R], latent [B, L, d], k^R
     [B, L, d_R], lengths [B] (>= 1) -> [B, H, d] float32. d, d_R, `tile` and `group` (heads per
     program) powers of two; `head_group` chooses what is not given, for this GPU's shared memory
-    when compiled on one."""
+    when compiled on one, and `slices` the number of slices per row (`num_slices`), for this
+    GPU's multiprocessors."""
     b, h, d = q_lat.shape
-    dr = kr.shape[-1]
+    length, dr = lat.shape[1], kr.shape[-1]
     limit = None if interpret else gpu_memory.device_limit()[0]
     auto_group, auto_tile = head_group(h, d, dr, lat.dtype.itemsize, limit)
     group, tile = group or auto_group, tile or auto_tile
     rows = -(-h // group) * group
+    if num_slices is None:
+        count, size = slices(b, rows // group, length, tile, gpu_memory.multiprocessors())
+    else:
+        count, size = slice_size(length, num_slices, tile)
     pad = lambda x: jnp.pad(x, ((0, 0), (0, rows - h), (0, 0)))
-    heads = lambda width: pl.BlockSpec((None, group, width), lambda i, g: (i, g, 0))
+    heads = lambda width: pl.BlockSpec((None, group, width), lambda i, g, s: (i, g, 0))
+    part = lambda *width: pl.BlockSpec(
+        (None, None, group, *width), lambda i, g, s: (i, s, g) + (0,) * len(width)
+    )
     whole = pl.no_block_spec
-    out = pl.pallas_call(
-        functools.partial(_kernel, scale=scale, tile=tile),
-        grid=(b, rows // group),
+    out, m, l = pl.pallas_call(
+        functools.partial(_kernel, scale=scale, tile=tile, size=size),
+        grid=(b, rows // group, count),
         in_specs=[whole, heads(d), heads(dr), whole, whole],
-        out_specs=heads(d),
-        out_shape=jax.ShapeDtypeStruct((b, rows, d), jnp.float32),
+        out_specs=[part(d), part(), part()],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, count, rows, d), jnp.float32),
+            jax.ShapeDtypeStruct((b, count, rows), jnp.float32),
+            jax.ShapeDtypeStruct((b, count, rows), jnp.float32),
+        ],
         compiler_params=triton_params(),
         interpret=bool(interpret),
         name="mla_decode_gpu",
         cost_estimate=attention_cost(
-            b * rows * lat.shape[1],
+            b * rows * length,
             d + dr,
             d,
-            b * rows // group * lat.shape[1] * (d + dr) * lat.dtype.itemsize,
+            b * rows // group * length * (d + dr) * lat.dtype.itemsize,
         ),
     )(lengths.astype(jnp.int32), pad(q_lat), pad(q_rope), lat, kr)
+    out = out[:, 0] if count == 1 else combine_partials(out, m, l, axis=1)
     return out[:, :h]
