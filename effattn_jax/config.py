@@ -26,7 +26,16 @@ import yaml
 ATTENTION_KINDS = ("mha", "mla", "eg_mla")  # projections and cache (effattn_jax.attention.KINDS)
 ATTENTION_CORES = ("dense", "moba")  # which keys each query sees (effattn_jax.attention.CORES)
 IntOrAuto = int | str  # a config value that is an integer or the string "auto"
-MOBA_IMPLS = ("auto", "reference", "xla", "pallas", "pallas_tpu", "pallas_gpu")  # effattn_jax.ops.moba
+MOBA_IMPLS = (
+    "auto",
+    "reference",
+    "xla",
+    "pallas",
+    "pallas_tpu",
+    "pallas_gpu",
+    "pallas_mosaic",
+    "pallas_triton",
+)  # effattn_jax.ops.moba
 DENSE_IMPLS = ("auto", "xla", "splash", "cudnn")  # effattn_jax.ops.dense
 MLA_DECODE_IMPLS = ("auto", "xla", "pallas", "pallas_tpu", "pallas_gpu")  # effattn_jax.ops.mla_decode
 EG_MLA_GATE_AT = ("latent", "heads", "projected")
