@@ -67,10 +67,7 @@ def _own_mask(lo, q0, k0, shape):
 def _ring(steps, stages, fetch):
     """Issue the first `stages` fetches of a loop of `steps` (fetch(n) copies step n into slot n % stages)."""
     for n in range(stages):
-
-        @pl.when(n < steps)
-        def _():
-            fetch(n)
+        pl.when(n < steps)(functools.partial(fetch, n))
 
 
 def _refill(n, steps, stages, fetch):
@@ -181,19 +178,12 @@ def _fwd_body(
     plgpu.wait_smem_to_gmem(0)
 
 
-def _with_staging(body, shapes, dtype):
-    """body taking its staging buffers (see _lhs) as keywords, allocated here: one per shape."""
-    if not shapes:
+def _with_staging(body, shape, dtype, interpret):
+    """body, given a shared staging buffer of `shape` (see _lhs) when interpreted."""
+    if not interpret:
         return body
-    swz = _swizzled(jnp.dtype(dtype).itemsize)
-
-    def run(*refs):
-        def scoped(*staging):
-            body(*refs, **dict(zip(("staging", "staging2"), staging)))
-
-        pl.run_scoped(scoped, *[plgpu.SMEM(shape, dtype, transforms=swz) for shape in shapes])
-
-    return run
+    buffer = plgpu.SMEM(shape, dtype, transforms=_swizzled(jnp.dtype(dtype).itemsize))
+    return lambda *refs: pl.run_scoped(lambda staging: body(*refs, staging=staging), buffer)
 
 
 def own_attention_fwd(q, k, v, lo, first, *, scale, block_size, block_sizes, interpret=False):
@@ -209,8 +199,9 @@ def own_attention_fwd(q, k, v, lo, first, *, scale, block_size, block_sizes, int
     o, lse = plgpu.kernel(
         _with_staging(
             functools.partial(_fwd_body, scale=scale, qt=qt, ck=ck, hq=hq, hkv=hkv, nq=nq, stages=stages),
-            [(qt, ck)] if interpret else [],
-            q.dtype,
+            (qt, ck),
+            v.dtype,
+            interpret,
         ),
         out_type=[
             jax.ShapeDtypeStruct((rows, seq_pad, dv), jnp.float32),
@@ -271,10 +262,14 @@ def _dq_body(
     first = first_ref[b * nq + i]
     steps = (q0 + qt - 1) // ck + 1 - first
     rows = pl.ds(q0, qt)
-    srcs = (q_ref.at[r, rows, :], do_ref.at[r, rows, :], lo_ref.at[b, rows], lse_ref.at[r, rows])
-    for n, (src, dst) in enumerate(
-        zip(srcs + (delta_ref.at[r, rows],), (q_smem, do_smem, lo_smem, lse_smem, delta_smem))
-    ):
+    once = [
+        (q_ref.at[r, rows, :], q_smem),
+        (do_ref.at[r, rows, :], do_smem),
+        (lo_ref.at[b, rows], lo_smem),
+        (lse_ref.at[r, rows], lse_smem),
+        (delta_ref.at[r, rows], delta_smem),
+    ]
+    for n, (src, dst) in enumerate(once):
         plgpu.copy_gmem_to_smem(src, dst, q_bar.at[n])
 
     def fetch(n):
@@ -283,7 +278,7 @@ def _dq_body(
         plgpu.copy_gmem_to_smem(v_ref.at[kv, keys, :], v_smem.at[slot], v_bar.at[slot])
 
     _ring(steps, stages, fetch)
-    for n in range(5):
+    for n in range(len(once)):
         plgpu.barrier_wait(q_bar.at[n])
     lo, lse, delta = _row_vector(lo_smem), _row_vector(lse_smem) * LOG2E, _row_vector(delta_smem)
     shape = (qt, ck)
@@ -418,7 +413,7 @@ def own_attention_bwd(
     sizes = dict(scale=scale, qt=qt, ck=ck, hq=hq, hkv=hkv, stages=stages)
     common = dict(compiler_params=plgpu.CompilerParams(approx_math=True), interpret=_params(interpret))
     dq = plgpu.kernel(
-        _with_staging(functools.partial(_dq_body, nq=nq, **sizes), [(qt, ck)] if interpret else [], k.dtype),
+        _with_staging(functools.partial(_dq_body, nq=nq, **sizes), (qt, ck), k.dtype, interpret),
         out_type=jax.ShapeDtypeStruct((rows, seq_pad, d), q.dtype),
         scratch_types=[
             plgpu.SMEM((qt, d), q.dtype, transforms=swz),
@@ -438,7 +433,7 @@ def own_attention_bwd(
         **common,
     )(first, q, lo, do, lse, delta, k, v)
     dk, dvv = plgpu.kernel(
-        _with_staging(functools.partial(_dkv_body, nk=nk, **sizes), [(ck, qt)] if interpret else [], q.dtype),
+        _with_staging(functools.partial(_dkv_body, nk=nk, **sizes), (ck, qt), q.dtype, interpret),
         out_type=[
             jax.ShapeDtypeStruct((k.shape[0], seq_pad, d), k.dtype),
             jax.ShapeDtypeStruct((k.shape[0], seq_pad, dv), v.dtype),
