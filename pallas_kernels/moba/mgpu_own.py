@@ -30,14 +30,61 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.gpu_memory import smem_limit
 from pallas_kernels.moba.gpu_own import _kv_row, own_tables  # noqa: F401  (own_tables: the same tables)
+
+SMEM_LIMIT = smem_limit("9.0")  # bytes of shared memory one block may use on an H100/H200
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
-ROWS = 64  # a warpgroup matmul's rows: every tile and head dim is a multiple of it
-SMEM_LIMIT = 232_448  # bytes of shared memory one block may use on an H100/H200
+ROWS = 64  # a warpgroup matmul's rows, and the K dim a 128-byte swizzled bf16 operand comes in
+MAX_DIM = 256  # a warpgroup matmul's largest N: head dims and tiles stay within it
 FLOOR = -1e30  # the running max before any key: finite, so a row with no key yet gets p = 0, not NaN
 DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+def smem_bytes(*, q_tile: int, kv_block: int, stages: int, d: int, dv: int, itemsize: int) -> dict:
+    """Each kernel's shared memory per block (bytes, by kernel name), from its scratch buffers:
+    the swizzled tiles are 1024-byte aligned; each barrier is 8 bytes. Compiled, nothing else
+    is staged (the interpreter's staging buffer does not exist on the GPU)."""
+    tile = lambda rows, cols, size=itemsize: -(-rows * cols * size // 1024) * 1024
+    vec = 4 * q_tile
+    ring = stages * (tile(kv_block, d) + tile(kv_block, dv))
+    return {
+        "moba_own_fwd_mgpu": tile(q_tile, d) + ring + tile(q_tile, dv, 4) + 2 * vec + 8 * (2 + 2 * stages),
+        "moba_own_dq_mgpu": tile(q_tile, d) + tile(q_tile, dv) + ring + 3 * vec + 8 * (5 + 2 * stages),
+        "moba_own_dkv_mgpu": tile(kv_block, d)
+        + tile(kv_block, dv)
+        + stages * (tile(q_tile, d) + tile(q_tile, dv) + 3 * vec)
+        + 8 * (2 + 5 * stages),
+    }
+
+
+def supports(*, head_dim, v_head_dim, dtype, block_sizes, block_size) -> str | None:
+    """None when these kernels compile for this configuration on an H100/H200, else one line
+    saying why not (the Triton kernels, gpu_own.py, take it instead). The MoBA block itself
+    sets no condition: the tables carry it."""
+    del block_size
+    if jnp.dtype(dtype) not in [jnp.dtype(t) for t in DTYPES]:
+        return f"Mosaic GPU own-block kernels take bfloat16 or float16 inputs, got {jnp.dtype(dtype).name}"
+    qt, ck, stages = block_sizes.q_tile, block_sizes.kv_block, block_sizes.num_stages
+    sizes = (("the head dim", head_dim), ("the value head dim", v_head_dim), ("moba.q_tile", qt))
+    for name, value in (*sizes, ("moba.kv_block", ck)):
+        if value is None or value % ROWS or value > MAX_DIM:
+            allowed = f"a multiple of {ROWS} up to {MAX_DIM}"
+            return f"Mosaic GPU own-block kernels need {name} {allowed}, got {value}"
+    if stages is None:
+        return "Mosaic GPU own-block kernels need moba.num_stages resolved, got auto"
+    sizes = smem_bytes(
+        q_tile=qt, kv_block=ck, stages=stages, d=head_dim, dv=v_head_dim, itemsize=jnp.dtype(dtype).itemsize
+    )
+    name, need = max(sizes.items(), key=lambda item: item[1])
+    if need > SMEM_LIMIT:
+        return (
+            f"{name} needs about {need} bytes of shared memory with moba.q_tile={qt} moba.kv_block={ck} "
+            f"moba.num_stages={stages}, over the {SMEM_LIMIT} an H100/H200 allows"
+        )
+    return None
 
 
 def _swizzled(itemsize: int):
