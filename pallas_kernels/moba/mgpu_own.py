@@ -44,18 +44,27 @@ DTYPES = (jnp.bfloat16, jnp.float16)
 
 
 def smem_bytes(*, q_tile: int, kv_block: int, stages: int, d: int, dv: int, itemsize: int) -> dict:
-    """Each kernel's shared memory per block (bytes, by kernel name), from its scratch buffers:
-    the swizzled tiles are 1024-byte aligned; each barrier is 8 bytes. Compiled, nothing else
-    is staged (the interpreter's staging buffer does not exist on the GPU)."""
-    tile = lambda rows, cols, size=itemsize: -(-rows * cols * size // 1024) * 1024
-    vec = 4 * q_tile
-    ring = stages * (tile(kv_block, d) + tile(kv_block, dv))
+    """Each compiled kernel's shared memory per block (bytes, by kernel name), as Mosaic GPU lays it
+    out: every scratch buffer 1024-byte aligned, 8 bytes per barrier and, in the forward (the only
+    one with row reductions), the reduction scratch (CompilerParams' default, 2 KiB). Checked to
+    the byte against the lowering's own count (tests/test_moba_mgpu_own.py)."""
+    buf = lambda *shape, size=itemsize: -(-math.prod(shape) * size // 1024) * 1024
+    vec = buf(q_tile, size=4)
+    ring = buf(stages, kv_block, d) + buf(stages, kv_block, dv)
+    reduction = 2048
     return {
-        "moba_own_fwd_mgpu": tile(q_tile, d) + ring + tile(q_tile, dv, 4) + 2 * vec + 8 * (2 + 2 * stages),
-        "moba_own_dq_mgpu": tile(q_tile, d) + tile(q_tile, dv) + ring + 3 * vec + 8 * (5 + 2 * stages),
-        "moba_own_dkv_mgpu": tile(kv_block, d)
-        + tile(kv_block, dv)
-        + stages * (tile(q_tile, d) + tile(q_tile, dv) + 3 * vec)
+        "moba_own_fwd_mgpu": reduction
+        + buf(q_tile, d)
+        + ring
+        + buf(q_tile, dv, size=4)
+        + 2 * vec
+        + 8 * (2 + 2 * stages),
+        "moba_own_dq_mgpu": buf(q_tile, d) + buf(q_tile, dv) + ring + 3 * vec + 8 * (5 + 2 * stages),
+        "moba_own_dkv_mgpu": buf(kv_block, d)
+        + buf(kv_block, dv)
+        + buf(stages, q_tile, d)
+        + buf(stages, q_tile, dv)
+        + 3 * buf(stages, q_tile, size=4)
         + 8 * (2 + 5 * stages),
     }
 
