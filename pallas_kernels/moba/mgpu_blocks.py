@@ -1,0 +1,330 @@
+"""MoBA's selected earlier blocks on Hopper GPUs (Pallas -> Mosaic GPU): the same entry points,
+layouts and schedule as gpu_blocks.py (the Triton kernels, kept for GPUs before Hopper), for
+bf16/f16 inputs. A tile is `past_q_tile` rows of one (batch, KV head, block) group
+(schedule.past_tiles); a row sees its whole block, so nothing is masked.
+
+Every kernel is warp specialised: one memory warpgroup streams `kv_block`-row sub-blocks (the
+forward and dq: K and V of the tile's block; dK/dV: the group's q and dO tiles with their lse
+and delta) by TMA into a ring of `num_stages` SMEM slots (at least 2), with a "loaded" and a
+"consumed" barrier per slot, while compute warpgroups of 64 rows each run warpgroup matmuls
+(wgmma) on them: the forward and dq one warpgroup per 64 query rows of the tile (past_q_tile
+64 or 128), dK/dV one per 64 keys of the block's sub-block. What stays in registers: the
+online softmax (forward), dq (dq), dK and dV (dK/dV). What is not pipelined: the one-off
+loads of a program's own tile (q, dO, lse, delta; K and V in dK/dV) and its output stores,
+and the scalar tables (each tile's KV row and block start, each group's first tile and tile
+count), which are read from global memory once per program. The matmuls wait for each other
+(no ping-pong scheduling between the compute warpgroups, as FlashAttention 3 does).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import gpu_memory
+from pallas_kernels.moba import gpu_blocks
+
+ROWS = 64  # rows of a compute warpgroup's matmuls (wgmma's M)
+SLACK = 8  # rows of a tiled SMEM tile: a TMA copy into one starts on a multiple (see _sub_blocks)
+LOG2E = math.log2(math.e)
+DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+def window(block_size: int, dtype) -> int:
+    """Rows of a group's dK/dV window: the block and SLACK rows before or after it."""
+    return block_size + SLACK
+
+
+def window_starts(block_start: jax.Array, block_size: int, seq_len: int, dtype) -> jax.Array:
+    """tpu_blocks.window_starts' contract: each block's window starts at the block's start rounded
+    down to SLACK rows (a TMA copy into tiled SMEM starts on a whole tile)."""
+    start = block_start.astype(jnp.int32)
+    return start - start % SLACK
+
+
+def _stages(block_sizes, steps: int) -> int:
+    """SMEM slots of a ring: num_stages, at least 2, at most the steps it streams."""
+    return max(1, min(max(2, block_sizes.num_stages), steps))
+
+
+def smem_bytes(*, head_dim: int, v_head_dim: int, itemsize: int, block_sizes, block_size: int) -> dict:
+    """Each kernel's shared memory per block (bytes): its SMEM scratch as allocated below, plus
+    a small allowance for barriers and reductions."""
+    qt, ck = block_sizes.past_q_tile, block_sizes.kv_block
+    d, dv, item = head_dim, v_head_dim, itemsize
+    stages = _stages(block_sizes, block_size // ck)
+    extra = 4096
+    fwd = qt * d * item + qt * dv * 4 + qt * 4 + stages * ck * (d + dv) * item
+    dq = qt * (d + dv) * item + 2 * qt * 4 + qt * d * 4 + stages * ck * (d + dv) * item
+    dkv = ck * (d + dv) * item + stages * (qt * (d + dv) * item + 2 * qt * 4)
+    names = ("moba_block_fwd_mgpu", "moba_block_dq_mgpu", "moba_block_dkv_mgpu")
+    return dict(zip(names, (fwd + extra, dq + extra, dkv + extra), strict=True))
+
+
+def supports(*, head_dim: int, v_head_dim: int, dtype, block_sizes, block_size: int) -> str | None:
+    """None when these kernels run this configuration, else one line saying why not (the caller
+    then takes the Triton kernels)."""
+    if jnp.dtype(dtype) not in map(jnp.dtype, DTYPES):
+        return f"Mosaic GPU block kernels take bfloat16 or float16 inputs, got {jnp.dtype(dtype).name}"
+    if head_dim % 64 or v_head_dim % 64:
+        return (
+            f"Mosaic GPU block kernels need head dims that are multiples of 64, got {head_dim}, {v_head_dim}"
+        )
+    qt, ck = block_sizes.past_q_tile, block_sizes.kv_block
+    if qt not in (64, 128):
+        return f"Mosaic GPU block kernels need moba.past_q_tile 64 or 128, got {qt}"
+    if ck % 64:
+        return f"Mosaic GPU block kernels need moba.kv_block a multiple of 64, got {ck}"
+    if ck > 256 or block_size % ck:
+        return f"Mosaic GPU block kernels need moba.kv_block <= 256 dividing moba.block_size {block_size}, got {ck}"
+    sizes = smem_bytes(
+        head_dim=head_dim,
+        v_head_dim=v_head_dim,
+        itemsize=jnp.dtype(dtype).itemsize,
+        block_sizes=block_sizes,
+        block_size=block_size,
+    )
+    kernel, need = max(sizes.items(), key=lambda item: item[1])
+    limit = gpu_memory.smem_limit("9.0")
+    if need > limit:
+        return f"{kernel} needs about {need:,} bytes of shared memory per block, over the {limit:,} of Hopper"
+    return None
+
+
+def _smem(shape, dtype):
+    """A bf16/f16 SMEM buffer tiled and swizzled for wgmma (rows of 128-byte swizzle groups)."""
+    swizzle = 128
+    tiling = plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize))
+    return plgpu.SMEM(shape, dtype, transforms=(tiling, plgpu.SwizzleTransform(swizzle)))
+
+
+def _interpret(interpret):
+    return plgpu.InterpretGPUParams() if interpret else None
+
+
+def _named(body, name, **static):
+    """The kernel body with its static arguments bound, named for profiles."""
+    fn = functools.partial(body, **static)
+    fn.__name__ = name
+    return fn
+
+
+def _matmul(a, b, shape):
+    """a @ b [M, N] float32 by one warpgroup matmul into a fresh accumulator (a: SMEM or
+    registers, b: SMEM). A fresh one rather than pl.run_state over a running one: the Mosaic GPU
+    interpreter runs run_scoped, not run_state, and the tests run these kernels interpreted."""
+
+    def run(acc_ref):
+        plgpu.wgmma(acc_ref, a, b)
+        return acc_ref[...]
+
+    return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+
+
+def _lhs(x, smem, wg):
+    """A register operand of a warpgroup matmul as the matmul takes it: the registers themselves
+    on the GPU (smem None); through this warpgroup's slot of `smem` when interpreted (the
+    interpreter's wgmma reads both operands from SMEM)."""
+    if smem is None:
+        return x
+    smem.at[wg][...] = x
+    plgpu.commit_smem()
+    return smem.at[wg]
+
+
+def _lhs_scratch(interpret, wgs, rows, cols, dtype):
+    """_lhs's SMEM slots: only when interpreted."""
+    return _smem((wgs, rows, cols), dtype) if interpret else None
+
+
+def _row_bcast(x, shape):
+    """A per-row vector [R] broadcast over the columns of shape [R, C]."""
+    return lax.broadcast_in_dim(x, shape, [0])
+
+
+# ---------------------------------------------------------------------------------------------
+# A block's sub-blocks. TMA copies into wgmma's tiled SMEM start on whole 8-row tiles, and a
+# block may start anywhere (packed documents), so a block starting at `start` is read from its
+# window start ws = start rounded down to SLACK rows: `nsub` sub-blocks of ck keys from ws, and
+# when start is not aligned one more, the last ck keys before ws + C + SLACK (in bounds: S_pad
+# >= S + ALIGN); keys outside [start, start + C) and keys an earlier sub-block had are masked.
+
+
+def _window_start(start):
+    return pl.multiple_of(start - lax.rem(start, SLACK), SLACK)
+
+
+def _sub_blocks(start, nsub):
+    """Sub-blocks of the block starting at `start`: nsub, or nsub + 1 when not aligned."""
+    return nsub + (lax.rem(start, SLACK) != 0).astype(jnp.int32)
+
+
+def _sub_block_row(ws, j, *, ck, block_size):
+    """First key of sub-block j of the window starting at ws."""
+    return pl.multiple_of(jnp.minimum(ws + j * ck, ws + block_size + SLACK - ck), SLACK)
+
+
+def _key_mask(shape, dim, first_key, start, ws, j, *, ck, block_size):
+    """Which of the sub-block's keys (along `dim` of `shape`, from `first_key`) are this step's:
+    in the block, and not in an earlier sub-block."""
+    key = first_key + plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+    return (key >= jnp.maximum(start, ws + j * ck)) & (key < start + block_size)
+
+
+def _stream(count, stages, fetch, free):
+    """The memory warpgroup's loop: fetch(i, slot) for i < count into a ring of `stages` slots,
+    each after the compute warpgroups have released it (free(slot): its consumed barriers)."""
+
+    @pl.loop(0, count)
+    def _(i):
+        slot = lax.rem(i, stages)
+
+        @pl.when(i >= stages)
+        def _():
+            for barrier in free:
+                plgpu.barrier_wait(barrier.at[slot])
+
+        fetch(i, slot)
+
+
+def _kv_fetcher(k_ref, v_ref, kv, ws, k_smem, v_smem, k_bar, v_bar, *, ck, block_size):
+    def fetch(j, slot):
+        keys = pl.ds(_sub_block_row(ws, j, ck=ck, block_size=block_size), ck)
+        plgpu.copy_gmem_to_smem(k_ref.at[kv, keys], k_smem.at[slot], k_bar.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[kv, keys], v_smem.at[slot], v_bar.at[slot])
+
+    return fetch
+
+
+# ---------------------------------------------------------------------------------------------
+# forward: one program per tile; W = Qt / 64 compute warpgroups, one memory warpgroup
+
+
+def _fwd_body(
+    kv_ref,
+    start_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    o_ref,
+    lse_ref,
+    q_smem,
+    o_smem,
+    lse_smem,
+    k_smem,
+    v_smem,
+    q_bar,
+    k_bar,
+    v_bar,
+    k_free,
+    v_free,
+    p_smem,
+    *,
+    scale,
+    ck,
+    block_size,
+    stages,
+    wgs,
+):
+    t, wg = lax.axis_index("tile"), lax.axis_index("wg")
+    kv, start = kv_ref[t], start_ref[t]
+    ws, steps = _window_start(start), _sub_blocks(start, block_size // ck)
+    dv, dtype = v_ref.shape[-1], q_ref.dtype
+    geometry = dict(ck=ck, block_size=block_size)
+
+    @pl.when(wg < wgs)
+    def _compute():
+        rows = pl.ds(wg * ROWS, ROWS)
+        plgpu.copy_gmem_to_smem(q_ref.at[t, rows], q_smem.at[wg], q_bar.at[wg])
+        plgpu.barrier_wait(q_bar.at[wg])
+        m = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        l = plgpu.layout_cast(jnp.full((ROWS,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        acc = plgpu.layout_cast(jnp.full((ROWS, dv), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+        def step(j, carry):
+            acc, m, l = carry
+            slot = lax.rem(j, stages)
+            plgpu.barrier_wait(k_bar.at[slot])
+            s = _matmul(q_smem.at[wg], k_smem.at[slot].transpose((1, 0)), (ROWS, ck))
+            plgpu.barrier_arrive(k_free.at[slot])
+            first = _sub_block_row(ws, j, **geometry)
+            mask = _key_mask(s.shape, 1, first, start, ws, j, **geometry)
+            s = jnp.where(mask, s * (scale * LOG2E), -jnp.inf)  # base-2 logits: exp2 below
+            m_new = jnp.maximum(m, s.max(axis=1))  # finite: every row sees a key at step 0
+            alpha = jnp.exp2(m - m_new)
+            p = jnp.exp2(s - _row_bcast(m_new, s.shape))
+            l = l * alpha + p.sum(axis=1)
+            plgpu.barrier_wait(v_bar.at[slot])
+            pv = _matmul(_lhs(p.astype(dtype), p_smem, wg), v_smem.at[slot], (ROWS, dv))
+            plgpu.barrier_arrive(v_free.at[slot])
+            return acc * _row_bcast(alpha, acc.shape) + pv, m_new, l
+
+        acc, m, l = lax.fori_loop(0, steps, step, (acc, m, l))
+        o_smem.at[wg][...] = acc / _row_bcast(l, acc.shape)
+        lse_smem.at[wg][...] = (m + jnp.log2(l)) * (1 / LOG2E)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[t, rows], commit_group=False)
+        plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[t, rows], commit_group=False)
+        plgpu.commit_smem_to_gmem_group()
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == wgs)
+    def _memory():
+        fetch = _kv_fetcher(k_ref, v_ref, kv, ws, k_smem, v_smem, k_bar, v_bar, **geometry)
+        _stream(steps, stages, fetch, (k_free, v_free))
+
+
+def block_attention_fwd(
+    q_rows,
+    k,
+    v,
+    kv_row,
+    block_start,
+    tile_group,
+    *,
+    scale,
+    block_size,
+    block_sizes,
+    num_groups,
+    interpret=False,
+):
+    """gpu_blocks.block_attention_fwd's contract: q_rows [T, Qt, D], k/v [B*Hkv, S_pad, D|Dv],
+    kv_row, block_start [T] -> (o [T, Qt, Dv] float32, lse [T, Qt] float32)."""
+    ntiles, qt, d = q_rows.shape
+    ck, dv, dtype = block_sizes.kv_block, v.shape[-1], q_rows.dtype
+    wgs, stages = qt // ROWS, _stages(block_sizes, block_size // ck)
+    body = _named(
+        _fwd_body, "moba_block_fwd_mgpu", scale=scale, ck=ck, block_size=block_size, stages=stages, wgs=wgs
+    )
+    return plgpu.kernel(
+        body,
+        out_type=[
+            jax.ShapeDtypeStruct((ntiles, qt, dv), jnp.float32),
+            jax.ShapeDtypeStruct((ntiles, qt), jnp.float32),
+        ],
+        scratch_types=[
+            _smem((wgs, ROWS, d), dtype),
+            plgpu.SMEM((wgs, ROWS, dv), jnp.float32),
+            plgpu.SMEM((wgs, ROWS), jnp.float32),
+            _smem((stages, ck, d), dtype),
+            _smem((stages, ck, dv), dtype),
+            plgpu.Barrier(num_barriers=wgs),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
+            _lhs_scratch(interpret, wgs, ROWS, ck, dtype),
+        ],
+        grid=(ntiles,),
+        grid_names=("tile",),
+        num_threads=wgs + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=_interpret(interpret),
+    )(kv_row.astype(jnp.int32), block_start.astype(jnp.int32), q_rows, k, v)
