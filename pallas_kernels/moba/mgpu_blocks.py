@@ -328,3 +328,279 @@ def block_attention_fwd(
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=_interpret(interpret),
     )(kv_row.astype(jnp.int32), block_start.astype(jnp.int32), q_rows, k, v)
+
+
+# ---------------------------------------------------------------------------------------------
+# dq: one program per tile, as the forward (a row's dq is complete within its one block)
+
+
+def _dq_body(
+    kv_ref,
+    start_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    dq_ref,
+    q_smem,
+    do_smem,
+    lse_smem,
+    delta_smem,
+    k_smem,
+    v_smem,
+    row_bar,
+    k_bar,
+    v_bar,
+    k_free,
+    v_free,
+    ds_smem,
+    *,
+    scale,
+    ck,
+    block_size,
+    stages,
+    wgs,
+):
+    t, wg = lax.axis_index("tile"), lax.axis_index("wg")
+    kv, start = kv_ref[t], start_ref[t]
+    ws, steps = _window_start(start), _sub_blocks(start, block_size // ck)
+    d, dtype = q_ref.shape[-1], q_ref.dtype
+    geometry = dict(ck=ck, block_size=block_size)
+
+    @pl.when(wg < wgs)
+    def _compute():
+        rows = pl.ds(wg * ROWS, ROWS)
+        loads = ((q_ref, q_smem), (do_ref, do_smem), (lse_ref, lse_smem), (delta_ref, delta_smem))
+        for i, (src, dst) in enumerate(loads):
+            plgpu.copy_gmem_to_smem(src.at[t, rows], dst.at[wg], row_bar.at[i, wg])
+        for i in range(len(loads)):
+            plgpu.barrier_wait(row_bar.at[i, wg])
+        lse = plgpu.load(lse_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1)) * LOG2E
+        delta = plgpu.load(delta_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+        dq = plgpu.layout_cast(jnp.full((ROWS, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+        def step(j, dq):
+            slot = lax.rem(j, stages)
+            plgpu.barrier_wait(k_bar.at[slot])
+            s = _matmul(q_smem.at[wg], k_smem.at[slot].transpose((1, 0)), (ROWS, ck))
+            first = _sub_block_row(ws, j, **geometry)
+            mask = _key_mask(s.shape, 1, first, start, ws, j, **geometry)
+            p = jnp.where(mask, jnp.exp2(s * (scale * LOG2E) - _row_bcast(lse, s.shape)), 0.0)
+            plgpu.barrier_wait(v_bar.at[slot])
+            dp = _matmul(do_smem.at[wg], v_smem.at[slot].transpose((1, 0)), (ROWS, ck))
+            plgpu.barrier_arrive(v_free.at[slot])
+            ds = p * (dp - _row_bcast(delta, dp.shape))
+            dq = dq + _matmul(_lhs(ds.astype(dtype), ds_smem, wg), k_smem.at[slot], (ROWS, d))
+            plgpu.barrier_arrive(k_free.at[slot])
+            return dq
+
+        dq = lax.fori_loop(0, steps, step, dq)
+        q_smem.at[wg][...] = (dq * scale).astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_smem.at[wg], dq_ref.at[t, rows])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == wgs)
+    def _memory():
+        fetch = _kv_fetcher(k_ref, v_ref, kv, ws, k_smem, v_smem, k_bar, v_bar, **geometry)
+        _stream(steps, stages, fetch, (k_free, v_free))
+
+
+# ---------------------------------------------------------------------------------------------
+# dK/dV: one program per (group, sub-block of the window), ck / 64 compute warpgroups of 64 keys
+# each, looping over the group's tiles (streamed: q, dO, lse, delta) with dK, dV in registers
+
+
+def _dkv_body(
+    first_ref,
+    count_ref,
+    kv_ref,
+    start_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    dk_ref,
+    dv_ref,
+    k_smem,
+    v_smem,
+    q_smem,
+    do_smem,
+    lse_smem,
+    delta_smem,
+    kv_bar,
+    q_bar,
+    do_bar,
+    lse_bar,
+    delta_bar,
+    free,
+    p_smem,
+    *,
+    scale,
+    ck,
+    block_size,
+    stages,
+    wgs,
+):
+    g, j, wg = lax.axis_index("group"), lax.axis_index("sub"), lax.axis_index("wg")
+    nsub = block_size // ck
+    kv, start = kv_ref[g], start_ref[g]
+    ws = _window_start(start)
+    # the extra sub-block (j = nsub) has keys only when the block is not aligned
+    count = jnp.where(j < _sub_blocks(start, nsub), count_ref[g], 0)
+    first_tile = first_ref[g]
+    qt, d, dv, dtype = q_ref.shape[1], k_ref.shape[-1], v_ref.shape[-1], q_ref.dtype
+    geometry = dict(ck=ck, block_size=block_size)
+
+    @pl.when(wg < wgs)
+    def _compute():
+        first_key = _sub_block_row(ws, j, **geometry) + wg * ROWS
+        keys = pl.ds(first_key, ROWS)
+        plgpu.copy_gmem_to_smem(k_ref.at[kv, keys], k_smem.at[wg], kv_bar.at[0, wg])
+        plgpu.copy_gmem_to_smem(v_ref.at[kv, keys], v_smem.at[wg], kv_bar.at[1, wg])
+        plgpu.barrier_wait(kv_bar.at[0, wg])
+        plgpu.barrier_wait(kv_bar.at[1, wg])
+        mask = _key_mask((ROWS, qt), 0, first_key, start, ws, j, **geometry)
+        dk = plgpu.layout_cast(jnp.full((ROWS, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+        dv_acc = plgpu.layout_cast(jnp.full((ROWS, dv), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+        def step(i, carry):
+            dk, dv_acc = carry
+            slot = lax.rem(i, stages)
+            for bar in (q_bar, lse_bar, do_bar, delta_bar):
+                plgpu.barrier_wait(bar.at[slot])
+            s_t = _matmul(k_smem.at[wg], q_smem.at[slot].transpose((1, 0)), (ROWS, qt))
+            lse = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0)) * LOG2E
+            delta = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+            col = lambda x: lax.broadcast_in_dim(x, s_t.shape, [1])
+            p_t = jnp.where(mask, jnp.exp2(s_t * (scale * LOG2E) - col(lse)), 0.0)
+            dv_acc = dv_acc + _matmul(_lhs(p_t.astype(dtype), p_smem, wg), do_smem.at[slot], (ROWS, dv))
+            dp_t = _matmul(v_smem.at[wg], do_smem.at[slot].transpose((1, 0)), (ROWS, qt))
+            ds_t = p_t * (dp_t - col(delta))
+            dk = dk + _matmul(_lhs(ds_t.astype(dtype), p_smem, wg), q_smem.at[slot], (ROWS, d))
+            plgpu.barrier_arrive(free.at[slot])
+            return dk, dv_acc
+
+        dk, dv_acc = lax.fori_loop(0, count, step, (dk, dv_acc))
+        k_smem.at[wg][...] = (dk * scale).astype(dtype)
+        v_smem.at[wg][...] = dv_acc.astype(dtype)
+        plgpu.commit_smem()
+
+        @pl.when(j < nsub)
+        def _():
+            out = pl.ds(j * ck + wg * ROWS, ROWS)
+            plgpu.copy_smem_to_gmem(k_smem.at[wg], dk_ref.at[g, out], commit_group=False)
+            plgpu.copy_smem_to_gmem(v_smem.at[wg], dv_ref.at[g, out], commit_group=False)
+            plgpu.commit_smem_to_gmem_group()
+
+        @pl.when((j == nsub) & (wg == wgs - 1))
+        def _():  # the extra sub-block: its last SLACK keys are the window's last rows
+            last, out = pl.ds(ROWS - SLACK, SLACK), pl.ds(block_size, SLACK)
+            plgpu.copy_smem_to_gmem(k_smem.at[wg, last], dk_ref.at[g, out], commit_group=False)
+            plgpu.copy_smem_to_gmem(v_smem.at[wg, last], dv_ref.at[g, out], commit_group=False)
+            plgpu.commit_smem_to_gmem_group()
+
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == wgs)
+    def _memory():
+        def fetch(i, slot):
+            t = first_tile + i
+            plgpu.copy_gmem_to_smem(q_ref.at[t], q_smem.at[slot], q_bar.at[slot])
+            plgpu.copy_gmem_to_smem(lse_ref.at[t], lse_smem.at[slot], lse_bar.at[slot])
+            plgpu.copy_gmem_to_smem(do_ref.at[t], do_smem.at[slot], do_bar.at[slot])
+            plgpu.copy_gmem_to_smem(delta_ref.at[t], delta_smem.at[slot], delta_bar.at[slot])
+
+        _stream(count, stages, fetch, (free,))
+
+
+def block_attention_bwd(
+    q_rows,
+    k,
+    v,
+    kv_row,
+    block_start,
+    tile_group,
+    group_first,
+    do_rows,
+    lse,
+    delta,
+    *,
+    scale,
+    block_size,
+    block_sizes,
+    num_groups,
+    interpret=False,
+):
+    """gpu_blocks.block_attention_bwd's contract: do_rows [T, Qt, Dv]; lse, delta [T, Qt] (+inf / 0
+    on padding rows). Returns dq [T, Qt, D] in the rows' dtype, and dk [G + 1, W, D], dv [G + 1,
+    W, Dv] per group over its window (W = window(block_size), from window_starts), rounded once
+    (slot G: padding tiles); the caller adds these windows to the own part's dK/dV."""
+    ntiles, qt, d = q_rows.shape
+    ck, dv, dtype = block_sizes.kv_block, v.shape[-1], q_rows.dtype
+    nsub, wgs = block_size // ck, qt // ROWS
+    stages = _stages(block_sizes, nsub)
+    kv_row, block_start = kv_row.astype(jnp.int32), block_start.astype(jnp.int32)
+    lse, delta = lse.astype(jnp.float32), delta.astype(jnp.float32)
+    static = dict(scale=scale, ck=ck, block_size=block_size)
+    dq = plgpu.kernel(
+        _named(_dq_body, "moba_block_dq_mgpu", stages=stages, wgs=wgs, **static),
+        out_type=jax.ShapeDtypeStruct((ntiles, qt, d), dtype),
+        scratch_types=[
+            _smem((wgs, ROWS, d), dtype),
+            _smem((wgs, ROWS, dv), dtype),
+            plgpu.SMEM((wgs, ROWS), jnp.float32),
+            plgpu.SMEM((wgs, ROWS), jnp.float32),
+            _smem((stages, ck, d), dtype),
+            _smem((stages, ck, dv), dtype),
+            plgpu.Barrier(num_barriers=(4, wgs)),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
+            _lhs_scratch(interpret, wgs, ROWS, ck, dtype),
+        ],
+        grid=(ntiles,),
+        grid_names=("tile",),
+        num_threads=wgs + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=_interpret(interpret),
+    )(kv_row, block_start, q_rows, k, v, do_rows, lse, delta)
+
+    tables = gpu_blocks.group_tables(tile_group, kv_row, block_start, num_groups)
+    kwgs, qstages = ck // ROWS, max(2, block_sizes.num_stages)
+    width = window(block_size, dtype)
+    dk, dvv = plgpu.kernel(
+        _named(_dkv_body, "moba_block_dkv_mgpu", stages=qstages, wgs=kwgs, **static),
+        out_type=[
+            jax.ShapeDtypeStruct((num_groups + 1, width, d), dtype),
+            jax.ShapeDtypeStruct((num_groups + 1, width, dv), dtype),
+        ],
+        scratch_types=[
+            _smem((kwgs, ROWS, d), dtype),
+            _smem((kwgs, ROWS, dv), dtype),
+            _smem((qstages, qt, d), dtype),
+            _smem((qstages, qt, dv), dtype),
+            plgpu.SMEM((qstages, qt), jnp.float32),
+            plgpu.SMEM((qstages, qt), jnp.float32),
+            plgpu.Barrier(num_barriers=(2, kwgs)),
+            plgpu.Barrier(num_barriers=qstages),
+            plgpu.Barrier(num_barriers=qstages),
+            plgpu.Barrier(num_barriers=qstages),
+            plgpu.Barrier(num_barriers=qstages),
+            plgpu.Barrier(num_arrivals=kwgs, num_barriers=qstages),
+            _lhs_scratch(interpret, kwgs, ROWS, qt, dtype),
+        ],
+        grid=(num_groups + 1, nsub + 1),
+        grid_names=("group", "sub"),
+        num_threads=kwgs + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=_interpret(interpret),
+    )(*tables, q_rows, k, v, do_rows, lse, delta)
+    return dq, dk, dvv
