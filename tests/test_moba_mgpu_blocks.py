@@ -139,7 +139,6 @@ def test_supports_says_why_not():
     assert "shared memory" in mgpu_blocks.supports(block_sizes=big, **ok)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("tiles", [(64, 64, 2), (128, 64, 2), (64, 128, 2)])
 def test_kernels_lower_for_cuda(tiles):
     """Forward and backward lower for CUDA (jax.export, no GPU) at a real shape: bf16, head dim 128,

@@ -58,11 +58,11 @@ def smem_bytes(*, head_dim: int, v_head_dim: int, itemsize: int, block_sizes, bl
     a small allowance for barriers and reductions."""
     qt, ck = block_sizes.past_q_tile, block_sizes.kv_block
     d, dv, item = head_dim, v_head_dim, itemsize
-    stages = _stages(block_sizes, block_size // ck)
+    stages, q_stages = _stages(block_sizes, block_size // ck), max(2, block_sizes.num_stages)
     extra = 4096
     fwd = qt * d * item + qt * dv * 4 + qt * 4 + stages * ck * (d + dv) * item
-    dq = qt * (d + dv) * item + 2 * qt * 4 + qt * d * 4 + stages * ck * (d + dv) * item
-    dkv = ck * (d + dv) * item + stages * (qt * (d + dv) * item + 2 * qt * 4)
+    dq = qt * (d + dv) * item + 2 * qt * 4 + stages * ck * (d + dv) * item
+    dkv = ck * (d + dv) * item + q_stages * (qt * (d + dv) * item + 2 * qt * 4)
     names = ("moba_block_fwd_mgpu", "moba_block_dq_mgpu", "moba_block_dkv_mgpu")
     return dict(zip(names, (fwd + extra, dq + extra, dkv + extra), strict=True))
 
@@ -82,7 +82,7 @@ def supports(*, head_dim: int, v_head_dim: int, dtype, block_sizes, block_size: 
     if ck % 64:
         return f"Mosaic GPU block kernels need moba.kv_block a multiple of 64, got {ck}"
     if ck > 256 or block_size % ck:
-        return f"Mosaic GPU block kernels need moba.kv_block <= 256 dividing moba.block_size {block_size}, got {ck}"
+        return f"Mosaic GPU block kernels need moba.kv_block <= 256 dividing moba.block_size {block_size}"
     sizes = smem_bytes(
         head_dim=head_dim,
         v_head_dim=v_head_dim,
@@ -573,7 +573,7 @@ def block_attention_bwd(
     )(kv_row, block_start, q_rows, k, v, do_rows, lse, delta)
 
     tables = gpu_blocks.group_tables(tile_group, kv_row, block_start, num_groups)
-    kwgs, qstages = ck // ROWS, max(2, block_sizes.num_stages)
+    kwgs, qstages = ck // ROWS, max(2, block_sizes.num_stages)  # as smem_bytes
     width = window(block_size, dtype)
     dk, dvv = plgpu.kernel(
         _named(_dkv_body, "moba_block_dkv_mgpu", stages=qstages, wgs=kwgs, **static),
