@@ -1,7 +1,7 @@
 """MoBA's selected earlier blocks on Hopper GPUs (Pallas -> Mosaic GPU): the same entry points,
 layouts and schedule as gpu_blocks.py (the Triton kernels, kept for GPUs before Hopper), for
-bf16/f16 inputs. A tile is `past_q_tile` rows of one (batch, KV head, block) group
-(schedule.past_tiles); a row sees its whole block, so nothing is masked.
+bf16/f16 inputs; `supports` says which configurations. A tile is `past_q_tile` rows of one
+(batch, KV head, block) group (schedule.past_tiles); a row sees its whole block.
 
 Every kernel is warp specialised: one memory warpgroup streams `kv_block`-row sub-blocks (the
 forward and dq: K and V of the tile's block; dK/dV: the group's q and dO tiles with their lse
@@ -9,11 +9,20 @@ and delta) by TMA into a ring of `num_stages` SMEM slots (at least 2), with a "l
 "consumed" barrier per slot, while compute warpgroups of 64 rows each run warpgroup matmuls
 (wgmma) on them: the forward and dq one warpgroup per 64 query rows of the tile (past_q_tile
 64 or 128), dK/dV one per 64 keys of the block's sub-block. What stays in registers: the
-online softmax (forward), dq (dq), dK and dV (dK/dV). What is not pipelined: the one-off
-loads of a program's own tile (q, dO, lse, delta; K and V in dK/dV) and its output stores,
-and the scalar tables (each tile's KV row and block start, each group's first tile and tile
-count), which are read from global memory once per program. The matmuls wait for each other
-(no ping-pong scheduling between the compute warpgroups, as FlashAttention 3 does).
+online softmax (forward), dq (dq), dK and dV (dK/dV); p and dS feed their matmuls from
+registers. What is not pipelined: the one-off loads of a program's own tile (q, dO, lse,
+delta; K and V in dK/dV) and its output stores, and the scalar tables (each tile's KV row and
+block start, each group's first tile and tile count), read from global memory once per
+program. The compute warpgroups do not ping-pong their matmuls (FlashAttention 3 does); each
+matmul goes into a fresh accumulator that is then added in registers (see _matmul).
+
+A TMA copy into the matmuls' tiled SMEM starts on a whole 8-row tile, so a block is read from
+its start rounded down to 8 (its window) and, when it does not start there (packed
+documents), in one sub-block more; keys outside the block are masked (see _sub_blocks). dK/dV
+come out per window of block_size + 8 rows (`window`, `window_starts`).
+
+Interpreted (the tests), register operands of a matmul go through SMEM (_lhs): the Mosaic GPU
+interpreter's wgmma reads both operands from SMEM.
 """
 
 from __future__ import annotations
@@ -116,15 +125,26 @@ def _named(body, name, **static):
 
 
 def _matmul(a, b, shape):
-    """a @ b [M, N] float32 by one warpgroup matmul into a fresh accumulator (a: SMEM or
-    registers, b: SMEM). A fresh one rather than pl.run_state over a running one: the Mosaic GPU
-    interpreter runs run_scoped, not run_state, and the tests run these kernels interpreted."""
+    """a @ b [M, N] float32 by one warpgroup matmul into a fresh accumulator (a, b: SMEM)."""
 
     def run(acc_ref):
         plgpu.wgmma(acc_ref, a, b)
         return acc_ref[...]
 
     return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+
+
+def _accumulate(acc, a, b, lhs_smem, wg):
+    """acc + a @ b (a: registers, b: SMEM). On the GPU (lhs_smem None) by a warpgroup matmul
+    into acc itself (pl.run_state); interpreted, into a fresh accumulator added to acc, with a
+    through SMEM (_lhs): the interpreter has neither run_state nor register operands."""
+    if lhs_smem is None:
+
+        def run(acc_ref):
+            plgpu.wgmma(acc_ref, a, b)
+
+        return pl.run_state(run)(plgpu.ACC.init(acc))
+    return acc + _matmul(_lhs(a, lhs_smem, wg), b, acc.shape)
 
 
 def _lhs(x, smem, wg):
@@ -175,6 +195,34 @@ def _key_mask(shape, dim, first_key, start, ws, j, *, ck, block_size):
     in the block, and not in an earlier sub-block."""
     key = first_key + plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
     return (key >= jnp.maximum(start, ws + j * ck)) & (key < start + block_size)
+
+
+def _key_bias(first_key, start, ws, j, *, ck, block_size):
+    """_key_mask of a [rows, ck] score tile as a column bias [ck]: 0 for this step's keys, -inf
+    for the others (one add per score, where the mask is the same for every row)."""
+    key = first_key + plgpu.broadcasted_iota(jnp.int32, (ck,), 0, layout=plgpu.Layout.WGMMA.reduce(0))
+    mine = (key >= jnp.maximum(start, ws + j * ck)) & (key < start + block_size)
+    return jnp.where(mine, 0.0, -jnp.inf)
+
+
+def _col_bcast(x, shape):
+    """A per-column vector [C] broadcast over the rows of shape [R, C]."""
+    return lax.broadcast_in_dim(x, shape, [1])
+
+
+MEMORY_REGISTERS = 40  # per thread of the memory warpgroup (it only issues TMA copies)
+
+
+def _registers(wgs: int, memory: bool) -> None:
+    """With two or more compute warpgroups, moves registers from the memory warpgroup to them
+    (setmaxnreg; 64K 32-bit registers per SM, multiples of 8 per thread up to 255)."""
+    if wgs < 2:
+        return  # two warpgroups already get 256 each
+    if memory:
+        plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+    else:
+        per_thread = (65536 - 128 * MEMORY_REGISTERS) // (128 * wgs) // 8 * 8
+        plgpu.set_max_registers(min(per_thread, 240), action="increase")
 
 
 def _stream(count, stages, fetch, free):
@@ -240,6 +288,7 @@ def _fwd_body(
 
     @pl.when(wg < wgs)
     def _compute():
+        _registers(wgs, memory=False)
         rows = pl.ds(wg * ROWS, ROWS)
         plgpu.copy_gmem_to_smem(q_ref.at[t, rows], q_smem.at[wg], q_bar.at[wg])
         plgpu.barrier_wait(q_bar.at[wg])
@@ -253,17 +302,18 @@ def _fwd_body(
             plgpu.barrier_wait(k_bar.at[slot])
             s = _matmul(q_smem.at[wg], k_smem.at[slot].transpose((1, 0)), (ROWS, ck))
             plgpu.barrier_arrive(k_free.at[slot])
-            first = _sub_block_row(ws, j, **geometry)
-            mask = _key_mask(s.shape, 1, first, start, ws, j, **geometry)
-            s = jnp.where(mask, s * (scale * LOG2E), -jnp.inf)  # base-2 logits: exp2 below
+            bias = _key_bias(_sub_block_row(ws, j, **geometry), start, ws, j, **geometry)
+            s = s * (scale * LOG2E) + _col_bcast(bias, s.shape)  # base-2 logits: exp2 below
             m_new = jnp.maximum(m, s.max(axis=1))  # finite: every row sees a key at step 0
             alpha = jnp.exp2(m - m_new)
             p = jnp.exp2(s - _row_bcast(m_new, s.shape))
             l = l * alpha + p.sum(axis=1)
             plgpu.barrier_wait(v_bar.at[slot])
-            pv = _matmul(_lhs(p.astype(dtype), p_smem, wg), v_smem.at[slot], (ROWS, dv))
+            acc = _accumulate(
+                acc * _row_bcast(alpha, acc.shape), p.astype(dtype), v_smem.at[slot], p_smem, wg
+            )
             plgpu.barrier_arrive(v_free.at[slot])
-            return acc * _row_bcast(alpha, acc.shape) + pv, m_new, l
+            return acc, m_new, l
 
         acc, m, l = lax.fori_loop(0, steps, step, (acc, m, l))
         o_smem.at[wg][...] = acc / _row_bcast(l, acc.shape)
@@ -276,6 +326,7 @@ def _fwd_body(
 
     @pl.when(wg == wgs)
     def _memory():
+        _registers(wgs, memory=True)
         fetch = _kv_fetcher(k_ref, v_ref, kv, ws, k_smem, v_smem, k_bar, v_bar, **geometry)
         _stream(steps, stages, fetch, (k_free, v_free))
 
@@ -371,6 +422,7 @@ def _dq_body(
 
     @pl.when(wg < wgs)
     def _compute():
+        _registers(wgs, memory=False)
         rows = pl.ds(wg * ROWS, ROWS)
         loads = ((q_ref, q_smem), (do_ref, do_smem), (lse_ref, lse_smem), (delta_ref, delta_smem))
         for i, (src, dst) in enumerate(loads):
@@ -385,14 +437,13 @@ def _dq_body(
             slot = lax.rem(j, stages)
             plgpu.barrier_wait(k_bar.at[slot])
             s = _matmul(q_smem.at[wg], k_smem.at[slot].transpose((1, 0)), (ROWS, ck))
-            first = _sub_block_row(ws, j, **geometry)
-            mask = _key_mask(s.shape, 1, first, start, ws, j, **geometry)
-            p = jnp.where(mask, jnp.exp2(s * (scale * LOG2E) - _row_bcast(lse, s.shape)), 0.0)
+            bias = _key_bias(_sub_block_row(ws, j, **geometry), start, ws, j, **geometry)
+            p = jnp.exp2(s * (scale * LOG2E) - _row_bcast(lse, s.shape) + _col_bcast(bias, s.shape))
             plgpu.barrier_wait(v_bar.at[slot])
             dp = _matmul(do_smem.at[wg], v_smem.at[slot].transpose((1, 0)), (ROWS, ck))
             plgpu.barrier_arrive(v_free.at[slot])
             ds = p * (dp - _row_bcast(delta, dp.shape))
-            dq = dq + _matmul(_lhs(ds.astype(dtype), ds_smem, wg), k_smem.at[slot], (ROWS, d))
+            dq = _accumulate(dq, ds.astype(dtype), k_smem.at[slot], ds_smem, wg)
             plgpu.barrier_arrive(k_free.at[slot])
             return dq
 
@@ -404,6 +455,7 @@ def _dq_body(
 
     @pl.when(wg == wgs)
     def _memory():
+        _registers(wgs, memory=True)
         fetch = _kv_fetcher(k_ref, v_ref, kv, ws, k_smem, v_smem, k_bar, v_bar, **geometry)
         _stream(steps, stages, fetch, (k_free, v_free))
 
@@ -458,6 +510,7 @@ def _dkv_body(
 
     @pl.when(wg < wgs)
     def _compute():
+        _registers(wgs, memory=False)
         first_key = _sub_block_row(ws, j, **geometry) + wg * ROWS
         keys = pl.ds(first_key, ROWS)
         plgpu.copy_gmem_to_smem(k_ref.at[kv, keys], k_smem.at[wg], kv_bar.at[0, wg])
@@ -478,10 +531,10 @@ def _dkv_body(
             delta = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
             col = lambda x: lax.broadcast_in_dim(x, s_t.shape, [1])
             p_t = jnp.where(mask, jnp.exp2(s_t * (scale * LOG2E) - col(lse)), 0.0)
-            dv_acc = dv_acc + _matmul(_lhs(p_t.astype(dtype), p_smem, wg), do_smem.at[slot], (ROWS, dv))
+            dv_acc = _accumulate(dv_acc, p_t.astype(dtype), do_smem.at[slot], p_smem, wg)
             dp_t = _matmul(v_smem.at[wg], do_smem.at[slot].transpose((1, 0)), (ROWS, qt))
             ds_t = p_t * (dp_t - col(delta))
-            dk = dk + _matmul(_lhs(ds_t.astype(dtype), p_smem, wg), q_smem.at[slot], (ROWS, d))
+            dk = _accumulate(dk, ds_t.astype(dtype), q_smem.at[slot], p_smem, wg)
             plgpu.barrier_arrive(free.at[slot])
             return dk, dv_acc
 
@@ -508,6 +561,8 @@ def _dkv_body(
 
     @pl.when(wg == wgs)
     def _memory():
+        _registers(wgs, memory=True)
+
         def fetch(i, slot):
             t = first_tile + i
             plgpu.copy_gmem_to_smem(q_ref.at[t], q_smem.at[slot], q_bar.at[slot])
