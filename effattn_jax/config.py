@@ -788,8 +788,8 @@ def check_context_split(cfg: Config, mesh_sizes: dict[str, int]) -> None:
             cfg.moba.impl != "reference",
             "moba.impl",
             cfg.moba.impl,
-            f"with mesh.context={n}: auto, xla, pallas, pallas_tpu or pallas_gpu (the dense-mask "
-            "reference takes whole sequences only)",
+            f"with mesh.context={n}: one of {', '.join(i for i in MOBA_IMPLS if i != 'reference')} "
+            "(the dense-mask reference takes whole sequences only)",
         )
     if "dense" in cores:
         impl = cfg.attention.dense_impl
