@@ -171,3 +171,17 @@ def test_kernels_lower_for_cuda(tiles):
         ).mlir_module()
     assert "mosaic_gpu" in text
     assert not re.search(r"triton", text)
+
+
+@pytest.mark.slow
+def test_suite_section_dry():
+    """The GPU suite's block_kernels section (eval/bench/block_kernels.py) on its dry plan: both
+    kernel sets interpreted on one tiny schedule, the results agreeing within bf16 rounding and
+    every time reported. Catches: a section that fails before a GPU is lent."""
+    from eval.bench import block_kernels
+
+    row = block_kernels.compare_and_time(256, block_kernels.DRY, interpret=True)
+    assert "skipped" not in row, row
+    for part in ("o", "lse", "dq", "dk", "dv"):
+        assert row[f"{part}_rel_diff"] < 3e-2, (part, row)
+    assert all(row[f"{k}_{p}_ms"] > 0 for k in ("triton", "mosaic") for p in ("fwd", "bwd"))

@@ -16,6 +16,9 @@ says so in the JSON):
 - attention: MoBA (Pallas GPU kernels) against cuDNN flash attention, forward + backward, bf16,
   batch 1, 16 heads, head dim 128, block 512, top_k 3, block-local routing, at 8K/32K/128K;
   the loss and gradients against the XLA path's at the first length (largest relative difference).
+- block_kernels: the selected blocks' kernels alone, Mosaic GPU (Hopper) against Triton, on the
+  tiles of the attention section's shape at 8K and 128K: results compared, forward and backward
+  timed (eval/bench/block_kernels.py).
 - tiles: the evidence for the GPU tile table, forward + backward of the attention section's shape
   at one length for each tile set of `GPU_TILES` and a few larger ones; a set over the device's
   shared memory is refused before it compiles and says so.
@@ -53,7 +56,7 @@ from effattn_jax.ops.moba import BlockSizes, moba_attention
 from effattn_jax.sharding import make_mesh
 from effattn_jax.train.state import init_state, make_setup
 from effattn_jax.train.step import make_train_step
-from eval.bench import common, gpu_checks
+from eval.bench import block_kernels, common, gpu_checks
 from eval.bench.attention import structured_inputs
 from eval.decoding import copy_bandwidth, latent_decode, moba_vs_dense_decode
 from eval.timing import alternated, seconds
@@ -72,11 +75,12 @@ TINY_TRAIN_PY = (
 SHARES = {
     "correctness": 0.1,
     "attention": 0.22,
+    "block_kernels": 0.05,
     "tiles": 0.1,
     "moba_decode": 0.08,
     "latent_decode": 0.07,
     "train": 0.13,
-    "train_py": 0.22,
+    "train_py": 0.17,
     "long_attention": 0.08,
 }
 MOBA_CHECKS = [dict(heads=16, kv_heads=4, top_k=3, docs=3), dict(heads=16, kv_heads=16, top_k=1, docs=1),
@@ -371,6 +375,8 @@ def run(args) -> Suite:
     attention(
         suite, suite.section("attention"), plan["attention"], plan["attention"]["seqs"], compare_xla=True
     )
+    kernels = block_kernels.DRY if args.dry else block_kernels.FULL
+    block_kernels.block_kernels(suite, suite.section("block_kernels"), kernels, interpret=args.dry)
     tile_sweep(suite, suite.section("tiles"), plan["attention"], plan["tiles"])
     rows = suite.section("moba_decode")
     decode = plan["moba_decode"]
