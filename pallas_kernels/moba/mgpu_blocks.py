@@ -69,7 +69,7 @@ def smem_bytes(*, head_dim: int, v_head_dim: int, itemsize: int, block_sizes, bl
     d, dv, item = head_dim, v_head_dim, itemsize
     stages, q_stages = _stages(block_sizes, block_size // ck), max(2, block_sizes.num_stages)
     extra = 4096
-    fwd = qt * d * item + qt * dv * 4 + qt * 4 + stages * ck * (d + dv) * item
+    fwd = qt * d * item + qt * 4 + stages * ck * (d + dv) * item
     dq = qt * (d + dv) * item + 2 * qt * 4 + stages * ck * (d + dv) * item
     dkv = ck * (d + dv) * item + q_stages * (qt * (d + dv) * item + 2 * qt * 4)
     names = ("moba_block_fwd_mgpu", "moba_block_dq_mgpu", "moba_block_dkv_mgpu")
@@ -263,7 +263,6 @@ def _fwd_body(
     o_ref,
     lse_ref,
     q_smem,
-    o_smem,
     lse_smem,
     k_smem,
     v_smem,
@@ -316,12 +315,10 @@ def _fwd_body(
             return acc, m_new, l
 
         acc, m, l = lax.fori_loop(0, steps, step, (acc, m, l))
-        o_smem.at[wg][...] = acc / _row_bcast(l, acc.shape)
+        o_ref.at[t, rows][...] = acc / _row_bcast(l, acc.shape)  # from registers: no SMEM
         lse_smem.at[wg][...] = (m + jnp.log2(l)) * (1 / LOG2E)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[t, rows], commit_group=False)
-        plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[t, rows], commit_group=False)
-        plgpu.commit_smem_to_gmem_group()
+        plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[t, rows])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == wgs)
@@ -361,7 +358,6 @@ def block_attention_fwd(
         ],
         scratch_types=[
             _smem((wgs, ROWS, d), dtype),
-            plgpu.SMEM((wgs, ROWS, dv), jnp.float32),
             plgpu.SMEM((wgs, ROWS), jnp.float32),
             _smem((stages, ck, d), dtype),
             _smem((stages, ck, dv), dtype),
