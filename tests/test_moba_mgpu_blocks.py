@@ -134,6 +134,7 @@ def test_supports_says_why_not():
     ok = dict(head_dim=128, v_head_dim=128, dtype=jnp.bfloat16, block_size=512)
     tiles = BlockSizes().resolve("gpu", head_dim=128, block_size=512)
     assert mgpu_blocks.supports(block_sizes=tiles, **ok) is None
+    assert mgpu_blocks.supports(block_sizes=BlockSizes(), **ok) is None  # auto: the GPU's tiles
     assert "float32" in mgpu_blocks.supports(block_sizes=tiles, **(ok | dict(dtype=jnp.float32)))
     assert "multiples of 64" in mgpu_blocks.supports(block_sizes=tiles, **(ok | dict(head_dim=96)))
     small = BlockSizes(q_tile=32, kv_block=32, past_q_tile=32).resolve("gpu")

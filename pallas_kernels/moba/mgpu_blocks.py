@@ -78,7 +78,10 @@ def smem_bytes(*, head_dim: int, v_head_dim: int, itemsize: int, block_sizes, bl
 
 def supports(*, head_dim: int, v_head_dim: int, dtype, block_sizes, block_size: int) -> str | None:
     """None when these kernels run this configuration, else one line saying why not (the caller
-    then takes the Triton kernels)."""
+    then takes the Triton kernels). `auto` tiles are taken as the GPU's (BlockSizes.resolve)."""
+    if not block_sizes.resolved:
+        shape = dict(head_dim=head_dim, v_head_dim=v_head_dim, itemsize=jnp.dtype(dtype).itemsize)
+        block_sizes = block_sizes.resolve("gpu", block_size=block_size, **shape)
     if jnp.dtype(dtype) not in map(jnp.dtype, DTYPES):
         return f"Mosaic GPU block kernels take bfloat16 or float16 inputs, got {jnp.dtype(dtype).name}"
     if head_dim % 64 or v_head_dim % 64:
