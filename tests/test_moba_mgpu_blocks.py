@@ -181,7 +181,8 @@ def test_suite_section_dry():
     every time reported. Catches: a section that fails before a GPU is lent."""
     from eval.bench import block_kernels
 
-    row = block_kernels.compare_and_time(256, block_kernels.DRY, interpret=True)
+    ((seq, tiles),) = block_kernels.DRY["cases"]
+    row = block_kernels.compare_and_time(seq, tiles, block_kernels.DRY, interpret=True)
     assert "skipped" not in row, row
     for part in ("o", "lse", "dq", "dk", "dv"):
         assert row[f"{part}_rel_diff"] < 3e-2, (part, row)
