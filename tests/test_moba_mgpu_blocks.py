@@ -27,18 +27,24 @@ CASES = {
     "top_k_covers_all": (1, 192, 2, 1, 64, 3, [101, 91], TILES),
     "tile_128_block_128": (1, 264, 2, 1, 128, 2, [45, 219], BlockSizes(kv_block=128, past_q_tile=128)),
 }
-KERNEL_CASES = {**CASES, "float16": (1, 150, 2, 1, 64, 2, [61, 89], TILES)}
+KERNEL_CASES = {
+    **CASES,
+    "float16": (1, 150, 2, 1, 64, 2, [61, 89], TILES),
+    "head_dims_128_64": (1, 150, 2, 1, 64, 2, [61, 89], TILES),
+}
 DTYPES = {"float16": jnp.float16}  # else bf16
+DIMS = {"head_dims_128_64": (128, 64)}  # (q/k head dim, v head dim), else 64, 64
 QUICK = {"packed_documents"}
 BF16 = dict(atol=3e-2, rtol=2e-2)  # bf16 inputs, float32 accumulation (test_moba_pallas's bf16 test)
 
 
 def _case(name, seed=0):
     b, s, hq, hkv, c, top_k, lengths, tiles = KERNEL_CASES[name]
-    q, k, v = rand_qkv(seed, b, s, hq, hkv, 64, dtype=DTYPES.get(name, jnp.bfloat16))
+    d, dv = DIMS.get(name, (64, 64))
+    q, k, v = rand_qkv(seed, b, s, hq, hkv, d, dv, dtype=DTYPES.get(name, jnp.bfloat16))
     seg = None if lengths is None else segments(b, lengths)
     r = moba_routing(q, k, block_size=c, top_k=top_k, segment_ids=seg)
-    return q, k, v, r, seg, c, tiles.resolve("gpu", head_dim=64, block_size=c)
+    return q, k, v, r, seg, c, tiles.resolve("gpu", head_dim=d, v_head_dim=dv, block_size=c)
 
 
 def _kernel_inputs(name):
