@@ -32,6 +32,7 @@ KERNEL_CASES = {
     "float16": (1, 150, 2, 1, 64, 2, [61, 89], TILES),
     "head_dims_128_64": (1, 150, 2, 1, 64, 2, [61, 89], TILES),
 }
+REFERENCE_CASES = {**CASES, "top_k_1": (1, 130, 2, 1, 64, 1, None, TILES)}  # no selected block: not called
 DTYPES = {"float16": jnp.float16}  # else bf16
 DIMS = {"head_dims_128_64": (128, 64)}  # (q/k head dim, v head dim), else 64, 64
 QUICK = {"packed_documents"}
@@ -39,7 +40,7 @@ BF16 = dict(atol=3e-2, rtol=2e-2)  # bf16 inputs, float32 accumulation (test_mob
 
 
 def _case(name, seed=0):
-    b, s, hq, hkv, c, top_k, lengths, tiles = KERNEL_CASES[name]
+    b, s, hq, hkv, c, top_k, lengths, tiles = (KERNEL_CASES | REFERENCE_CASES)[name]
     d, dv = DIMS.get(name, (64, 64))
     q, k, v = rand_qkv(seed, b, s, hq, hkv, d, dv, dtype=DTYPES.get(name, jnp.bfloat16))
     seg = None if lengths is None else segments(b, lengths)
@@ -114,7 +115,7 @@ def _with_mgpu_blocks(monkeypatch):
     )
 
 
-@pytest.mark.parametrize("name", quick_or_slow(list(CASES), QUICK))
+@pytest.mark.parametrize("name", quick_or_slow(list(REFERENCE_CASES), QUICK))
 def test_moba_with_them_matches_the_reference(name, monkeypatch):
     """The whole MoBA op with these kernels for the selected blocks (the own block by the Triton
     kernels), interpreted, against the dense reference with the same routing: output and dq/dK/dV
