@@ -13,16 +13,17 @@ online softmax (forward), dq (dq), dK and dV (dK/dV); p and dS feed their matmul
 registers. What is not pipelined: the one-off loads of a program's own tile (q, dO, lse,
 delta; K and V in dK/dV) and its output stores, and the scalar tables (each tile's KV row and
 block start, each group's first tile and tile count), read from global memory once per
-program. The compute warpgroups do not ping-pong their matmuls (FlashAttention 3 does); each
-matmul goes into a fresh accumulator that is then added in registers (see _matmul).
+program. The compute warpgroups do not ping-pong their matmuls (FlashAttention 3 does), and a
+step's softmax does not overlap its own matmuls.
 
 A TMA copy into the matmuls' tiled SMEM starts on a whole 8-row tile, so a block is read from
 its start rounded down to 8 (its window) and, when it does not start there (packed
 documents), in one sub-block more; keys outside the block are masked (see _sub_blocks). dK/dV
 come out per window of block_size + 8 rows (`window`, `window_starts`).
 
-Interpreted (the tests), register operands of a matmul go through SMEM (_lhs): the Mosaic GPU
-interpreter's wgmma reads both operands from SMEM.
+Interpreted (the tests), the running accumulations differ in form only (_accumulate): the
+Mosaic GPU interpreter's wgmma reads both operands from SMEM and it has no pl.run_state, so
+there p and dS go through SMEM and each product is added to the accumulator in registers.
 """
 
 from __future__ import annotations
