@@ -26,6 +26,7 @@ CASES = {
     "gqa_4x": (1, 192, 4, 1, 64, 2, None, TILES),
     "top_k_covers_all": (1, 192, 2, 1, 64, 3, [101, 91], TILES),
     "tile_128_block_128": (1, 264, 2, 1, 128, 2, [45, 219], BlockSizes(kv_block=128, past_q_tile=128)),
+    "ring_wraps": (1, 400, 2, 1, 192, 2, [83, 317], TILES),  # 3 (4 off-tile) sub-blocks, 2 slots
 }
 KERNEL_CASES = {
     **CASES,
@@ -35,7 +36,7 @@ KERNEL_CASES = {
 REFERENCE_CASES = {**CASES, "top_k_1": (1, 130, 2, 1, 64, 1, None, TILES)}  # no selected block: not called
 DTYPES = {"float16": jnp.float16}  # else bf16
 DIMS = {"head_dims_128_64": (128, 64)}  # (q/k head dim, v head dim), else 64, 64
-QUICK = {"packed_documents"}
+QUICK = {"ring_wraps"}  # blocks off 8-row tiles, SMEM rings that wrap (the fast set)
 BF16 = dict(atol=3e-2, rtol=2e-2)  # bf16 inputs, float32 accumulation (test_moba_pallas's bf16 test)
 
 
