@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import quick_or_slow, rand_qkv, segments
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from effattn_jax.ops.moba import moba_reference
 from effattn_jax.ops.routing import moba_routing
@@ -195,3 +196,21 @@ def test_suite_section_dry():
     for part in ("o", "lse", "dq", "dk", "dv"):
         assert row[f"{part}_rel_diff"] < 3e-2, (part, row)
     assert all(row[f"{k}_{p}_ms"] > 0 for k in ("triton", "mosaic") for p in ("fwd", "bwd"))
+
+
+@pytest.mark.slow
+def test_no_races_between_the_warpgroups(monkeypatch):
+    """The interpreter's race detector on every kernel, with rings that wrap and blocks off 8-row
+    tiles: the memory warpgroup refills a slot only after the compute warpgroups released it.
+    Catches: a missing or misplaced consumed-barrier wait (tried: dropping the memory warpgroup's
+    wait raises here)."""
+    monkeypatch.setattr(
+        mgpu_blocks,
+        "_interpret",
+        lambda interpret: plgpu.InterpretGPUParams(detect_races=True, on_race="raise"),
+    )
+    args, past, do, kw, _ = _kernel_inputs("ring_wraps")
+    o, lse = mgpu_blocks.block_attention_fwd(*args, **kw)
+    lse_rows = jnp.where(past.tiles.rows >= 0, lse, jnp.inf)
+    delta = jnp.sum(o * do.astype(jnp.float32), axis=-1)
+    jax.block_until_ready(mgpu_blocks.block_attention_bwd(*args, past.group_first, do, lse_rows, delta, **kw))
