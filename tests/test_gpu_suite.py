@@ -26,6 +26,7 @@ def test_dry_run_writes_every_section_without_the_data_stack(tmp_path):
     assert result["dry"] and set(sections) == {
         "correctness",
         "attention",
+        "block_kernels",
         "tiles",
         "moba_decode",
         "latent_decode",
@@ -45,6 +46,8 @@ def test_dry_run_writes_every_section_without_the_data_stack(tmp_path):
     assert all({"moba_pallas_ms", "dense_ms", "dense_over_moba"} <= set(a) for a in attn), attn
     # bf16 loss and gradients, kernels vs XLA path
     assert all(a["pallas_vs_xla_max_rel_diff"] < 0.05 for a in attn)
+    (blocks,) = sections["block_kernels"]  # Mosaic GPU against Triton, both interpreted
+    assert blocks["dq_rel_diff"] < 0.05 and blocks["dk_rel_diff"] < 0.05 and blocks["mosaic_bwd_ms"] > 0
     assert {"moba_ms", "dense_ms", "ratio"} <= set(sections["moba_decode"][0])
     latent = sections["latent_decode"]
     assert "copy_bytes_per_s" in latent[0] and {r["model"] for r in latent[1:]} == {

@@ -19,6 +19,9 @@ says so in the JSON):
   512, top_k 3 at 8K/32K/128K; the same with 16 query heads on 4 KV heads; FlashMoBA's benchmark
   configuration (batch 2, 16 heads, block 128, top_k 8). The loss and gradients against the XLA
   path's at each shape's first length (largest relative difference).
+- block_kernels: the selected blocks' kernels alone, Mosaic GPU (Hopper) against Triton, on the
+  tiles of the attention section's shape at 8K and 128K (and at 128K with Mosaic's two-warpgroup
+  tiles): results compared, forward and backward timed (eval/bench/block_kernels.py).
 - tiles: the evidence for the Triton kernels' tile table, forward + backward of the attention
   section's first shape at one length for each tile set of `GPU_TILES` and a few larger ones; a
   set over the device's shared memory is refused before it compiles and says so.
@@ -60,7 +63,7 @@ from effattn_jax.ops.platform import resolve_impl
 from effattn_jax.sharding import make_mesh
 from effattn_jax.train.state import init_state, make_setup
 from effattn_jax.train.step import make_train_step
-from eval.bench import common, gpu_checks
+from eval.bench import block_kernels, common, gpu_checks
 from eval.bench.attention import structured_inputs
 from eval.decoding import copy_bandwidth, latent_decode, moba_vs_dense_decode
 from eval.timing import alternated, seconds
@@ -79,11 +82,12 @@ TINY_TRAIN_PY = (
 SHARES = {
     "correctness": 0.1,
     "attention": 0.22,
+    "block_kernels": 0.06,
     "tiles": 0.1,
     "moba_decode": 0.08,
     "latent_decode": 0.07,
     "train": 0.13,
-    "train_py": 0.22,
+    "train_py": 0.16,
     "long_attention": 0.08,
 }
 # the GPU kernels the correctness and attention sections run: pallas_gpu is what users get (Mosaic
@@ -462,6 +466,9 @@ def _latent_decode(suite: Suite, rows: list, plan: dict, args) -> None:
 SECTIONS = {
     "correctness": lambda suite, rows, plan, args: correctness(suite, rows, plan["correctness"]),
     "attention": lambda suite, rows, plan, args: attention(suite, rows, plan["attention"], long=False),
+    "block_kernels": lambda suite, rows, plan, args: block_kernels.block_kernels(
+        suite, rows, block_kernels.DRY if args.dry else block_kernels.FULL, interpret=args.dry
+    ),
     "tiles": lambda suite, rows, plan, args: tile_sweep(suite, rows, plan["attention"], plan["tiles"]),
     "moba_decode": _moba_decode,
     "latent_decode": _latent_decode,

@@ -13,16 +13,17 @@ online softmax (forward), dq (dq), dK and dV (dK/dV); p and dS feed their matmul
 registers. What is not pipelined: the one-off loads of a program's own tile (q, dO, lse,
 delta; K and V in dK/dV) and its output stores, and the scalar tables (each tile's KV row and
 block start, each group's first tile and tile count), read from global memory once per
-program. The compute warpgroups do not ping-pong their matmuls (FlashAttention 3 does); each
-matmul goes into a fresh accumulator that is then added in registers (see _matmul).
+program. The compute warpgroups do not ping-pong their matmuls (FlashAttention 3 does), and a
+step's softmax does not overlap its own matmuls.
 
 A TMA copy into the matmuls' tiled SMEM starts on a whole 8-row tile, so a block is read from
 its start rounded down to 8 (its window) and, when it does not start there (packed
 documents), in one sub-block more; keys outside the block are masked (see _sub_blocks). dK/dV
 come out per window of block_size + 8 rows (`window`, `window_starts`).
 
-Interpreted (the tests), register operands of a matmul go through SMEM (_lhs): the Mosaic GPU
-interpreter's wgmma reads both operands from SMEM.
+Interpreted (the tests), the running accumulations differ in form only (_accumulate): the
+Mosaic GPU interpreter's wgmma reads both operands from SMEM and it has no pl.run_state, so
+there p and dS go through SMEM and each product is added to the accumulator in registers.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def smem_bytes(*, head_dim: int, v_head_dim: int, itemsize: int, block_sizes, bl
     d, dv, item = head_dim, v_head_dim, itemsize
     stages, q_stages = _stages(block_sizes, block_size // ck), max(2, block_sizes.num_stages)
     extra = 4096
-    fwd = qt * d * item + qt * dv * 4 + qt * 4 + stages * ck * (d + dv) * item
+    fwd = qt * d * item + qt * 4 + stages * ck * (d + dv) * item
     dq = qt * (d + dv) * item + 2 * qt * 4 + stages * ck * (d + dv) * item
     dkv = ck * (d + dv) * item + q_stages * (qt * (d + dv) * item + 2 * qt * 4)
     names = ("moba_block_fwd_mgpu", "moba_block_dq_mgpu", "moba_block_dkv_mgpu")
@@ -78,7 +79,10 @@ def smem_bytes(*, head_dim: int, v_head_dim: int, itemsize: int, block_sizes, bl
 
 def supports(*, head_dim: int, v_head_dim: int, dtype, block_sizes, block_size: int) -> str | None:
     """None when these kernels run this configuration, else one line saying why not (the caller
-    then takes the Triton kernels)."""
+    then takes the Triton kernels). `auto` tiles are taken as the GPU's (BlockSizes.resolve)."""
+    if not block_sizes.resolved:
+        shape = dict(head_dim=head_dim, v_head_dim=v_head_dim, itemsize=jnp.dtype(dtype).itemsize)
+        block_sizes = block_sizes.resolve("gpu", block_size=block_size, **shape)
     if jnp.dtype(dtype) not in map(jnp.dtype, DTYPES):
         return f"Mosaic GPU block kernels take bfloat16 or float16 inputs, got {jnp.dtype(dtype).name}"
     if head_dim % 64 or v_head_dim % 64:
@@ -263,7 +267,6 @@ def _fwd_body(
     o_ref,
     lse_ref,
     q_smem,
-    o_smem,
     lse_smem,
     k_smem,
     v_smem,
@@ -316,12 +319,10 @@ def _fwd_body(
             return acc, m_new, l
 
         acc, m, l = lax.fori_loop(0, steps, step, (acc, m, l))
-        o_smem.at[wg][...] = acc / _row_bcast(l, acc.shape)
+        o_ref.at[t, rows][...] = acc / _row_bcast(l, acc.shape)  # from registers: no SMEM
         lse_smem.at[wg][...] = (m + jnp.log2(l)) * (1 / LOG2E)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[t, rows], commit_group=False)
-        plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[t, rows], commit_group=False)
-        plgpu.commit_smem_to_gmem_group()
+        plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[t, rows])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == wgs)
@@ -361,7 +362,6 @@ def block_attention_fwd(
         ],
         scratch_types=[
             _smem((wgs, ROWS, d), dtype),
-            plgpu.SMEM((wgs, ROWS, dv), jnp.float32),
             plgpu.SMEM((wgs, ROWS), jnp.float32),
             _smem((stages, ck, d), dtype),
             _smem((stages, ck, dv), dtype),
