@@ -144,20 +144,16 @@ def _matmul(a, b, shape):
     return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
 
 
-def _lhs(x, staging):
-    """A register tile as a wgmma's left operand: in registers on the GPU; through the shared
-    buffer `staging` when interpreted (the interpreter's wgmma reads only shared memory)."""
+def _accumulate(acc, x, b, staging):
+    """acc + x @ b for a register tile x (p or dS, cast): on the GPU one wgmma reading x from
+    registers and accumulating into acc in place; interpreted (the interpreter's wgmma reads only
+    shared memory and has no store into an accumulator), x goes through the shared buffer
+    `staging` and a fresh accumulator is added to acc."""
     if staging is None:
-        return x
+        return pl.run_state(lambda ref: plgpu.wgmma(ref, x, b))(plgpu.ACC.init(acc))
     staging[...] = x
     plgpu.commit_smem()
-    return staging
-
-
-def _matmul_add(acc, a, b):
-    """acc + a @ b: a warpgroup matmul into a fresh accumulator, added in registers (the
-    interpreter has no store into an accumulator, so there is no in-place accumulate here)."""
-    return acc + _matmul(a, b, acc.shape)
+    return acc + _matmul(staging, b, acc.shape)
 
 
 def _fwd_body(
@@ -218,7 +214,7 @@ def _fwd_body(
         l = l * alpha + p.sum(axis=1)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         plgpu.barrier_wait(v_bar.at[slot])
-        acc = _matmul_add(acc, _lhs(p.astype(v_smem.dtype), staging), v_smem.at[slot])
+        acc = _accumulate(acc, p.astype(v_smem.dtype), v_smem.at[slot], staging)
         _refill(n, steps, stages, fetch)
         return m_new, l, acc
 
@@ -235,7 +231,7 @@ def _fwd_body(
 
 
 def _with_staging(body, shape, dtype, interpret):
-    """body, given a shared staging buffer of `shape` (see _lhs) when interpreted."""
+    """body, given a shared staging buffer of `shape` (see _accumulate) when interpreted."""
     if not interpret:
         return body
     buffer = plgpu.SMEM(shape, dtype, transforms=_swizzled(jnp.dtype(dtype).itemsize))
@@ -348,7 +344,7 @@ def _dq_body(
         plgpu.barrier_wait(v_bar.at[slot])
         dp = _matmul(do_smem, v_smem.at[slot].T, shape)
         ds = p * (dp - lax.broadcast_in_dim(delta, shape, [0]))
-        dq = _matmul_add(dq, _lhs(ds.astype(k_smem.dtype), staging), k_smem.at[slot])
+        dq = _accumulate(dq, ds.astype(k_smem.dtype), k_smem.at[slot], staging)
         _refill(n, steps, stages, fetch)
         return dq
 
@@ -434,11 +430,11 @@ def _dkv_body(
         mask = (kpos >= lax.broadcast_in_dim(lo, shape, [1])) & (kpos <= qpos)
         p_t = jnp.where(mask, jnp.exp2(s_t * (scale * LOG2E) - lax.broadcast_in_dim(lse, shape, [1])), 0.0)
         plgpu.barrier_wait(do_bar.at[slot])
-        dv = _matmul_add(dv, _lhs(p_t.astype(do_smem.dtype), staging), do_smem.at[slot])
+        dv = _accumulate(dv, p_t.astype(do_smem.dtype), do_smem.at[slot], staging)
         dp_t = _matmul(v_smem, do_smem.at[slot].T, shape)
         plgpu.barrier_wait(delta_bar.at[slot])
         ds_t = p_t * (dp_t - lax.broadcast_in_dim(_col_vector(delta_smem.at[slot]), shape, [1]))
-        dk = _matmul_add(dk, _lhs(ds_t.astype(q_smem.dtype), staging), q_smem.at[slot])
+        dk = _accumulate(dk, ds_t.astype(q_smem.dtype), q_smem.at[slot], staging)
         _refill(n, steps, stages, fetch)
         return dk, dv
 
