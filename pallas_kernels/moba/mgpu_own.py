@@ -8,15 +8,23 @@ A query t sees the keys [own_start[t], t]. Each kernel runs one warpgroup per pr
   from the tile's first own-block start (the `first` table) to its last query stream through a
   ring of `num_stages` buffers: the copy of sub-block n + stages is issued as soon as sub-block
   n's matmuls have finished reading its slot, so it overlaps the next steps' compute. The online
-  softmax (forward) and dS (dq) stay in registers in the wgmma layout.
+  softmax (forward) and dS (dq) stay in registers in the wgmma layout, and p / dS feed the
+  second matmul from registers, accumulating into o / dq in place.
 * dK/dV: one program per (batch x KV head, sub-block of `kv_block` keys); K and V are copied
   once, and the (query head, query tile) pairs that reach these keys (GQA heads of the KV head,
   tiles up to the `q_end` table) stream q, dO, lse, delta and own starts through the same kind
   of ring; dK and dV accumulate in registers and are written once.
 Pipelined: the streamed operands (TMA, `num_stages` slots). Not pipelined: the copies of the
 once-per-program operands (waited for before the first step), the write of the results, and
-the matmuls of one step against each other (each step waits for its own wgmmas). One warpgroup
-per program, no producer warpgroup and no ping-pong between two consumer warpgroups.
+the matmuls of one step against each other and against the softmax (each step waits for its own
+wgmmas). One warpgroup per program, no producer warpgroup and no ping-pong between two consumer
+warpgroups (FlashAttention 3's schedule): the next steps for speed.
+
+Interpreted (`interpret=True`, plgpu.InterpretGPUParams), p and dS go through a shared-memory
+staging buffer into a fresh accumulator that is then added: the interpreter's wgmma reads only
+shared memory and cannot store into an accumulator. Only that operand path differs from the GPU's.
+Constraints (`supports`): bf16/f16 inputs, head dims and tiles multiples of 64 up to 256, shared
+memory (`smem_bytes`) within an H100/H200's.
 """
 
 from __future__ import annotations
