@@ -19,6 +19,9 @@ says so in the JSON):
 - tiles: the evidence for the GPU tile table, forward + backward of the attention section's shape
   at one length for each tile set of `GPU_TILES` and a few larger ones; a set over the device's
   shared memory is refused before it compiles and says so.
+- own_kernels: MoBA's own-block kernels on Mosaic GPU against the Triton ones, compiled, at the
+  attention section's shape at 8K and 128K: their differences and each one's forward and backward
+  ms (eval/bench/own_kernels.py); a GPU before Hopper says it has no Mosaic GPU backend.
 - moba_decode: a decode step of a 12-layer d-768 MHA model, MoBA core (its decode kernel) against
   dense, at 32K and 128K (eval/decoding.py).
 - latent_decode: the absorbed MLA and EG-MLA decode steps (their kernels) at 32K, the cache
@@ -53,7 +56,7 @@ from effattn_jax.ops.moba import BlockSizes, moba_attention
 from effattn_jax.sharding import make_mesh
 from effattn_jax.train.state import init_state, make_setup
 from effattn_jax.train.step import make_train_step
-from eval.bench import common, gpu_checks
+from eval.bench import common, gpu_checks, own_kernels
 from eval.bench.attention import structured_inputs
 from eval.decoding import copy_bandwidth, latent_decode, moba_vs_dense_decode
 from eval.timing import alternated, seconds
@@ -73,6 +76,7 @@ SHARES = {
     "correctness": 0.1,
     "attention": 0.22,
     "tiles": 0.1,
+    "own_kernels": 0.05,
     "moba_decode": 0.08,
     "latent_decode": 0.07,
     "train": 0.13,
@@ -97,6 +101,7 @@ FULL = {
                      overrides=["train.steps=30", "train.log_every=10", "eval.every_steps=1000",
                                 "eval.max_batches=1", "checkpoint.every_steps=1000"]),
     "long_seqs": [262144, 524288],
+    "own_kernels": own_kernels.FULL,
     "moba_decode": dict(contexts=[32768, 131072], model=None),
     "latent_decode": dict(contexts=[32768], batches=[1, 16], overrides=(), copy_gib=1.0),
     "train": ["model.num_layers=4", "model.d_model=512", "model.num_heads=8", "model.mlp_dim=1408",
@@ -117,6 +122,7 @@ DRY = {
     "tiles": dict(seq=256, sets=[(16, 16, 16), (32, 16, 32)]),
     "train_py": dict(configs=["moba_545m_8k"], overrides=TINY_TRAIN_PY),
     "long_seqs": [],  # the same function as the first section's
+    "own_kernels": own_kernels.DRY,
     "moba_decode": dict(contexts=[128], model=["model.num_layers=2", "model.d_model=64", "model.num_heads=2",
                         "model.mlp_dim=128", "model.vocab_size=256", "model.dtype=float32",
                         "moba.block_size=32", "moba.top_k=3"]),
@@ -372,6 +378,7 @@ def run(args) -> Suite:
         suite, suite.section("attention"), plan["attention"], plan["attention"]["seqs"], compare_xla=True
     )
     tile_sweep(suite, suite.section("tiles"), plan["attention"], plan["tiles"])
+    own_kernels.section(suite, suite.section("own_kernels"), plan["own_kernels"])
     rows = suite.section("moba_decode")
     decode = plan["moba_decode"]
     for context in decode["contexts"]:

@@ -39,7 +39,14 @@ def _inputs(seq, heads, kv_heads, head_dim):
 
 def own_case(*, seq, heads, kv_heads, head_dim, block, tiles, repeats, interpret=False, **_) -> dict:
     """One length: the two kernel sets' largest relative differences and ms (forward, backward)."""
-    row = {"seq": seq, "heads": heads, "head_dim": head_dim, "block": block, "tiles": tiles.tiles_text()}
+    row = {
+        "seq": seq,
+        "heads": heads,
+        "head_dim": head_dim,
+        "block": block,
+        "tiles": tiles.tiles_text(),
+        "stages": tiles.num_stages,
+    }
     if not interpret and (backend := gpu_backend.device_backend()) != "mosaic":
         return row | {"skipped": f"this GPU's Pallas backend is {backend}, not Mosaic GPU"}
     reason = mgpu_own.supports(
