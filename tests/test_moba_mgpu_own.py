@@ -25,18 +25,21 @@ CASES = {
     "block_of_one_tile": (1, 100, 2, 1, 64, [30, 70], TILES),
     "query_tiles_unlike_key_steps": (1, 200, 4, 2, 128, [50, 150], BlockSizes(128, 64, 64, None, 4, 3)),
     "one_stage_longer_keys_than_queries": (1, 150, 2, 1, 128, [90, 60], BlockSizes(64, 128, 64, None, 4, 1)),
+    "values_wider_than_keys": (1, 150, 2, 1, 64, [60, 90], TILES),
 }
+V_HEAD_DIM = {"values_wider_than_keys": 128}  # the others: the head dim
 QUICK = {"packed_documents"}  # what `make test-fast` runs
 
 
 def _case(name, d=64, dtype=jnp.bfloat16):
     """Head-major q, k, v, dO [rows, S_pad, D], the own-block tables and the call's keywords."""
     b, s, hq, hkv, c, lengths, tiles = CASES[name]
-    q, k, v = rand_qkv(7, b, s, hq, hkv, d, dtype=dtype)
+    dv = V_HEAD_DIM.get(name, d)
+    q, k, v = rand_qkv(7, b, s, hq, hkv, d, dv, dtype=dtype)
     seg = None if lengths is None else segments(b, lengths)
     own_start = moba_routing(q, k, block_size=c, top_k=1, segment_ids=seg).own_start
     seq_pad = parts.padded_length(s, c, tiles)
-    do = jnp.asarray(np.random.default_rng(8).standard_normal((b, s, hq, d)), dtype)
+    do = jnp.asarray(np.random.default_rng(8).standard_normal((b, s, hq, dv)), dtype)
     heads = lambda x: parts._heads(x, seq_pad)  # zero rows past S: their dO is 0, as in parts.py
     tables = gpu_own.own_tables(own_start, seq_pad=seq_pad, q_tile=tiles.q_tile, kv_block=tiles.kv_block)
     kw = dict(scale=d**-0.5, block_size=c, block_sizes=tiles, interpret=True)
@@ -70,7 +73,8 @@ def test_interpreted_kernels_match_triton_and_dense_reference(name):
     """Forward (o float32, lse) and backward (dq, dK, dV in bf16) of the Mosaic GPU kernels,
     interpreted, against the Triton kernels (interpreted; the same bf16 matmul inputs, so within a
     bf16 rounding) and the dense float32 reference (bf16 tolerances as tests/test_moba_pallas.py's),
-    over partial blocks, packed documents, GQA, tiles unlike key steps and a single stage. Catches:
+    over partial blocks, packed documents, GQA, tiles unlike key steps, a single stage and value heads
+    wider than the keys'. Catches:
     a K/V step skipped or fetched into the wrong ring slot, the mask off by one, a query head mapped
     to the wrong KV head, dK/dV missing a query head of its group, a row of the wrong tile."""
     (q, k, v, do), (lo, first, q_end), kw = _case(name)
