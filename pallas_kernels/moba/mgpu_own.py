@@ -144,24 +144,39 @@ def _refill(n, steps, stages, fetch):
 
 def _matmul(a, b, shape):
     """a @ b by a warpgroup matmul into a fresh float32 accumulator, waited for."""
-
-    def body(acc):
-        plgpu.wgmma(acc, a, b)
-        return acc[...]
-
-    return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
+    return _matmuls((a, b), shape=shape)[0]
 
 
-def _accumulate(acc, x, b, staging):
-    """acc + x @ b for a register tile x (p or dS, cast): on the GPU one wgmma reading x from
-    registers and accumulating into acc in place; interpreted (the interpreter's wgmma reads only
-    shared memory and has no store into an accumulator), x goes through the shared buffer
-    `staging` and a fresh accumulator is added to acc."""
+def _matmuls(*pairs, shape):
+    """a @ b for each (a, b) of `pairs`, warpgroup matmuls into fresh float32 accumulators of
+    `shape`, all issued before the first wait (the tensor cores run them back to back)."""
+
+    def body(*accs):
+        for acc, (a, b) in zip(accs, pairs, strict=True):
+            plgpu.wgmma(acc, a, b)
+        return tuple(acc[...] for acc in accs)
+
+    return pl.run_scoped(body, *[plgpu.ACC(shape, jnp.float32)] * len(pairs))
+
+
+def _accumulate(accs, xs, bs, staging):
+    """acc + x @ b for each acc of `accs`, x a register tile (p or dS, cast): on the GPU wgmmas
+    reading x from registers and accumulating in place, all issued before one wait; interpreted
+    (the interpreter's wgmma reads only shared memory and has no store into an accumulator), each
+    x goes through the shared buffer `staging` and a fresh accumulator is added to acc."""
     if staging is None:
-        return pl.run_state(lambda ref: plgpu.wgmma(ref, x, b))(plgpu.ACC.init(acc))
-    staging[...] = x
-    plgpu.commit_smem()
-    return acc + _matmul(staging, b, acc.shape)
+
+        def body(refs):
+            for ref, x, b in zip(refs, xs, bs, strict=True):
+                plgpu.wgmma(ref, x, b)
+
+        return pl.run_state(body)(tuple(plgpu.ACC.init(acc) for acc in accs))
+    out = []
+    for acc, x, b in zip(accs, xs, bs, strict=True):
+        staging[...] = x
+        plgpu.commit_smem()
+        out.append(acc + _matmul(staging, b, acc.shape))
+    return tuple(out)
 
 
 def _fwd_body(
@@ -222,7 +237,7 @@ def _fwd_body(
         l = l * alpha + p.sum(axis=1)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         plgpu.barrier_wait(v_bar.at[slot])
-        acc = _accumulate(acc, p.astype(v_smem.dtype), v_smem.at[slot], staging)
+        (acc,) = _accumulate([acc], [p.astype(v_smem.dtype)], [v_smem.at[slot]], staging)
         _refill(n, steps, stages, fetch)
         return m_new, l, acc
 
@@ -346,13 +361,12 @@ def _dq_body(
     def step(n, dq):
         slot = lax.rem(n, stages)
         plgpu.barrier_wait(k_bar.at[slot])
-        s = _matmul(q_smem, k_smem.at[slot].T, shape)
+        plgpu.barrier_wait(v_bar.at[slot])
+        s, dp = _matmuls((q_smem, k_smem.at[slot].T), (do_smem, v_smem.at[slot].T), shape=shape)
         mask = _own_mask(lo, q0, (first + n) * ck, shape)
         p = jnp.where(mask, jnp.exp2(s * (scale * LOG2E) - lax.broadcast_in_dim(lse, shape, [0])), 0.0)
-        plgpu.barrier_wait(v_bar.at[slot])
-        dp = _matmul(do_smem, v_smem.at[slot].T, shape)
         ds = p * (dp - lax.broadcast_in_dim(delta, shape, [0]))
-        dq = _accumulate(dq, ds.astype(k_smem.dtype), k_smem.at[slot], staging)
+        (dq,) = _accumulate([dq], [ds.astype(k_smem.dtype)], [k_smem.at[slot]], staging)
         _refill(n, steps, stages, fetch)
         return dq
 
@@ -430,19 +444,19 @@ def _dkv_body(
     def step(n, carry):
         dk, dv = carry
         slot, q0 = lax.rem(n, stages), (i0 + lax.rem(n, tiles)) * qt
-        for bar in (q_bar, lo_bar, lse_bar):
-            plgpu.barrier_wait(bar.at[slot])
-        s_t = _matmul(k_smem, q_smem.at[slot].T, shape)
+        plgpu.barrier_wait(q_bar.at[slot])
+        plgpu.barrier_wait(do_bar.at[slot])
+        s_t, dp_t = _matmuls((k_smem, q_smem.at[slot].T), (v_smem, do_smem.at[slot].T), shape=shape)
+        plgpu.barrier_wait(lo_bar.at[slot])
+        plgpu.barrier_wait(lse_bar.at[slot])
         lo, lse = _col_vector(lo_smem.at[slot]), _col_vector(lse_smem.at[slot]) * LOG2E
         kpos, qpos = k0 + _iota(shape, 0), q0 + _iota(shape, 1)
         mask = (kpos >= lax.broadcast_in_dim(lo, shape, [1])) & (kpos <= qpos)
         p_t = jnp.where(mask, jnp.exp2(s_t * (scale * LOG2E) - lax.broadcast_in_dim(lse, shape, [1])), 0.0)
-        plgpu.barrier_wait(do_bar.at[slot])
-        dv = _accumulate(dv, p_t.astype(do_smem.dtype), do_smem.at[slot], staging)
-        dp_t = _matmul(v_smem, do_smem.at[slot].T, shape)
         plgpu.barrier_wait(delta_bar.at[slot])
         ds_t = p_t * (dp_t - lax.broadcast_in_dim(_col_vector(delta_smem.at[slot]), shape, [1]))
-        dk = _accumulate(dk, ds_t.astype(q_smem.dtype), q_smem.at[slot], staging)
+        cast = lambda x: x.astype(q_smem.dtype)
+        dk, dv = _accumulate([dk, dv], [cast(ds_t), cast(p_t)], [q_smem.at[slot], do_smem.at[slot]], staging)
         _refill(n, steps, stages, fetch)
         return dk, dv
 
