@@ -24,7 +24,7 @@ Interpreted (`interpret=True`, plgpu.InterpretGPUParams), p and dS go through a 
 staging buffer into a fresh accumulator that is then added: the interpreter's wgmma reads only
 shared memory and cannot store into an accumulator. Only that operand path differs from the GPU's.
 Constraints (`supports`): bf16/f16 inputs, head dims and tiles multiples of 64 up to 256, shared
-memory (`smem_bytes`) within an H100/H200's.
+memory (`smem_bytes`) within an H100/H200's, and a register budget (ACC_REGS, SCORE_REGS).
 """
 
 from __future__ import annotations
@@ -47,6 +47,11 @@ LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 ROWS = 64  # a warpgroup matmul's rows, and the K dim a 128-byte swizzled bf16 operand comes in
 MAX_DIM = 256  # a warpgroup matmul's largest N: head dims and tiles stay within it
+# float32 registers per thread (128 threads) a warpgroup may hold in accumulators across steps,
+# and in one score tile: a budget, not a measurement, that keeps the live set under the 255
+# registers a thread has (dK + dV at kv_block 64, head dim 128: 128; FlashAttention 3's per
+# warpgroup); beyond it ptxas spills, which the CPU lowering cannot see
+ACC_REGS, SCORE_REGS = 128, 64
 FLOOR = -1e30  # the running max before any key: finite, so a row with no key yet gets p = 0, not NaN
 DTYPES = (jnp.bfloat16, jnp.float16)
 
@@ -96,10 +101,18 @@ def supports(*, head_dim, v_head_dim, dtype, block_sizes, block_size) -> str | N
         q_tile=qt, kv_block=ck, stages=stages, d=head_dim, dv=v_head_dim, itemsize=jnp.dtype(dtype).itemsize
     )
     name, need = max(sizes.items(), key=lambda item: item[1])
+    tiles = f"moba.q_tile={qt} moba.kv_block={ck}"
     if need > SMEM_LIMIT:
         return (
-            f"{name} needs about {need} bytes of shared memory with moba.q_tile={qt} moba.kv_block={ck} "
+            f"{name} needs about {need} bytes of shared memory with {tiles} "
             f"moba.num_stages={stages}, over the {SMEM_LIMIT} an H100/H200 allows"
+        )
+    accumulators = max(qt * v_head_dim, qt * head_dim, ck * (head_dim + v_head_dim)) // 128
+    if accumulators > ACC_REGS or qt * ck // 128 > SCORE_REGS:
+        return (
+            f"Mosaic GPU own-block kernels would hold {accumulators} float32 accumulator registers per "
+            f"thread (at most {ACC_REGS}) and {qt * ck // 128} per score tile (at most {SCORE_REGS}) "
+            f"with {tiles} at head dims {head_dim}/{v_head_dim}"
         )
     return None
 
