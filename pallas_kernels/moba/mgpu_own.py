@@ -14,11 +14,13 @@ A query t sees the keys [own_start[t], t]. Each kernel runs one warpgroup per pr
   once, and the (query head, query tile) pairs that reach these keys (GQA heads of the KV head,
   tiles up to the `q_end` table) stream q, dO, lse, delta and own starts through the same kind
   of ring; dK and dV accumulate in registers and are written once.
-Pipelined: the streamed operands (TMA, `num_stages` slots). Not pipelined: the copies of the
-once-per-program operands (waited for before the first step), the write of the results, and
-the matmuls of one step against each other and against the softmax (each step waits for its own
-wgmmas). One warpgroup per program, no producer warpgroup and no ping-pong between two consumer
-warpgroups (FlashAttention 3's schedule): the next steps for speed.
+Pipelined: the streamed operands (TMA, `num_stages` slots), and within a step the two matmuls
+that need only shared memory (S and dP; dK/dV: S^T and dP^T, then its two accumulations) are
+issued together before one wait. Not pipelined: the copies of the once-per-program operands
+(waited for before the first step), the write of the results, and a step's matmuls against its
+softmax (each step waits for its own wgmmas before the elementwise work). One warpgroup per
+program: no producer warpgroup and no ping-pong between two consumer warpgroups (FlashAttention
+3's schedule), the next steps for speed.
 
 Interpreted (`interpret=True`, plgpu.InterpretGPUParams), p and dS go through a shared-memory
 staging buffer into a fresh accumulator that is then added: the interpreter's wgmma reads only
