@@ -6,14 +6,23 @@ entry) and the ms of each one's forward and backward (dq + dK/dV) kernels, at 8K
 
 A GPU whose backend is not Mosaic GPU (pallas_kernels/gpu_backend.py: before Hopper) or a
 configuration `mgpu_own.supports` refuses gets a row saying so. The dry plan runs both interpreted
-on a CPU at tiny shapes.
+on a CPU at tiny shapes. Alone (one short device check, no suite around it):
+
+    python -m eval.bench.own_kernels [--dry] [--seqs 8192 131072] [--json]
+
+`--json` prints the rows (one per length, the suite section's) as a JSON list on stdout; the exit
+status is 1 when a row is not ok.
 """
 
 from __future__ import annotations
 
+import json
+import time
+
 import jax
 import jax.numpy as jnp
 
+from eval.bench import common
 from eval.bench.gpu_checks import relative_difference
 from eval.timing import alternated, seconds
 from pallas_kernels import gpu_backend
@@ -93,3 +102,37 @@ def section(suite, rows: list, p: dict) -> None:
         except Exception as e:  # noqa: BLE001 - a kernel that fails to compile or run is the finding
             row = {"seq": seq, "ok": False, "error": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
         suite.add(rows, row)
+
+
+class _Rows:
+    """The suite's interface for `section` when it runs alone: every case runs, each printed."""
+
+    time_left = staticmethod(lambda: True)
+
+    def __init__(self):
+        self.start = time.perf_counter()
+
+    def add(self, rows: list, row: dict) -> None:
+        row["at_s"] = round(time.perf_counter() - self.start, 1)
+        rows.append(row)
+        print("  " + json.dumps(row), flush=True)
+
+
+def main(argv=None) -> int:
+    p = common.parser(__doc__, __file__)
+    p.add_argument("--dry", action="store_true", help="tiny shapes, both kernel sets interpreted (a CPU)")
+    p.add_argument("--seqs", type=int, nargs="+", help="lengths (default: the plan's)")
+    args = p.parse_args(argv)
+    plan = dict(DRY if args.dry else FULL)
+    plan["seqs"] = args.seqs or plan["seqs"]
+    with common.report(
+        args, "own-block kernels, Mosaic GPU vs Triton" + (", dry" if args.dry else "")
+    ) as emit:
+        rows: list = []
+        section(_Rows(), rows, plan)
+        emit(rows)
+    return 0 if all(row.get("ok", True) for row in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
