@@ -158,7 +158,7 @@ def test_kernels_lower_for_cuda(d, dv, tiles):
 
 def test_supports_refuses_what_does_not_compile():
     """`supports` gives one line for what these kernels cannot run (the Triton kernels take it), and
-    two of its refusals, key steps of 32 and a forward one byte over the shared memory, are indeed
+    two of its refusals, key steps of 32 and four stages of 128 keys (shared memory), are indeed
     refused by the Mosaic GPU lowering. (The register budget has no such check on a CPU: ptxas would
     spill, not refuse.)"""
     ask = lambda dtype=jnp.bfloat16, d=128, **tiles: mgpu_own.supports(
@@ -177,15 +177,16 @@ def test_supports_refuses_what_does_not_compile():
     jax.clear_caches()
     with pytest.raises(ValueError, match="multiple of 64"):
         _lower(128, 128, BlockSizes(64, 32, 64, None, 4, 2))
-    # one byte over: a forward of 233,536 bytes, refused by both
-    tiles = BlockSizes(128, 128, 64, None, 4, 3)
+    # four stages of 128 keys at head dim 128: over the shared memory, refused by both
+    tiles = BlockSizes(64, 128, 64, None, 4, 4)
     refusal = mgpu_own.supports(
-        head_dim=64, v_head_dim=128, dtype=jnp.bfloat16, block_sizes=tiles, block_size=512
+        head_dim=128, v_head_dim=128, dtype=jnp.bfloat16, block_sizes=tiles, block_size=512
     )
-    assert refusal.startswith("moba_own_fwd_mgpu needs about 233536 bytes")
-    jax.clear_caches()
-    with pytest.raises(ValueError, match="exceeds available shared memory"):
-        _lower(64, 128, tiles, passes=("fwd",))
+    assert "shared memory" in refusal and "moba.num_stages=4" in refusal
+    for passes in ("fwd", "bwd"):
+        jax.clear_caches()
+        with pytest.raises(ValueError, match="exceeds available shared memory"):
+            _lower(128, 128, tiles, passes=(passes,))
 
 
 @pytest.mark.parametrize(
@@ -194,6 +195,7 @@ def test_supports_refuses_what_does_not_compile():
         (128, 128, TILES),
         (64, 128, BlockSizes(128, 64, 64, None, 4, 3)),  # dK/dV the larger backward kernel
         (128, 64, BlockSizes(64, 128, 64, None, 4, 2)),  # dq the larger one
+        (64, 128, BlockSizes(128, 64, 64, None, 4, 1)),  # the forward's o larger than its K/V ring
     ],
 )
 def test_smem_estimate_is_what_the_lowering_allocates(d, dv, tiles):

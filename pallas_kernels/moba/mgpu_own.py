@@ -9,7 +9,10 @@ A query t sees the keys [own_start[t], t]. Each kernel runs one warpgroup per pr
   ring of `num_stages` buffers: the copy of sub-block n + stages is issued as soon as sub-block
   n's matmuls have finished reading its slot, so it overlaps the next steps' compute. The online
   softmax (forward) and dS (dq) stay in registers in the wgmma layout, and p / dS feed the
-  second matmul from registers, accumulating into o / dq in place.
+  second matmul from registers, accumulating into o / dq in place. The forward's float32 o is
+  staged for its copy out in the ring's shared memory (a RefUnion), so that at the default tiles
+  (64 / 64, two stages, head dim 128) each kernel asks for under half an H100/H200 SM's shared
+  memory (smem_bytes) and two programs can share an SM.
 * dK/dV: one program per (batch x KV head, sub-block of `kv_block` keys); K and V are copied
   once, and the (query head, query tile) pairs that reach these keys (GQA heads of the KV head,
   tiles up to the `q_end` table) stream q, dO, lse, delta and own starts through the same kind
@@ -70,8 +73,7 @@ def smem_bytes(*, q_tile: int, kv_block: int, stages: int, d: int, dv: int, item
     return {
         "moba_own_fwd_mgpu": reduction
         + buf(q_tile, d)
-        + ring
-        + buf(q_tile, dv, size=4)
+        + max(ring, buf(q_tile, dv, size=4))  # o is staged where the ring was
         + 2 * vec
         + 8 * (2 + 2 * stages),
         "moba_own_dq_mgpu": buf(q_tile, d) + buf(q_tile, dv) + ring + 3 * vec + 8 * (5 + 2 * stages),
@@ -204,9 +206,7 @@ def _fwd_body(
     lse_ref,
     q_smem,
     lo_smem,
-    k_smem,
-    v_smem,
-    o_smem,
+    kv_or_o,
     lse_smem,
     q_bar,
     k_bar,
@@ -221,6 +221,7 @@ def _fwd_body(
     stages,
     staging=None,
 ):
+    (k_smem, v_smem), o_smem = kv_or_o  # o is staged where the K/V ring was: the ring is done by then
     r, i = lax.axis_index("rows"), lax.axis_index("tiles")
     b, kv, q0 = r // hq, _kv_row(r, hq, hkv), i * qt
     first = first_ref[b * nq + i]
@@ -300,9 +301,13 @@ def own_attention_fwd(q, k, v, lo, first, *, scale, block_size, block_sizes, int
         scratch_types=[
             plgpu.SMEM((qt, d), q.dtype, transforms=swz),
             plgpu.SMEM((qt,), jnp.int32),
-            plgpu.SMEM((stages, ck, d), k.dtype, transforms=swz),
-            plgpu.SMEM((stages, ck, dv), v.dtype, transforms=swz),
-            plgpu.SMEM((qt, dv), jnp.float32, transforms=_swizzled(4)),
+            plgpu.RefUnion(
+                (
+                    plgpu.SMEM((stages, ck, d), k.dtype, transforms=swz),
+                    plgpu.SMEM((stages, ck, dv), v.dtype, transforms=swz),
+                ),
+                plgpu.SMEM((qt, dv), jnp.float32, transforms=_swizzled(4)),
+            ),
             plgpu.SMEM((qt,), jnp.float32),
             plgpu.Barrier(num_barriers=2),
             plgpu.Barrier(num_barriers=stages),
