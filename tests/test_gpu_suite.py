@@ -28,6 +28,7 @@ def test_dry_run_writes_every_section_without_the_data_stack(tmp_path):
         "attention",
         "block_kernels",
         "tiles",
+        "own_kernels",
         "moba_decode",
         "latent_decode",
         "train",
@@ -38,6 +39,8 @@ def test_dry_run_writes_every_section_without_the_data_stack(tmp_path):
     assert {c["check"] for c in checks} == {"moba", "mla_decode", "moba_decode"} and len(checks) == 7
     assert all(c["ok"] for c in checks), checks
     assert all(row["ms"] > 0 and row["smem_estimate"] <= row["smem_limit"] for row in sections["tiles"])
+    (own,) = sections["own_kernels"]  # Mosaic GPU against Triton own-block kernels, interpreted
+    assert own["ok"] and own["mosaic_fwd_ms"] > 0, own
     (trained,) = sections["train_py"]  # train.py itself, in a subprocess that has the data stack
     assert trained["exit"] == 0 and trained["steps"] == 2 and trained["tokens_per_s"] > 0
     attn = sections["attention"]  # pallas_gpu is the Triton kernels when interpreted: timed once

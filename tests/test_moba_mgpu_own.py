@@ -25,18 +25,21 @@ CASES = {
     "block_of_one_tile": (1, 100, 2, 1, 64, [30, 70], TILES),
     "query_tiles_unlike_key_steps": (1, 200, 4, 2, 128, [50, 150], BlockSizes(128, 64, 64, None, 4, 3)),
     "one_stage_longer_keys_than_queries": (1, 150, 2, 1, 128, [90, 60], BlockSizes(64, 128, 64, None, 4, 1)),
+    "values_wider_than_keys": (1, 150, 2, 1, 64, [60, 90], TILES),
 }
+V_HEAD_DIM = {"values_wider_than_keys": 128}  # the others: the head dim
 QUICK = {"packed_documents"}  # what `make test-fast` runs
 
 
 def _case(name, d=64, dtype=jnp.bfloat16):
     """Head-major q, k, v, dO [rows, S_pad, D], the own-block tables and the call's keywords."""
     b, s, hq, hkv, c, lengths, tiles = CASES[name]
-    q, k, v = rand_qkv(7, b, s, hq, hkv, d, dtype=dtype)
+    dv = V_HEAD_DIM.get(name, d)
+    q, k, v = rand_qkv(7, b, s, hq, hkv, d, dv, dtype=dtype)
     seg = None if lengths is None else segments(b, lengths)
     own_start = moba_routing(q, k, block_size=c, top_k=1, segment_ids=seg).own_start
     seq_pad = parts.padded_length(s, c, tiles)
-    do = jnp.asarray(np.random.default_rng(8).standard_normal((b, s, hq, d)), dtype)
+    do = jnp.asarray(np.random.default_rng(8).standard_normal((b, s, hq, dv)), dtype)
     heads = lambda x: parts._heads(x, seq_pad)  # zero rows past S: their dO is 0, as in parts.py
     tables = gpu_own.own_tables(own_start, seq_pad=seq_pad, q_tile=tiles.q_tile, kv_block=tiles.kv_block)
     kw = dict(scale=d**-0.5, block_size=c, block_sizes=tiles, interpret=True)
@@ -70,7 +73,8 @@ def test_interpreted_kernels_match_triton_and_dense_reference(name):
     """Forward (o float32, lse) and backward (dq, dK, dV in bf16) of the Mosaic GPU kernels,
     interpreted, against the Triton kernels (interpreted; the same bf16 matmul inputs, so within a
     bf16 rounding) and the dense float32 reference (bf16 tolerances as tests/test_moba_pallas.py's),
-    over partial blocks, packed documents, GQA, tiles unlike key steps and a single stage. Catches:
+    over partial blocks, packed documents, GQA, tiles unlike key steps, a single stage and value heads
+    wider than the keys'. Catches:
     a K/V step skipped or fetched into the wrong ring slot, the mask off by one, a query head mapped
     to the wrong KV head, dK/dV missing a query head of its group, a row of the wrong tile."""
     (q, k, v, do), (lo, first, q_end), kw = _case(name)
@@ -135,8 +139,8 @@ def _lower(d, dv, tiles, passes=("fwd", "bwd"), seq=2048, b=1, hq=4, hkv=2, bloc
     "d, dv, tiles",
     [
         (128, 128, TILES),  # the paper config's heads with the default GPU tiles
-        (64, 128, BlockSizes(128, 128, 64, None, 4, 2)),
-        (192, 128, BlockSizes(64, 128, 64, None, 4, 2)),  # MLA-style heads
+        (64, 128, BlockSizes(128, 64, 64, None, 4, 3)),
+        (64, 64, BlockSizes(64, 128, 64, None, 4, 2)),
     ],
 )
 def test_kernels_lower_for_cuda(d, dv, tiles):
@@ -154,7 +158,9 @@ def test_kernels_lower_for_cuda(d, dv, tiles):
 
 def test_supports_refuses_what_does_not_compile():
     """`supports` gives one line for what these kernels cannot run (the Triton kernels take it), and
-    one of its refusals, key steps of 32, is indeed refused by the Mosaic GPU lowering."""
+    two of its refusals, key steps of 32 and four stages of 128 keys (shared memory), are indeed
+    refused by the Mosaic GPU lowering. (The register budget has no such check on a CPU: ptxas would
+    spill, not refuse.)"""
     ask = lambda dtype=jnp.bfloat16, d=128, **tiles: mgpu_own.supports(
         head_dim=d, v_head_dim=d, dtype=dtype, block_sizes=dataclasses.replace(TILES, **tiles), block_size=512
     )
@@ -166,18 +172,21 @@ def test_supports_refuses_what_does_not_compile():
     assert "moba.kv_block" in ask(kv_block=512)
     over = ask(d=256, kv_block=256, num_stages=3)
     assert "shared memory" in over and "moba.num_stages=3" in over
+    assert "accumulator registers" in ask(d=192)  # dK + dV: 64 x 384 float32 in one warpgroup
+    assert "accumulator registers" in ask(d=64, q_tile=128, kv_block=128)  # a 128 x 128 score tile
     jax.clear_caches()
     with pytest.raises(ValueError, match="multiple of 64"):
         _lower(128, 128, BlockSizes(64, 32, 64, None, 4, 2))
-    # one byte over: a forward of 233,536 bytes, refused by both
-    tiles = BlockSizes(128, 128, 64, None, 4, 3)
+    # four stages of 128 keys at head dim 128: over the shared memory, refused by both
+    tiles = BlockSizes(64, 128, 64, None, 4, 4)
     refusal = mgpu_own.supports(
-        head_dim=64, v_head_dim=128, dtype=jnp.bfloat16, block_sizes=tiles, block_size=512
+        head_dim=128, v_head_dim=128, dtype=jnp.bfloat16, block_sizes=tiles, block_size=512
     )
-    assert refusal.startswith("moba_own_fwd_mgpu needs about 233536 bytes")
-    jax.clear_caches()
-    with pytest.raises(ValueError, match="exceeds available shared memory"):
-        _lower(64, 128, tiles, passes=("fwd",))
+    assert "shared memory" in refusal and "moba.num_stages=4" in refusal
+    for passes in ("fwd", "bwd"):
+        jax.clear_caches()
+        with pytest.raises(ValueError, match="exceeds available shared memory"):
+            _lower(128, 128, tiles, passes=(passes,))
 
 
 @pytest.mark.parametrize(
@@ -186,6 +195,7 @@ def test_supports_refuses_what_does_not_compile():
         (128, 128, TILES),
         (64, 128, BlockSizes(128, 64, 64, None, 4, 3)),  # dK/dV the larger backward kernel
         (128, 64, BlockSizes(64, 128, 64, None, 4, 2)),  # dq the larger one
+        (64, 128, BlockSizes(128, 64, 64, None, 4, 1)),  # the forward's o larger than its K/V ring
     ],
 )
 def test_smem_estimate_is_what_the_lowering_allocates(d, dv, tiles):
@@ -208,3 +218,21 @@ def test_smem_estimate_is_what_the_lowering_allocates(d, dv, tiles):
         jax.clear_caches()
         with artificial_shared_memory_limit(limit):
             _lower(d, dv, tiles, passes=(name,))
+
+
+@pytest.mark.slow
+def test_gpu_suite_section_runs_dry():
+    """The GPU suite's own_kernels section (eval/bench/own_kernels.py) in its dry plan: both kernel
+    sets interpreted, their difference within tolerance, a time for each pass."""
+    from eval.bench import own_kernels
+
+    class Suite:
+        time_left = staticmethod(lambda: True)
+        add = staticmethod(lambda rows, row: rows.append(row))
+
+    rows = []
+    own_kernels.section(Suite(), rows, own_kernels.DRY)
+    (row,) = rows
+    assert row.get("ok"), row
+    assert set(row["rel_diff"]) == {"o", "lse", "dq", "dk", "dv"}
+    assert all(row[f"{name}_{part}_ms"] > 0 for name in ("triton", "mosaic") for part in ("fwd", "bwd"))

@@ -25,6 +25,9 @@ says so in the JSON):
 - tiles: the evidence for the Triton kernels' tile table, forward + backward of the attention
   section's first shape at one length for each tile set of `GPU_TILES` and a few larger ones; a
   set over the device's shared memory is refused before it compiles and says so.
+- own_kernels: MoBA's own-block kernels on Mosaic GPU against the Triton ones, compiled, at the
+  attention section's shape at 8K and 128K: their differences and each one's forward and backward
+  ms (eval/bench/own_kernels.py); a GPU before Hopper says it has no Mosaic GPU backend.
 - moba_decode: a decode step of a 12-layer d-768 MHA model, MoBA core (its decode kernel) against
   dense, at 32K and 128K (eval/decoding.py).
 - latent_decode: the absorbed MLA and EG-MLA decode steps (their kernels) at 32K, the cache
@@ -63,7 +66,7 @@ from effattn_jax.ops.platform import resolve_impl
 from effattn_jax.sharding import make_mesh
 from effattn_jax.train.state import init_state, make_setup
 from effattn_jax.train.step import make_train_step
-from eval.bench import block_kernels, common, gpu_checks
+from eval.bench import block_kernels, common, gpu_checks, own_kernels
 from eval.bench.attention import structured_inputs
 from eval.decoding import copy_bandwidth, latent_decode, moba_vs_dense_decode
 from eval.timing import alternated, seconds
@@ -84,6 +87,7 @@ SHARES = {
     "attention": 0.22,
     "block_kernels": 0.06,
     "tiles": 0.1,
+    "own_kernels": 0.05,
     "moba_decode": 0.08,
     "latent_decode": 0.07,
     "train": 0.13,
@@ -117,6 +121,7 @@ FULL = {
     "train_py": dict(configs=["dense_545m_8k", "moba_545m_8k", "dense_545m_32k", "moba_545m_32k"],
                      overrides=["train.steps=30", "train.log_every=10", "eval.every_steps=1000",
                                 "eval.max_batches=1", "checkpoint.every_steps=1000"]),
+    "own_kernels": own_kernels.FULL,
     "moba_decode": dict(contexts=[32768, 131072], model=None),
     "latent_decode": dict(contexts=[32768], batches=[1, 16], overrides=(), copy_gib=1.0),
     "train": ["model.num_layers=4", "model.d_model=512", "model.num_heads=8", "model.mlp_dim=1408",
@@ -141,6 +146,7 @@ DRY = {
     ]),
     "tiles": dict(seq=256, sets=[(16, 16, 16), (32, 16, 32)]),
     "train_py": dict(configs=["moba_545m_8k"], overrides=TINY_TRAIN_PY),
+    "own_kernels": own_kernels.DRY,
     "moba_decode": dict(contexts=[128], model=["model.num_layers=2", "model.d_model=64", "model.num_heads=2",
                         "model.mlp_dim=128", "model.vocab_size=256", "model.dtype=float32",
                         "moba.block_size=32", "moba.top_k=3"]),
@@ -470,6 +476,7 @@ SECTIONS = {
         suite, rows, block_kernels.DRY if args.dry else block_kernels.FULL, interpret=args.dry
     ),
     "tiles": lambda suite, rows, plan, args: tile_sweep(suite, rows, plan["attention"], plan["tiles"]),
+    "own_kernels": lambda suite, rows, plan, args: own_kernels.section(suite, rows, plan["own_kernels"]),
     "moba_decode": _moba_decode,
     "latent_decode": _latent_decode,
     "train": lambda suite, rows, plan, args: train_pair(

@@ -8,15 +8,28 @@ A query t sees the keys [own_start[t], t]. Each kernel runs one warpgroup per pr
   from the tile's first own-block start (the `first` table) to its last query stream through a
   ring of `num_stages` buffers: the copy of sub-block n + stages is issued as soon as sub-block
   n's matmuls have finished reading its slot, so it overlaps the next steps' compute. The online
-  softmax (forward) and dS (dq) stay in registers in the wgmma layout.
+  softmax (forward) and dS (dq) stay in registers in the wgmma layout, and p / dS feed the
+  second matmul from registers, accumulating into o / dq in place. The forward's float32 o is
+  staged for its copy out in the ring's shared memory (a RefUnion), so that at the default tiles
+  (64 / 64, two stages, head dim 128) each kernel asks for under half an H100/H200 SM's shared
+  memory (smem_bytes) and two programs can share an SM.
 * dK/dV: one program per (batch x KV head, sub-block of `kv_block` keys); K and V are copied
   once, and the (query head, query tile) pairs that reach these keys (GQA heads of the KV head,
   tiles up to the `q_end` table) stream q, dO, lse, delta and own starts through the same kind
   of ring; dK and dV accumulate in registers and are written once.
-Pipelined: the streamed operands (TMA, `num_stages` slots). Not pipelined: the copies of the
-once-per-program operands (waited for before the first step), the write of the results, and
-the matmuls of one step against each other (each step waits for its own wgmmas). One warpgroup
-per program, no producer warpgroup and no ping-pong between two consumer warpgroups.
+Pipelined: the streamed operands (TMA, `num_stages` slots), and within a step the two matmuls
+that need only shared memory (S and dP; dK/dV: S^T and dP^T, then its two accumulations) are
+issued together before one wait. Not pipelined: the copies of the once-per-program operands
+(waited for before the first step), the write of the results, and a step's matmuls against its
+softmax (each step waits for its own wgmmas before the elementwise work). One warpgroup per
+program: no producer warpgroup and no ping-pong between two consumer warpgroups (FlashAttention
+3's schedule), the next steps for speed.
+
+Interpreted (`interpret=True`, plgpu.InterpretGPUParams), p and dS go through a shared-memory
+staging buffer into a fresh accumulator that is then added: the interpreter's wgmma reads only
+shared memory and cannot store into an accumulator. Only that operand path differs from the GPU's.
+Constraints (`supports`): bf16/f16 inputs, head dims and tiles multiples of 64 up to 256, shared
+memory (`smem_bytes`) within an H100/H200's, and a register budget (ACC_REGS, SCORE_REGS).
 """
 
 from __future__ import annotations
@@ -39,6 +52,11 @@ LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 ROWS = 64  # a warpgroup matmul's rows, and the K dim a 128-byte swizzled bf16 operand comes in
 MAX_DIM = 256  # a warpgroup matmul's largest N: head dims and tiles stay within it
+# float32 registers per thread (128 threads) a warpgroup may hold in accumulators across steps,
+# and in one score tile: a budget, not a measurement, that keeps the live set under the 255
+# registers a thread has (dK + dV at kv_block 64, head dim 128: 128; FlashAttention 3's per
+# warpgroup); beyond it ptxas spills, which the CPU lowering cannot see
+ACC_REGS, SCORE_REGS = 128, 64
 FLOOR = -1e30  # the running max before any key: finite, so a row with no key yet gets p = 0, not NaN
 DTYPES = (jnp.bfloat16, jnp.float16)
 
@@ -55,8 +73,7 @@ def smem_bytes(*, q_tile: int, kv_block: int, stages: int, d: int, dv: int, item
     return {
         "moba_own_fwd_mgpu": reduction
         + buf(q_tile, d)
-        + ring
-        + buf(q_tile, dv, size=4)
+        + max(ring, buf(q_tile, dv, size=4))  # o is staged where the ring was
         + 2 * vec
         + 8 * (2 + 2 * stages),
         "moba_own_dq_mgpu": buf(q_tile, d) + buf(q_tile, dv) + ring + 3 * vec + 8 * (5 + 2 * stages),
@@ -88,10 +105,18 @@ def supports(*, head_dim, v_head_dim, dtype, block_sizes, block_size) -> str | N
         q_tile=qt, kv_block=ck, stages=stages, d=head_dim, dv=v_head_dim, itemsize=jnp.dtype(dtype).itemsize
     )
     name, need = max(sizes.items(), key=lambda item: item[1])
+    tiles = f"moba.q_tile={qt} moba.kv_block={ck}"
     if need > SMEM_LIMIT:
         return (
-            f"{name} needs about {need} bytes of shared memory with moba.q_tile={qt} moba.kv_block={ck} "
+            f"{name} needs about {need} bytes of shared memory with {tiles} "
             f"moba.num_stages={stages}, over the {SMEM_LIMIT} an H100/H200 allows"
+        )
+    accumulators = max(qt * v_head_dim, qt * head_dim, ck * (head_dim + v_head_dim)) // 128
+    if accumulators > ACC_REGS or qt * ck // 128 > SCORE_REGS:
+        return (
+            f"Mosaic GPU own-block kernels would hold {accumulators} float32 accumulator registers per "
+            f"thread (at most {ACC_REGS}) and {qt * ck // 128} per score tile (at most {SCORE_REGS}) "
+            f"with {tiles} at head dims {head_dim}/{v_head_dim}"
         )
     return None
 
@@ -136,28 +161,39 @@ def _refill(n, steps, stages, fetch):
 
 def _matmul(a, b, shape):
     """a @ b by a warpgroup matmul into a fresh float32 accumulator, waited for."""
-
-    def body(acc):
-        plgpu.wgmma(acc, a, b)
-        return acc[...]
-
-    return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
+    return _matmuls((a, b), shape=shape)[0]
 
 
-def _lhs(x, staging):
-    """A register tile as a wgmma's left operand: in registers on the GPU; through the shared
-    buffer `staging` when interpreted (the interpreter's wgmma reads only shared memory)."""
+def _matmuls(*pairs, shape):
+    """a @ b for each (a, b) of `pairs`, warpgroup matmuls into fresh float32 accumulators of
+    `shape`, all issued before the first wait (the tensor cores run them back to back)."""
+
+    def body(*accs):
+        for acc, (a, b) in zip(accs, pairs, strict=True):
+            plgpu.wgmma(acc, a, b)
+        return tuple(acc[...] for acc in accs)
+
+    return pl.run_scoped(body, *[plgpu.ACC(shape, jnp.float32)] * len(pairs))
+
+
+def _accumulate(accs, xs, bs, staging):
+    """acc + x @ b for each acc of `accs`, x a register tile (p or dS, cast): on the GPU wgmmas
+    reading x from registers and accumulating in place, all issued before one wait; interpreted
+    (the interpreter's wgmma reads only shared memory and has no store into an accumulator), each
+    x goes through the shared buffer `staging` and a fresh accumulator is added to acc."""
     if staging is None:
-        return x
-    staging[...] = x
-    plgpu.commit_smem()
-    return staging
 
+        def body(refs):
+            for ref, x, b in zip(refs, xs, bs, strict=True):
+                plgpu.wgmma(ref, x, b)
 
-def _matmul_add(acc, a, b):
-    """acc + a @ b: a warpgroup matmul into a fresh accumulator, added in registers (the
-    interpreter has no store into an accumulator, so there is no in-place accumulate here)."""
-    return acc + _matmul(a, b, acc.shape)
+        return pl.run_state(body)(tuple(plgpu.ACC.init(acc) for acc in accs))
+    out = []
+    for acc, x, b in zip(accs, xs, bs, strict=True):
+        staging[...] = x
+        plgpu.commit_smem()
+        out.append(acc + _matmul(staging, b, acc.shape))
+    return tuple(out)
 
 
 def _fwd_body(
@@ -170,9 +206,7 @@ def _fwd_body(
     lse_ref,
     q_smem,
     lo_smem,
-    k_smem,
-    v_smem,
-    o_smem,
+    kv_or_o,
     lse_smem,
     q_bar,
     k_bar,
@@ -187,6 +221,7 @@ def _fwd_body(
     stages,
     staging=None,
 ):
+    (k_smem, v_smem), o_smem = kv_or_o  # o is staged where the K/V ring was: the ring is done by then
     r, i = lax.axis_index("rows"), lax.axis_index("tiles")
     b, kv, q0 = r // hq, _kv_row(r, hq, hkv), i * qt
     first = first_ref[b * nq + i]
@@ -218,7 +253,7 @@ def _fwd_body(
         l = l * alpha + p.sum(axis=1)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         plgpu.barrier_wait(v_bar.at[slot])
-        acc = _matmul_add(acc, _lhs(p.astype(v_smem.dtype), staging), v_smem.at[slot])
+        (acc,) = _accumulate([acc], [p.astype(v_smem.dtype)], [v_smem.at[slot]], staging)
         _refill(n, steps, stages, fetch)
         return m_new, l, acc
 
@@ -235,7 +270,7 @@ def _fwd_body(
 
 
 def _with_staging(body, shape, dtype, interpret):
-    """body, given a shared staging buffer of `shape` (see _lhs) when interpreted."""
+    """body, given a shared staging buffer of `shape` (see _accumulate) when interpreted."""
     if not interpret:
         return body
     buffer = plgpu.SMEM(shape, dtype, transforms=_swizzled(jnp.dtype(dtype).itemsize))
@@ -266,9 +301,13 @@ def own_attention_fwd(q, k, v, lo, first, *, scale, block_size, block_sizes, int
         scratch_types=[
             plgpu.SMEM((qt, d), q.dtype, transforms=swz),
             plgpu.SMEM((qt,), jnp.int32),
-            plgpu.SMEM((stages, ck, d), k.dtype, transforms=swz),
-            plgpu.SMEM((stages, ck, dv), v.dtype, transforms=swz),
-            plgpu.SMEM((qt, dv), jnp.float32, transforms=_swizzled(4)),
+            plgpu.RefUnion(
+                (
+                    plgpu.SMEM((stages, ck, d), k.dtype, transforms=swz),
+                    plgpu.SMEM((stages, ck, dv), v.dtype, transforms=swz),
+                ),
+                plgpu.SMEM((qt, dv), jnp.float32, transforms=_swizzled(4)),
+            ),
             plgpu.SMEM((qt,), jnp.float32),
             plgpu.Barrier(num_barriers=2),
             plgpu.Barrier(num_barriers=stages),
@@ -342,13 +381,12 @@ def _dq_body(
     def step(n, dq):
         slot = lax.rem(n, stages)
         plgpu.barrier_wait(k_bar.at[slot])
-        s = _matmul(q_smem, k_smem.at[slot].T, shape)
+        plgpu.barrier_wait(v_bar.at[slot])
+        s, dp = _matmuls((q_smem, k_smem.at[slot].T), (do_smem, v_smem.at[slot].T), shape=shape)
         mask = _own_mask(lo, q0, (first + n) * ck, shape)
         p = jnp.where(mask, jnp.exp2(s * (scale * LOG2E) - lax.broadcast_in_dim(lse, shape, [0])), 0.0)
-        plgpu.barrier_wait(v_bar.at[slot])
-        dp = _matmul(do_smem, v_smem.at[slot].T, shape)
         ds = p * (dp - lax.broadcast_in_dim(delta, shape, [0]))
-        dq = _matmul_add(dq, _lhs(ds.astype(k_smem.dtype), staging), k_smem.at[slot])
+        (dq,) = _accumulate([dq], [ds.astype(k_smem.dtype)], [k_smem.at[slot]], staging)
         _refill(n, steps, stages, fetch)
         return dq
 
@@ -426,19 +464,19 @@ def _dkv_body(
     def step(n, carry):
         dk, dv = carry
         slot, q0 = lax.rem(n, stages), (i0 + lax.rem(n, tiles)) * qt
-        for bar in (q_bar, lo_bar, lse_bar):
-            plgpu.barrier_wait(bar.at[slot])
-        s_t = _matmul(k_smem, q_smem.at[slot].T, shape)
+        plgpu.barrier_wait(q_bar.at[slot])
+        plgpu.barrier_wait(do_bar.at[slot])
+        s_t, dp_t = _matmuls((k_smem, q_smem.at[slot].T), (v_smem, do_smem.at[slot].T), shape=shape)
+        plgpu.barrier_wait(lo_bar.at[slot])
+        plgpu.barrier_wait(lse_bar.at[slot])
         lo, lse = _col_vector(lo_smem.at[slot]), _col_vector(lse_smem.at[slot]) * LOG2E
         kpos, qpos = k0 + _iota(shape, 0), q0 + _iota(shape, 1)
         mask = (kpos >= lax.broadcast_in_dim(lo, shape, [1])) & (kpos <= qpos)
         p_t = jnp.where(mask, jnp.exp2(s_t * (scale * LOG2E) - lax.broadcast_in_dim(lse, shape, [1])), 0.0)
-        plgpu.barrier_wait(do_bar.at[slot])
-        dv = _matmul_add(dv, _lhs(p_t.astype(do_smem.dtype), staging), do_smem.at[slot])
-        dp_t = _matmul(v_smem, do_smem.at[slot].T, shape)
         plgpu.barrier_wait(delta_bar.at[slot])
         ds_t = p_t * (dp_t - lax.broadcast_in_dim(_col_vector(delta_smem.at[slot]), shape, [1]))
-        dk = _matmul_add(dk, _lhs(ds_t.astype(q_smem.dtype), staging), q_smem.at[slot])
+        cast = lambda x: x.astype(q_smem.dtype)
+        dk, dv = _accumulate([dk, dv], [cast(ds_t), cast(p_t)], [q_smem.at[slot], do_smem.at[slot]], staging)
         _refill(n, steps, stages, fetch)
         return dk, dv
 
