@@ -26,7 +26,16 @@ import yaml
 ATTENTION_KINDS = ("mha", "mla", "eg_mla")  # projections and cache (effattn_jax.attention.KINDS)
 ATTENTION_CORES = ("dense", "moba")  # which keys each query sees (effattn_jax.attention.CORES)
 IntOrAuto = int | str  # a config value that is an integer or the string "auto"
-MOBA_IMPLS = ("auto", "reference", "xla", "pallas", "pallas_tpu", "pallas_gpu")  # effattn_jax.ops.moba
+MOBA_IMPLS = (
+    "auto",
+    "reference",
+    "xla",
+    "pallas",
+    "pallas_tpu",
+    "pallas_gpu",
+    "pallas_mosaic",
+    "pallas_triton",
+)  # effattn_jax.ops.moba
 DENSE_IMPLS = ("auto", "xla", "splash", "cudnn")  # effattn_jax.ops.dense
 MLA_DECODE_IMPLS = ("auto", "xla", "pallas", "pallas_tpu", "pallas_gpu")  # effattn_jax.ops.mla_decode
 EG_MLA_GATE_AT = ("latent", "heads", "projected")
@@ -793,8 +802,8 @@ def check_context_split(cfg: Config, mesh_sizes: dict[str, int]) -> None:
             cfg.moba.impl != "reference",
             "moba.impl",
             cfg.moba.impl,
-            f"with mesh.context={n}: auto, xla, pallas, pallas_tpu or pallas_gpu (the dense-mask "
-            "reference takes whole sequences only)",
+            f"with mesh.context={n}: one of {', '.join(i for i in MOBA_IMPLS if i != 'reference')} "
+            "(the dense-mask reference takes whole sequences only)",
         )
     if "dense" in cores:
         impl = cfg.attention.dense_impl

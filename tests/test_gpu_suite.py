@@ -26,7 +26,9 @@ def test_dry_run_writes_every_section_without_the_data_stack(tmp_path):
     assert result["dry"] and set(sections) == {
         "correctness",
         "attention",
+        "block_kernels",
         "tiles",
+        "own_kernels",
         "moba_decode",
         "latent_decode",
         "train",
@@ -38,11 +40,18 @@ def test_dry_run_writes_every_section_without_the_data_stack(tmp_path):
     assert {c["check"] for c in checks} == {"moba", "mla_decode", "moba_decode"} and len(checks) == 7
     assert all(c["ok"] for c in checks), checks
     assert all(row["ms"] > 0 and row["smem_estimate"] <= row["smem_limit"] for row in sections["tiles"])
+    (own,) = sections["own_kernels"]  # Mosaic GPU against Triton own-block kernels, interpreted
+    assert own["ok"] and own["mosaic_fwd_ms"] > 0, own
     (trained,) = sections["train_py"]  # train.py itself, in a subprocess that has the data stack
     assert trained["exit"] == 0 and trained["steps"] == 2 and trained["tokens_per_s"] > 0
-    (attn,) = sections["attention"]
-    assert {"moba_pallas_ms", "dense_ms", "dense_over_moba"} <= set(attn)
-    assert attn["pallas_vs_xla_max_rel_diff"] < 0.05  # bf16 loss and gradients, kernels vs XLA path
+    attn = sections["attention"]  # pallas_gpu is the Triton kernels when interpreted: timed once
+    assert [a["shape"] for a in attn] == ["mha", "gqa", "flashmoba"]
+    assert all(a["moba_pallas_kernels"] == "triton" and "moba_triton_ms" not in a for a in attn)
+    assert all({"moba_pallas_ms", "dense_ms", "dense_over_moba"} <= set(a) for a in attn), attn
+    # bf16 loss and gradients, kernels vs XLA path
+    assert all(a["pallas_vs_xla_max_rel_diff"] < 0.05 for a in attn)
+    (blocks,) = sections["block_kernels"]  # Mosaic GPU against Triton, both interpreted
+    assert blocks["dq_rel_diff"] < 0.05 and blocks["dk_rel_diff"] < 0.05 and blocks["mosaic_bwd_ms"] > 0
     assert {"moba_ms", "dense_ms", "ratio"} <= set(sections["moba_decode"][0])
     latent = sections["latent_decode"]
     assert "copy_bytes_per_s" in latent[0] and {r.get("model") for r in latent[1:]} == {

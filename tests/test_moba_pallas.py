@@ -315,19 +315,46 @@ def test_remat_keeps_the_schedule():
 
 
 @pytest.mark.slow
-def test_gpu_kernels_lower_for_cuda():
-    """Forward + backward lower to Triton for CUDA (jax.export, no GPU) with the shipped `auto` tiles: the
-    six kernels, each once. Catches: a shape or op the Triton lowering rejects, a kernel replaced by an XLA
-    fallback, auto tiles that the shared-memory check (against an H100/H200 here) refuses."""
+@pytest.mark.parametrize("kernel", ["gpu", "triton"])
+def test_gpu_kernels_lower_for_cuda(kernel):
+    """Forward + backward lower for CUDA (jax.export, no GPU) with the shipped `auto` tiles, each kernel
+    once: `gpu` (the H200 answer, Mosaic GPU: three own-block and three selected-block kernel calls)
+    and `triton` (the six Triton kernels, by name). Catches: a shape or op a lowering rejects, a kernel
+    replaced by an XLA fallback, auto tiles that the shared-memory check (against an H100/H200 here)
+    refuses, pallas_gpu not taking the Mosaic kernels on Hopper."""
     x = jax.ShapeDtypeStruct((1, 1024, 2, 128), jnp.bfloat16)
     triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")  # not a stable-ABI call
     with gpu_lowering_target():
         exported = jax.export.export(
-            _moba_grad_fn("gpu", BlockSizes(), 1024, 128), platforms=["cuda"], disabled_checks=[triton]
+            _moba_grad_fn(kernel, BlockSizes(), 1024, 128), platforms=["cuda"], disabled_checks=[triton]
         )(x, x, x)
-    names = re.findall(r'name = "(moba_\w+_gpu)"', exported.mlir_module())
+    text = exported.mlir_module()
+    names = re.findall(r'name = "(moba_\w+_gpu)"', text)
     parts = ("fwd", "dq", "dkv")
-    assert sorted(names) == sorted([f"moba_{k}_{p}_gpu" for k in ("own", "block") for p in parts])
+    if kernel == "triton":
+        assert sorted(names) == sorted([f"moba_{k}_{p}_gpu" for k in ("own", "block") for p in parts])
+    else:
+        assert not names and "triton" not in text
+        assert len(re.findall(r"stablehlo.custom_call @mosaic_gpu", text)) == 6, text.count("mosaic_gpu")
+
+
+def test_gpu_kernel_choice():
+    """pallas_gpu takes the Mosaic GPU kernels where they run (compiled for a Hopper, bf16, tiles of 64
+    rows), else Triton: float32, or interpreted (tests); pallas_mosaic refuses in one line what its
+    kernels cannot run."""
+    bf16, f32 = (jnp.zeros((1, 128, 2, 128), t) for t in (jnp.bfloat16, jnp.float32))
+    fit = lambda x, backend, interpret=False: (
+        KernelCall.fitted(
+            BlockSizes(), x, x, block_size=512, scale=1.0, backend=backend, interpret=interpret
+        ).gpu_kernels
+    )
+    assert fit(bf16, "gpu") == "mosaic" and fit(bf16, "triton") == "triton"
+    assert fit(f32, "gpu") == "triton" and fit(bf16, "gpu", interpret=True) == "triton"
+    assert fit(bf16, "tpu") == ""
+    with pytest.raises(ValueError, match="pallas_mosaic cannot run here: .*float32.*use pallas_triton"):
+        fit(f32, "mosaic")
+    assert resolve_impl("pallas_mosaic", "cpu") == ("pallas", "mosaic", True)
+    assert resolve_impl("pallas_triton", "gpu") == ("pallas", "triton", False)
 
 
 @pytest.mark.slow
@@ -357,3 +384,35 @@ def test_kernels_inside_a_sharded_train_step(tmp_path, corpus_dir):
         metrics.append({k: float(v) for k, v in m.items()})
     assert metrics[1]["loss"] == pytest.approx(metrics[0]["loss"], rel=1e-5)
     assert metrics[1]["grad_norm"] == pytest.approx(metrics[0]["grad_norm"], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_mosaic_gpu_kernels_through_the_op():
+    """moba_attention with impl=pallas_mosaic (the Mosaic GPU kernels, interpreted) matches the dense
+    reference, forward and gradients, through the same schedule, merge and custom_vjp as every
+    backend: packed documents with a partial block, GQA, the own block and two chosen blocks."""
+    q, k, v = rand_qkv(3, 1, 320, 2, 1, 64, dtype=jnp.bfloat16)
+    seg = segments(1, [197, 123])  # blocks start off the 8-row tiles in the second document
+    w = jax.random.normal(jax.random.key(0), q.shape, jnp.float32)
+
+    def grads(impl):
+        def loss(q, k, v):
+            out = moba_attention(
+                q,
+                k,
+                v,
+                block_size=64,
+                top_k=3,
+                segment_ids=seg,
+                impl=impl,
+                block_sizes=BlockSizes(64, 64, 64),
+            )
+            return jnp.sum(out.astype(jnp.float32) * w)
+
+        return jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    for got, want in zip(
+        jax.tree.leaves(grads("pallas_mosaic")), jax.tree.leaves(grads("reference")), strict=True
+    ):
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        assert np.abs(got - want).max() <= 2e-2 * np.abs(want).max()

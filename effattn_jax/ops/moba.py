@@ -97,11 +97,12 @@ def moba_attention(
 
     `scale` defaults to 1/sqrt(D). impl: "reference" (dense mask), "xla"
     (sub-quadratic), "pallas" / "pallas_tpu" / "pallas_gpu" (kernels; see
-    `resolve_impl`), "auto". `block_sizes`: tile sizes of the kernels (all
-    fields) and of the XLA path (past_q_tile); `auto` fields are chosen per backend, head dim,
-    dtype and device (BlockSizes.resolve). `routing_chunk`: queries per chunk of
-    gate scores. `rules`: logical sharding rules; under a context mesh the
-    kernels run per (batch, head) shard through shard_map. Over a `context` axis (q, k, v in
+    `resolve_impl`; on a GPU, Mosaic GPU kernels on Hopper where they support the shape, Triton
+    kernels elsewhere), "pallas_mosaic" / "pallas_triton" (those GPU kernels), "auto".
+    `block_sizes`: tile sizes of the kernels (all fields) and of the XLA path (past_q_tile);
+    `auto` fields are chosen per backend, head dim, dtype and device (BlockSizes.resolve).
+    `routing_chunk`: queries per chunk of gate scores. `rules`: logical sharding rules; under a
+    context mesh the kernels run per (batch, head) shard through shard_map. Over a `context` axis (q, k, v in
     the balanced layout) the XLA path or the kernels run per shard; `kv_whole`: see
     `context_attention`.
     """

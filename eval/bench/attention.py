@@ -47,17 +47,18 @@ def inputs(seq, heads, head_dim, dtype, seed=0):
     return tuple(jnp.asarray(rng.standard_normal(shape), dtype) for _ in range(3))
 
 
-def structured_inputs(seq, heads, head_dim, dtype, seed=0, strength=2.0):
-    """q/k sharing a slowly varying positional signal, so nearby blocks score higher
-    (block-local routing, as trained models show); strength 0 gives uniform routing."""
+def structured_inputs(seq, heads, head_dim, dtype, seed=0, strength=2.0, batch=1, kv_heads=None):
+    """q [batch, seq, heads, D] and k/v [batch, seq, kv_heads (default heads), D] sharing a slowly
+    varying positional signal, so nearby blocks score higher (block-local routing, as trained models
+    show); strength 0 gives uniform routing."""
     rng = np.random.default_rng(seed)
     pos = np.arange(seq)[:, None] / 4096.0
     freqs = np.exp(-np.arange(head_dim // 2) / (head_dim // 2) * np.log(64.0))[None]
     signal = np.concatenate([np.sin(pos * freqs), np.cos(pos * freqs)], axis=-1)[None, :, None, :]
-    make = lambda: rng.standard_normal((1, seq, heads, head_dim)) + strength * signal
-    return tuple(
-        jnp.asarray(x, dtype) for x in (make(), make(), rng.standard_normal((1, seq, heads, head_dim)))
-    )
+    kv_heads = kv_heads or heads
+    make = lambda h: rng.standard_normal((batch, seq, h, head_dim)) + strength * signal
+    v = rng.standard_normal((batch, seq, kv_heads, head_dim))
+    return tuple(jnp.asarray(x, dtype) for x in (make(heads), make(kv_heads), v))
 
 
 def measure(fns, seq: int, args) -> dict:

@@ -52,6 +52,7 @@ def moba_case(*, seq, heads, kv_heads, head_dim, block, top_k, docs, dtype, impl
     diffs = [relative_difference(a, b) for a, b in zip(got, want, strict=True)]
     return {
         "check": "moba",
+        "impl": impl,
         "seq": seq,
         "heads": heads,
         "kv_heads": kv_heads,

@@ -2,7 +2,7 @@
 compiles included; it prints as it goes and rewrites `<out>/gpu_suite.json` after every case.
 Every kernel runs with the shipped defaults (tiles `auto`).
 
-    python -m eval.bench.gpu_suite --out DIR [--budget-s 300] [--json]
+    python -m eval.bench.gpu_suite --out DIR [--budget-s 300] [--sections a,b] [--json]
     python -m eval.bench.gpu_suite --out DIR --dry     # on a CPU: tiny shapes, kernels interpreted
 
 `--json` prints that JSON on stdout at the end as well (the progress lines go to stderr): keys
@@ -14,12 +14,21 @@ sum to the budget):
 - correctness: the compiled kernels against the references (eval/bench/gpu_checks.py): MoBA
   forward and gradients at 8K, bf16 (packed documents with GQA, top-k 1, top-k covering every
   block), and the MLA and MoBA decode kernels against XLA at 16 and 128 heads.
-- attention: MoBA (Pallas GPU kernels) against cuDNN flash attention, forward + backward, bf16,
-  batch 1, 16 heads, head dim 128, block 512, top_k 3, block-local routing, at 8K/32K/128K;
-  the loss and gradients against the XLA path's at the first length (largest relative difference).
-- tiles: the evidence for the GPU tile table, forward + backward of the attention section's shape
-  at one length for each tile set of `GPU_TILES` and a few larger ones; a set over the device's
-  shared memory is refused before it compiles and says so.
+- attention: MoBA (Pallas GPU kernels: `pallas_gpu`, which takes the Mosaic GPU kernels on Hopper,
+  and the Triton kernels beside them) against cuDNN flash attention, forward + backward, bf16,
+  head dim 128, block-local routing, alternated, for three shapes: batch 1 with 16 heads, block
+  512, top_k 3 at 8K/32K/128K; the same with 16 query heads on 4 KV heads; FlashMoBA's benchmark
+  configuration (batch 2, 16 heads, block 128, top_k 8). The loss and gradients against the XLA
+  path's at each shape's first length (largest relative difference).
+- block_kernels: the selected blocks' kernels alone, Mosaic GPU (Hopper) against Triton, on the
+  tiles of the attention section's shape at 8K and 128K (and at 128K with Mosaic's two-warpgroup
+  tiles): results compared, forward and backward timed (eval/bench/block_kernels.py).
+- tiles: the evidence for the Triton kernels' tile table, forward + backward of the attention
+  section's first shape at one length for each tile set of `GPU_TILES` and a few larger ones; a
+  set over the device's shared memory is refused before it compiles and says so.
+- own_kernels: MoBA's own-block kernels on Mosaic GPU against the Triton ones, compiled, at the
+  attention section's shape at 8K and 128K: their differences and each one's forward and backward
+  ms (eval/bench/own_kernels.py); a GPU before Hopper says it has no Mosaic GPU backend.
 - moba_decode: a decode step of a 12-layer d-768 MHA model, MoBA core (its decode kernel) against
   dense, at 32K and 128K (eval/decoding.py).
 - latent_decode: the absorbed MLA and EG-MLA decode steps (their kernels) at 32K, the cache
@@ -31,13 +40,15 @@ sum to the budget):
   tokens/s and MFU from the run's TensorBoard scalars. It needs the data stack (grain) and the
   built-in corpus (`python -m effattn_jax.data.fetch`, or $EFFATTN_CACHE holding it); without
   them the section says so.
-- long attention: 256K and 512K if the budget and memory allow.
+- long_attention: the first shape at 256K, 512K and 1M tokens, FlashMoBA's at 512K (one timed
+  repeat each: cuDNN takes seconds there), if the budget and memory allow.
 - transformers: decode tokens/s of our Generator beside transformers' generate (static cache,
   SDPA) on the same Llama-architecture shapes, prompts of 4K and 32K, batch 1 and 16, each side
   in a process of its own (eval/bench/gpu_transformers.py), with what our compiled step launches
   (operations by kind, bytes) and a profiler trace of each of our generations under <out>/traces;
   without torch and transformers it says so. Every case takes minutes: --budget-s 1800 reaches them all.
 
+`--sections a,b` runs only those sections (in the order above), to spend a short GPU loan well.
 The suite's own JAX does not preallocate the GPU's memory (XLA_PYTHON_CLIENT_PREALLOCATE=false
 unless set), so the processes of the transformers section find it free.
 
@@ -61,10 +72,11 @@ import numpy as np
 
 from effattn_jax.config import load_config
 from effattn_jax.ops.moba import BlockSizes, moba_attention
+from effattn_jax.ops.platform import resolve_impl
 from effattn_jax.sharding import make_mesh
 from effattn_jax.train.state import init_state, make_setup
 from effattn_jax.train.step import make_train_step
-from eval.bench import common, gpu_checks, gpu_transformers
+from eval.bench import block_kernels, common, gpu_checks, gpu_transformers, own_kernels
 from eval.bench.attention import structured_inputs
 from eval.bench.latent_kernel import latent_kernel_case
 from eval.decoding import copy_bandwidth, latent_decode, moba_vs_dense_decode
@@ -84,32 +96,44 @@ TINY_TRAIN_PY = (
 SHARES = {
     "correctness": 0.1,
     "attention": 0.22,
+    "block_kernels": 0.06,
     "tiles": 0.1,
+    "own_kernels": 0.05,
     "moba_decode": 0.08,
     "latent_decode": 0.07,
     "train": 0.13,
-    "train_py": 0.22,
+    "train_py": 0.16,
     "long_attention": 0.08,
     "transformers": 0.3,
 }
+# the GPU kernels the correctness and attention sections run: pallas_gpu is what users get (Mosaic
+# GPU on Hopper); pallas_triton is the pre-Hopper path, timed beside it
+MOBA_GPU_IMPLS = {"moba_pallas": GPU, "moba_triton": "pallas_triton"}
 MOBA_CHECKS = [dict(heads=16, kv_heads=4, top_k=3, docs=3), dict(heads=16, kv_heads=16, top_k=1, docs=1),
                dict(heads=16, kv_heads=16, top_k=None, docs=1)]  # top_k None: every block  # fmt: skip
 
 FULL = {
     "correctness": dict(
-        moba=dict(seq=8192, head_dim=128, block=512, dtype=jnp.bfloat16, impl=GPU, tiles=BlockSizes()),
+        moba=dict(seq=8192, head_dim=128, block=512, dtype=jnp.bfloat16, tiles=BlockSizes()),
+        moba_impls=["pallas_mosaic", "pallas_triton"],
         mla=dict(context=4096, batch=2, latent=512, rope=64, dtype=jnp.bfloat16, impl=GPU),
         moba_decode=dict(context=8192, block=512, head_dim=128, dtype=jnp.bfloat16, impl=GPU),
         heads=[16, 128],
         tol=3e-2,
     ),
-    "attention": dict(seqs=[8192, 32768, 131072], heads=16, head_dim=128, block=512, top_k=3,
-                      impl="pallas_gpu", dense="cudnn", tiles=BlockSizes(), repeats=3),
+    "attention": dict(head_dim=128, dense="cudnn", tiles=BlockSizes(), repeats=3, long_repeats=1, shapes=[
+        dict(name="mha", batch=1, heads=16, kv_heads=16, block=512, top_k=3, seqs=[8192, 32768, 131072],
+             long_seqs=[262144, 524288, 1048576]),
+        dict(name="gqa", batch=1, heads=16, kv_heads=4, block=512, top_k=3, seqs=[8192, 131072],
+             long_seqs=[]),
+        dict(name="flashmoba", batch=2, heads=16, kv_heads=16, block=128, top_k=8, seqs=[8192, 131072],
+             long_seqs=[524288]),
+    ]),
     "tiles": dict(seq=32768, sets=list(GPU_TILES[:3]) + [(128, 64, 64), (128, 64, 128), (128, 128, 256)]),
     "train_py": dict(configs=["dense_545m_8k", "moba_545m_8k", "dense_545m_32k", "moba_545m_32k"],
                      overrides=["train.steps=30", "train.log_every=10", "eval.every_steps=1000",
                                 "eval.max_batches=1", "checkpoint.every_steps=1000"]),
-    "long_seqs": [262144, 524288],
+    "own_kernels": own_kernels.FULL,
     "moba_decode": dict(contexts=[32768, 131072], model=None),
     "latent_decode": dict(contexts=[32768], batches=[1, 16], overrides=(), copy_gib=1.0),
     "latent_kernel": dict(contexts=[32768], heads=[16, 128], batches=[1, 16], latent=512, rope=64,
@@ -123,17 +147,22 @@ FULL = {
 }  # fmt: skip
 DRY = {
     "correctness": dict(
-        moba=dict(seq=256, head_dim=16, block=32, dtype=jnp.float32, impl=GPU, tiles=BlockSizes(16, 16, 16)),
+        moba=dict(seq=256, head_dim=16, block=32, dtype=jnp.float32, tiles=BlockSizes(16, 16, 16)),
+        moba_impls=[GPU],  # interpreted: the Triton kernels (Mosaic's interpreter is tested in tests/)
         mla=dict(context=64, batch=2, latent=16, rope=8, dtype=jnp.float32, impl=GPU),
         moba_decode=dict(context=128, block=32, head_dim=16, dtype=jnp.float32, impl=GPU),
         heads=[4, 8],
         tol=1e-4,
     ),
-    "attention": dict(seqs=[256], heads=2, head_dim=16, block=32, top_k=3, impl="pallas_gpu", dense="xla",
-                      tiles=BlockSizes(q_tile=16, kv_block=16, past_q_tile=16), repeats=1),
+    "attention": dict(head_dim=16, dense="xla", tiles=BlockSizes(q_tile=16, kv_block=16, past_q_tile=16),
+                      repeats=1, long_repeats=1, shapes=[
+        dict(name="mha", batch=1, heads=2, kv_heads=2, block=32, top_k=3, seqs=[256], long_seqs=[]),
+        dict(name="gqa", batch=1, heads=4, kv_heads=2, block=32, top_k=3, seqs=[128], long_seqs=[]),
+        dict(name="flashmoba", batch=2, heads=2, kv_heads=2, block=16, top_k=8, seqs=[128], long_seqs=[]),
+    ]),
     "tiles": dict(seq=256, sets=[(16, 16, 16), (32, 16, 32)]),
     "train_py": dict(configs=["moba_545m_8k"], overrides=TINY_TRAIN_PY),
-    "long_seqs": [],  # the same function as the first section's
+    "own_kernels": own_kernels.DRY,
     "moba_decode": dict(contexts=[128], model=["model.num_layers=2", "model.d_model=64", "model.num_heads=2",
                         "model.mlp_dim=128", "model.vocab_size=256", "model.dtype=float32",
                         "moba.block_size=32", "moba.top_k=3"]),
@@ -200,46 +229,76 @@ def _relative_difference(a, b) -> float:
     return float(jnp.abs(a - b).max() / jnp.abs(b).max())
 
 
-def attention(suite: Suite, rows: list, p: dict, seqs: list[int], compare_xla: bool) -> None:
+def attention(suite: Suite, rows: list, p: dict, long: bool) -> None:
+    """Each shape of `p["shapes"]` at its lengths (`long`: its long_seqs, one timed repeat): the GPU
+    kernels of MOBA_GPU_IMPLS and dense attention, forward + backward, alternated. A contender that
+    cannot run a shape (e.g. Mosaic kernels refusing it) says why in its row and the others go on;
+    an error in a timed run (out of memory at the longest lengths) ends that shape's list."""
+    for shape in p["shapes"]:
+        for seq in shape["long_seqs" if long else "seqs"]:
+            if not suite.time_left():
+                suite.add(rows, {"shape": shape["name"], "seq": seq, "skipped": "time budget"})
+                continue
+            first = not long and seq == shape["seqs"][0]
+            repeats = p["long_repeats" if long else "repeats"]
+            row = _attention_case(shape, seq, p, repeats, compare_xla=first)
+            suite.add(rows, row)
+            if "error" in row:
+                break
+
+
+def _attention_case(shape: dict, seq: int, p: dict, repeats: int, compare_xla: bool) -> dict:
     moba = lambda impl: _grad_fn(
         lambda q, k, v: moba_attention(
-            q, k, v, block_size=p["block"], top_k=p["top_k"], impl=impl, block_sizes=p["tiles"]
+            q, k, v, block_size=shape["block"], top_k=shape["top_k"], impl=impl, block_sizes=p["tiles"]
         )
     )
     dense = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=p["dense"])
-    fns = {"moba_pallas": moba(p["impl"]), "dense": _grad_fn(dense)}
-    for seq in seqs:
-        if not suite.time_left():
-            suite.add(rows, {"seq": seq, "skipped": "time budget"})
-            continue
-        x = structured_inputs(seq, p["heads"], p["head_dim"], jnp.bfloat16)
-        row = {
-            "seq": seq,
-            "heads": p["heads"],
-            "head_dim": p["head_dim"],
-            "block": p["block"],
-            "top_k": p["top_k"],
-        }
-        try:
-            for name, fn in fns.items():
-                t = time.perf_counter()
-                jax.block_until_ready(fn(*x))
-                row[f"{name}_first_call_s"] = round(time.perf_counter() - t, 2)
-            ms = alternated({name: seconds(fn, *x) for name, fn in fns.items()}, p["repeats"], warmup=0)
-            row |= {f"{name}_ms": t * 1e3 for name, t in ms.items()}
+    x = structured_inputs(
+        seq, shape["heads"], p["head_dim"], jnp.bfloat16, batch=shape["batch"], kv_heads=shape["kv_heads"]
+    )
+    row = {"shape": shape["name"], "seq": seq, "batch": shape["batch"], "heads": shape["heads"],
+           "kv_heads": shape["kv_heads"], "head_dim": p["head_dim"], "block": shape["block"],
+           "top_k": shape["top_k"], "moba_pallas_kernels": _gpu_kernels(x, shape, p["tiles"])}  # fmt: skip
+    fns = {name: moba(impl) for name, impl in MOBA_GPU_IMPLS.items()}
+    if row["moba_pallas_kernels"] == "triton":  # pallas_gpu is the Triton kernels here: time them once
+        fns.pop("moba_triton")
+    fns["dense"] = _grad_fn(dense)
+    try:
+        for name in list(fns):
+            t = time.perf_counter()
+            try:
+                jax.block_until_ready(fns[name](*x))
+            except ValueError as e:  # refused before compiling (one line): the others still run
+                row[f"{name}_refused"] = _error(e)
+                fns.pop(name)
+                continue
+            row[f"{name}_first_call_s"] = round(time.perf_counter() - t, 2)
+        ms = alternated({name: seconds(fn, *x) for name, fn in fns.items()}, repeats, warmup=0)
+        row |= {f"{name}_ms": t * 1e3 for name, t in ms.items()}
+        if "moba_pallas_ms" in row and "dense_ms" in row:
             row["dense_over_moba"] = row["dense_ms"] / row["moba_pallas_ms"]
-            if compare_xla and seq == seqs[0]:
-                xla = moba("xla")
-                got, want = (jax.tree.leaves(f(*x)) for f in (fns["moba_pallas"], xla))
-                # loss and dq/dK/dV, each relative to its largest entry (bf16: about 1e-2 expected)
-                row["pallas_vs_xla_max_rel_diff"] = max(
-                    _relative_difference(a, b) for a, b in zip(got, want, strict=True)
-                )
-        except Exception as e:  # noqa: BLE001 - out of memory at the longest lengths ends the list
-            row["error"] = _error(e)
-            suite.add(rows, row)
-            return
-        suite.add(rows, row)
+        if compare_xla and "moba_pallas" in fns:
+            got, want = (jax.tree.leaves(f(*x)) for f in (fns["moba_pallas"], moba("xla")))
+            # loss and dq/dK/dV, each relative to its largest entry (bf16: about 1e-2 expected)
+            row["pallas_vs_xla_max_rel_diff"] = max(
+                _relative_difference(a, b) for a, b in zip(got, want, strict=True)
+            )
+    except Exception as e:  # noqa: BLE001 - out of memory at the longest lengths ends the list
+        row["error"] = _error(e)
+    return row
+
+
+def _gpu_kernels(x, shape: dict, tiles: BlockSizes) -> str:
+    """Which GPU kernels `pallas_gpu` runs for this shape on this machine ("mosaic" | "triton"),
+    interpreted off a GPU."""
+    from pallas_kernels.moba.parts import KernelCall
+
+    _, kernel, interpret = resolve_impl(GPU)
+    call = KernelCall.fitted(
+        tiles, x[0], x[2], block_size=shape["block"], scale=1.0, backend=kernel, interpret=interpret
+    )
+    return call.gpu_kernels
 
 
 def _train_steps(setup, batches: list, losses: list):
@@ -294,8 +353,9 @@ def correctness(suite: Suite, rows: list, p: dict) -> None:
     """The compiled kernels against the references: MoBA at realistic shapes, the decode kernels at
     16 and 128 heads (eval/bench/gpu_checks.py); each row says whether it is within `tol`."""
     m = p["moba"]
-    cases = [("moba", gpu_checks.moba_case, m | c | {"top_k": c["top_k"] or m["seq"] // m["block"]})
-             for c in MOBA_CHECKS]  # fmt: skip
+    every = m["seq"] // m["block"]
+    cases = [("moba", gpu_checks.moba_case, m | c | {"top_k": c["top_k"] or every, "impl": impl})
+             for impl in p["moba_impls"] for c in MOBA_CHECKS]  # fmt: skip
     for heads in p["heads"]:
         cases.append(("mla_decode", gpu_checks.mla_decode_case, dict(p["mla"], heads=heads)))
         cases.append(("moba_decode", gpu_checks.moba_decode_case, dict(p["moba_decode"], heads=heads)))
@@ -312,8 +372,11 @@ def correctness(suite: Suite, rows: list, p: dict) -> None:
 
 
 def tile_sweep(suite: Suite, rows: list, attn: dict, p: dict) -> None:
-    """Forward + backward ms of the attention section's shape at one length per tile set, with each
-    set's estimated shared memory; a set over the device's limit is refused before compiling."""
+    """Forward + backward ms of the Triton kernels (whose tile table this is) on the attention
+    section's first shape at one length per tile set, with each set's estimated shared memory; a set
+    over the device's limit is refused before compiling."""
+    first = attn["shapes"][0]
+    attn = dict(first, head_dim=attn["head_dim"], impl="pallas_triton")
     x = structured_inputs(p["seq"], attn["heads"], attn["head_dim"], jnp.bfloat16)
     limit = gpu_memory.device_limit()[0]
     for tiles in p["sets"]:
@@ -376,7 +439,13 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, default=300.0, help="seconds for everything, compiles included")
     p.add_argument("--dry", action="store_true", help="tiny shapes with interpreted kernels (a CPU check)")
     p.add_argument("--loss-tol", type=float, default=2e-3, help="largest loss difference pallas vs xla")
+    p.add_argument(
+        "--sections", default=",".join(SHARES), help=f"comma-separated, of: {', '.join(SHARES)} (default all)"
+    )
     args = p.parse_args(argv)
+    args.sections = args.sections.split(",")
+    if unknown := [name for name in args.sections if name not in SHARES]:
+        p.error(f"--sections: unknown {', '.join(unknown)}; allowed: {', '.join(SHARES)}")
     args.out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # before JAX first opens the GPU
     with common.report(args, f"budget {args.budget_s:.0f} s" + (", dry" if args.dry else "")) as emit:
@@ -386,15 +455,18 @@ def main(argv=None) -> int:
 
 
 def run(args) -> Suite:
-    """Every section in order, within the budget; the JSON is rewritten after every case."""
+    """The sections asked for (all by default), in order, within the budget; the JSON is rewritten
+    after every case."""
     plan = DRY if args.dry else FULL
     suite = Suite(args.out, args.budget_s, args.dry)
-    correctness(suite, suite.section("correctness"), plan["correctness"])
-    attention(
-        suite, suite.section("attention"), plan["attention"], plan["attention"]["seqs"], compare_xla=True
-    )
-    tile_sweep(suite, suite.section("tiles"), plan["attention"], plan["tiles"])
-    rows = suite.section("moba_decode")
+    for name in SHARES:
+        if name in args.sections:
+            SECTIONS[name](suite, suite.section(name), plan, args)
+    print(f"done in {time.perf_counter() - suite.start:.0f} s: {suite.path}", flush=True)
+    return suite
+
+
+def _moba_decode(suite: Suite, rows: list, plan: dict, args) -> None:
     decode = plan["moba_decode"]
     for context in decode["contexts"]:
         if not suite.time_left():
@@ -405,7 +477,9 @@ def run(args) -> Suite:
         if context >= 131072:  # the goal at 128K: a MoBA step at most 1/4 of the dense one
             row |= {"goal_ratio_at_most": 0.25, "meets_goal": row["ratio"] <= 0.25}
         suite.add(rows, row)
-    rows = suite.section("latent_decode")
+
+
+def _latent_decode(suite: Suite, rows: list, plan: dict, args) -> None:
     latent = plan["latent_decode"]
     copy = copy_bandwidth(latent["copy_gib"])
     suite.add(rows, {"copy_bytes_per_s": copy})
@@ -429,13 +503,28 @@ def run(args) -> Suite:
             suite.add(rows, latent_kernel_case(**case, **params, copy=copy))
         except Exception as e:  # noqa: BLE001 - a kernel that fails to compile at a shape is the finding
             suite.add(rows, case | {"kernel": "mla_decode_gpu", "error": _error(e)})
-    train_pair(suite, suite.section("train"), plan["train"], plan["train_steps"], args.loss_tol)
-    train_py(suite, suite.section("train_py"), plan["train_py"], args.out.resolve())
-    attention(suite, suite.section("long_attention"), plan["attention"], plan["long_seqs"], compare_xla=False)
-    traces = args.out.resolve() / "traces"
-    gpu_transformers.section(suite, suite.section("transformers"), plan["transformers"], traces)
-    print(f"done in {time.perf_counter() - suite.start:.0f} s: {suite.path}", flush=True)
-    return suite
+
+
+# section name -> what runs it: (suite, its rows, the plan, the arguments)
+SECTIONS = {
+    "correctness": lambda suite, rows, plan, args: correctness(suite, rows, plan["correctness"]),
+    "attention": lambda suite, rows, plan, args: attention(suite, rows, plan["attention"], long=False),
+    "block_kernels": lambda suite, rows, plan, args: block_kernels.block_kernels(
+        suite, rows, block_kernels.DRY if args.dry else block_kernels.FULL, interpret=args.dry
+    ),
+    "tiles": lambda suite, rows, plan, args: tile_sweep(suite, rows, plan["attention"], plan["tiles"]),
+    "own_kernels": lambda suite, rows, plan, args: own_kernels.section(suite, rows, plan["own_kernels"]),
+    "moba_decode": _moba_decode,
+    "latent_decode": _latent_decode,
+    "train": lambda suite, rows, plan, args: train_pair(
+        suite, rows, plan["train"], plan["train_steps"], args.loss_tol
+    ),
+    "train_py": lambda suite, rows, plan, args: train_py(suite, rows, plan["train_py"], args.out.resolve()),
+    "long_attention": lambda suite, rows, plan, args: attention(suite, rows, plan["attention"], long=True),
+    "transformers": lambda suite, rows, plan, args: gpu_transformers.section(
+        suite, rows, plan["transformers"], args.out.resolve() / "traces"
+    ),
+}
 
 
 if __name__ == "__main__":

@@ -97,6 +97,19 @@ def _dkv_kernel(
     dk_ref[...], dv_ref[...] = dk.astype(dk_ref.dtype), dv.astype(dv_ref.dtype)
 
 
+def group_tables(tile_group, kv_row, block_start, num_groups: int):
+    """The dK/dV programs' tables, [G + 1] each: each group's first tile and tile count, KV row
+    and block start (slot G, the padding tiles': no tiles)."""
+    ntiles = tile_group.shape[0]
+    groups = jnp.arange(num_groups + 1, dtype=jnp.int32)
+    first = jnp.searchsorted(tile_group, groups, side="left").astype(jnp.int32)
+    count = jnp.searchsorted(tile_group, groups, side="right").astype(jnp.int32) - first
+    count = count.at[num_groups].set(0)
+    g_kv = kv_row[jnp.minimum(first, ntiles - 1)]
+    g_start = block_start[jnp.minimum(first, ntiles - 1)]
+    return first, count, g_kv, g_start
+
+
 def _cost(part: str, q_rows, k, v, block_size: int):
     ntiles, qt, d = q_rows.shape
     dv, item = v.shape[-1], q_rows.dtype.itemsize
@@ -186,13 +199,7 @@ def block_attention_bwd(
         name="moba_block_dq_gpu",
         cost_estimate=_cost("dq", q_rows, k, v, block_size),
     )(kv_row, block_start, q_rows, k, v, do_rows, col(lse), col(delta))
-    # group tables: each group's first tile and tile count, KV row and block start (slot G: none)
-    groups = jnp.arange(num_groups + 1, dtype=jnp.int32)
-    first = jnp.searchsorted(tile_group, groups, side="left").astype(jnp.int32)
-    count = jnp.searchsorted(tile_group, groups, side="right").astype(jnp.int32) - first
-    count = count.at[num_groups].set(0)
-    g_kv = kv_row[jnp.minimum(first, ntiles - 1)]
-    g_start = block_start[jnp.minimum(first, ntiles - 1)]
+    first, count, g_kv, g_start = group_tables(tile_group, kv_row, block_start, num_groups)
     block = lambda w: pl.BlockSpec((None, ck, w), lambda g, j: (g, j, 0))
     dk, dvv = pl.pallas_call(
         functools.partial(_dkv_kernel, scale=scale, ck=ck),

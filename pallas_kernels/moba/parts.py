@@ -22,14 +22,16 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import gpu_memory
+from pallas_kernels import gpu_backend, gpu_memory
 from pallas_kernels.common import ALIGN
+from pallas_kernels.gpu_backend import GPU_BACKENDS
 from pallas_kernels.moba.schedule import BACKENDS, BlockSizes, past_tiles
 
 
 @dataclasses.dataclass(frozen=True)
 class KernelCall:
-    """What every kernel of one MoBA call shares: backend ("tpu" | "gpu"), interpret mode (a bool,
+    """What every kernel of one MoBA call shares: backend ("tpu" | "gpu"), the Pallas GPU backend
+    its GPU kernels are written for ("mosaic" | "triton"; "" on TPU), interpret mode (a bool,
     "tpu" or TPU InterpretParams), the resolved tiles, the MoBA block size and the softmax scale.
     Frozen and hashable: it is a custom_vjp's static argument."""
 
@@ -38,24 +40,31 @@ class KernelCall:
     block_sizes: BlockSizes
     block_size: int
     scale: float
+    gpu_kernels: str = ""
 
     @classmethod
     def fitted(cls, block_sizes: BlockSizes | None, q, v, *, block_size, scale, backend, interpret):
         """A call whose tiles are `block_sizes` with `auto` fields chosen for the backend, head dim,
         dtype and (on a GPU) shared memory, then checked against what the backend's compiler
         accepts. Compiled for a GPU, the limit is this GPU's, or an H100/H200's when none is at
-        hand (an AOT export)."""
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        limit, device = gpu_memory.device_limit() if backend == "gpu" and not interpret else (None, "")
+        hand (an AOT export). `backend`: "tpu", "gpu" (the GPU kernels `gpu_kernels_for` picks),
+        or "mosaic" / "triton" (those GPU kernels, or a ValueError saying why they cannot run)."""
+        if backend not in BACKENDS + GPU_BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS + GPU_BACKENDS}, got {backend!r}")
+        hardware = "gpu" if backend in GPU_BACKENDS else backend
+        limit, device = gpu_memory.device_limit() if hardware == "gpu" and not interpret else (None, "")
         shape = dict(head_dim=q.shape[-1], v_head_dim=v.shape[-1], itemsize=q.dtype.itemsize)
         sizes = (block_sizes or BlockSizes()).resolve(
-            backend, block_size=block_size, smem_limit=limit, **shape
+            hardware, block_size=block_size, smem_limit=limit, **shape
         )
-        sizes.check_backend(
-            backend, block_size, compiler=not interpret, smem_limit=limit, device=device, **shape
-        )
-        return cls(backend, interpret, sizes, block_size, float(scale))
+        kernels = ""
+        if hardware == "gpu":
+            kernels = gpu_kernels_for(backend, sizes, q, v, block_size=block_size, interpret=interpret)
+        if kernels != "mosaic":  # the Triton and TPU compilers' limits (Mosaic's: its `supports`)
+            sizes.check_backend(
+                hardware, block_size, compiler=not interpret, smem_limit=limit, device=device, **shape
+            )
+        return cls(hardware, interpret, sizes, block_size, float(scale), kernels)
 
     @property
     def kernel_args(self) -> dict:
@@ -67,13 +76,32 @@ class KernelCall:
             interpret=self.interpret,
         )
 
+    def kernels(self, part: str):
+        """The kernel module of `part` ("_own": the own block, "_blocks": the selected blocks) for
+        this call's backend, imported only when used (the GPU ones need no TPU code)."""
+        prefix = {"mosaic": "mgpu", "triton": "gpu"}.get(self.gpu_kernels, self.backend)
+        return importlib.import_module(f"pallas_kernels.moba.{prefix}{part}")
 
-def _kernels(backend: str, part: str):
-    """The backend's kernel module (`part`: "_blocks" for the whole-block kernels, "_own" for
-    the own-block kernel), imported only when used (the GPU ones need no TPU code)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    return importlib.import_module(f"pallas_kernels.moba.{backend}{part}")
+
+MOSAIC_PARTS = ("_own", "_blocks")  # the Mosaic GPU kernel modules a MoBA call runs
+
+
+def gpu_kernels_for(backend: str, sizes: BlockSizes, q, v, *, block_size: int, interpret) -> str:
+    """ "mosaic" or "triton": which GPU kernels run. `backend` "gpu" takes the device's Pallas GPU
+    backend (pallas_kernels/gpu_backend.py: Mosaic GPU on Hopper) when every Mosaic kernel supports
+    the shape, dtype and tiles, else Triton; interpreted (tests on a CPU) it takes Triton, whose
+    interpreter is the fast one: "mosaic" asks for the Mosaic kernels explicitly."""
+    if backend == "triton" or (backend == "gpu" and (interpret or gpu_backend.device_backend() != "mosaic")):
+        return "triton"
+    shape = dict(head_dim=q.shape[-1], v_head_dim=v.shape[-1], dtype=q.dtype)
+    for part in MOSAIC_PARTS:
+        module = importlib.import_module(f"pallas_kernels.moba.mgpu{part}")
+        reason = module.supports(block_sizes=sizes, block_size=block_size, **shape)
+        if reason is not None:
+            if backend == "mosaic":
+                raise ValueError(f"moba.impl=pallas_mosaic cannot run here: {reason}; use pallas_triton")
+            return "triton"
+    return "mosaic"
 
 
 def _heads(x, seq_pad):
@@ -183,7 +211,7 @@ def _own_tpu_fwd(q, lay: Layout, own_start, *, block_size, scale, interpret, blo
     """The own part by the chunk-diagonal TPU kernel (tpu_own.py): (o float32 in the kernels'
     layout, lse [B, S, Hq])."""
     b, s, _, _ = q.shape
-    tpu_own = _kernels("tpu", "_own")
+    tpu_own = importlib.import_module("pallas_kernels.moba.tpu_own")
     tables = tpu_own.own_tables(own_start, block_size=block_size, seq_pad=lay.seq)
     o, lse = tpu_own.own_attention_fwd(
         lay.to(q),
@@ -199,10 +227,10 @@ def _own_tpu_fwd(q, lay: Layout, own_start, *, block_size, scale, interpret, blo
     return o, _unheads(lse[:, 0], b, s)
 
 
-def _own_gpu_fwd(q, lay: Layout, own_start, *, block_size, scale, interpret, block_sizes):
-    """The own part by the GPU kernel (gpu_own.py): (o float32 [B*Hq, S_pad, Dv], lse [B, S, Hq])."""
+def _own_gpu_fwd(gpu_own, q, lay: Layout, own_start, *, block_size, scale, interpret, block_sizes):
+    """The own part by the GPU kernel (gpu_own.py or mgpu_own.py, the module `gpu_own`):
+    (o float32 [B*Hq, S_pad, Dv], lse [B, S, Hq])."""
     b, s = own_start.shape
-    gpu_own = _kernels("gpu", "_own")
     lo, first, _ = gpu_own.own_tables(
         own_start, seq_pad=lay.seq, q_tile=block_sizes.q_tile, kv_block=block_sizes.kv_block
     )
@@ -226,7 +254,7 @@ def _own_tpu_bwd(q, lay: Layout, own_start, d_out, lse, delta, *, block_size, sc
     place, one block's window at a time)."""
     b, s, hq, d = q.shape
     seq_pad, c = lay.seq, block_size
-    tpu_own = _kernels("tpu", "_own")
+    tpu_own = importlib.import_module("pallas_kernels.moba.tpu_own")
     lane_rows = lambda x, fill: jnp.pad(
         jnp.moveaxis(x, 2, 1).reshape(-1, 1, s), ((0, 0), (0, 0), (0, seq_pad - s)), constant_values=fill
     )  # [B, S, Hq] -> [B*Hq, 1, S_pad]
@@ -248,12 +276,14 @@ def _own_tpu_bwd(q, lay: Layout, own_start, d_out, lse, delta, *, block_size, sc
     return dq, keys(dk), keys(dv)
 
 
-def _own_gpu_bwd(q, lay: Layout, own_start, d_out, lse, delta, *, block_size, scale, interpret, block_sizes):
-    """The own part's gradients by the GPU kernels (gpu_own.py): dq head-major [B*Hq, S_pad, D],
-    dK/dV [B, S, Hkv, D]. Padding rows have dO = 0 and delta = 0, so they contribute nothing."""
+def _own_gpu_bwd(
+    gpu_own, q, lay: Layout, own_start, d_out, lse, delta, *, block_size, scale, interpret, block_sizes
+):
+    """The own part's gradients by the GPU kernels (the module `gpu_own`): dq head-major
+    [B*Hq, S_pad, D], dK/dV [B, S, Hkv, D]. Padding rows have dO = 0 and delta = 0, so they
+    contribute nothing."""
     b, s, hq, _ = q.shape
     seq_pad = lay.seq
-    gpu_own = _kernels("gpu", "_own")
     tables = gpu_own.own_tables(
         own_start, seq_pad=seq_pad, q_tile=block_sizes.q_tile, kv_block=block_sizes.kv_block
     )
@@ -405,22 +435,24 @@ def _gpu_past_bwd(kern, flat, lay, past, dk, dv, key_starts, **kw):
 
 def own_forward(call: KernelCall, q, lay: Layout, own_start):
     """The own block's part: (o float32 in the kernels' layout, lse [B, S, Hq])."""
-    own_fwd = _own_tpu_fwd if call.backend == "tpu" else _own_gpu_fwd
-    return own_fwd(q, lay, own_start, **call.kernel_args)
+    if call.backend == "tpu":
+        return _own_tpu_fwd(q, lay, own_start, **call.kernel_args)
+    return _own_gpu_fwd(call.kernels("_own"), q, lay, own_start, **call.kernel_args)
 
 
 def own_backward(call: KernelCall, q, lay: Layout, own_start, d_out, lse, delta):
     """The own block's gradients: dq in the kernels' layout; dK/dV in the kernels' layout on TPU
     (the selected blocks' kernel adds into them in place), [B, S, Hkv, D] on GPU."""
-    own_bwd = _own_tpu_bwd if call.backend == "tpu" else _own_gpu_bwd
-    return own_bwd(q, lay, own_start, d_out, lse, delta, **call.kernel_args)
+    if call.backend == "tpu":
+        return _own_tpu_bwd(q, lay, own_start, d_out, lse, delta, **call.kernel_args)
+    return _own_gpu_bwd(call.kernels("_own"), q, lay, own_start, d_out, lse, delta, **call.kernel_args)
 
 
 def past_forward(call: KernelCall, q_flat, lay: Layout, past):
     """The selected blocks' parts: (o_rows [T*Qt, Dv] float32, lse_rows [T*Qt]), one row per
     schedule tile row (q_flat [N, D]: the query rows the tiles gather)."""
     t = past.tiles
-    o, lse = _kernels(call.backend, "_blocks").block_attention_fwd(
+    o, lse = call.kernels("_blocks").block_attention_fwd(
         gather_rows(q_flat, t.rows),
         lay.k,
         lay.v,
@@ -438,7 +470,7 @@ def past_backward(call: KernelCall, flat, lay: Layout, past, dk, dv, key_starts)
     """The selected blocks' gradients: (dq tiles [T, Qt, D], dK, dV with the blocks' added to
     the own part's dk, dv: in the kernels' layout on TPU, [B, S, Hkv, D] on GPU). flat: q, dO,
     lse, delta per query row; key_starts [B, S]: each key's block start (GPU)."""
-    kern = _kernels(call.backend, "_blocks")
+    kern = call.kernels("_blocks")
     kw = dict(call.kernel_args, num_groups=past.group_tiles.shape[0], **lay.kv_heads)
     if call.backend == "tpu":
         return _tpu_past_bwd(kern, flat, lay, past, dk, dv, **kw)
