@@ -27,7 +27,16 @@ class Routing(NamedTuple):
 
 
 def moba_routing(
-    q, k, *, block_size: int, top_k: int, segment_ids=None, query_chunk: int = 512, q_index=None
+    q,
+    k,
+    *,
+    block_size: int,
+    top_k: int,
+    segment_ids=None,
+    query_chunk: int = 512,
+    q_index=None,
+    kernel: str | None = None,
+    interpret=False,
 ) -> Routing:
     """The one MoBA gate. q [B, T, Hq, D], k [B, S, Hkv, D]; blocks follow `segment_ids` [B, S];
     the queries are the keys' positions `q_index` [B, T] (default: T = S, all of them in order;
@@ -36,6 +45,9 @@ def moba_routing(
     Cost: T * blocks * D per head (the gate): block means computed once (S * D), then each
     query chunk against all of them as one matmul, masked and reduced to its top k' within the
     chunk; no [T, S] array, no per-query copy of the means, no [T, blocks] scores at once.
+    `kernel`: None selects in XLA (here); "gpu" in a Pallas kernel (`routing_kernel`) that
+    holds each query tile's scores in registers, from the same candidates, scores and tie rule;
+    `interpret` runs it interpreted (CPU).
     """
     q, k = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
     b, t, hq, d = q.shape
@@ -53,6 +65,12 @@ def moba_routing(
         return Routing(own_start, jnp.zeros((b, t, hq, 0), jnp.int32))
 
     starts, means = _full_block_means(k, None if segment_ids is None else pos, c)  # [B, n'], [B, n', Hkv, D]
+    if routing_kernel(kernel) is not None:
+        select = routing_kernel(kernel)
+        past = select(
+            q, starts, means, doc_start, own_start, kk, seq=s, key_dtype=k.dtype, interpret=interpret
+        )
+        return Routing(own_start, past)
     chunk = min(query_chunk, t)
     pad = -t % chunk
     by_chunk = lambda x, fill: jnp.moveaxis(
@@ -82,6 +100,18 @@ def moba_routing(
 
     chosen = jax.lax.map(select, (by_chunk(q, 0), by_chunk(doc_start, 0), by_chunk(own_start, 0)))
     return Routing(own_start, jnp.moveaxis(chosen, 0, 1).reshape(b, -1, hq, kk)[:, :t])
+
+
+def routing_kernel(kernel: str | None):
+    """The Pallas selection for a MoBA kernel backend, or None where the gate stays in XLA.
+    GPU: the Triton kernel (pallas_kernels/moba/routing_gpu.py) on every GPU, Hopper included
+    (gpu_backend.device_backend() says "mosaic" there; no Mosaic GPU routing kernel exists yet).
+    TPU: XLA (no TPU routing kernel)."""
+    if kernel != "gpu":
+        return None
+    from pallas_kernels.moba.routing_gpu import routing_gpu  # Pallas is imported only when used
+
+    return routing_gpu
 
 
 def top_k_first(scores, k: int) -> list[jax.Array]:
