@@ -117,7 +117,7 @@ def moba_attention(
             q_index = query_positions(firsts, q.shape[1] // len(firsts), q.shape[0])
             r = moba_routing(
                 q, k, block_size=block_size, top_k=top_k, segment_ids=k_seg,
-                query_chunk=routing_chunk, q_index=q_index,
+                query_chunk=routing_chunk, q_index=q_index, kernel=kernel, interpret=interpret,
             )  # fmt: skip
             if path == "pallas":
                 from pallas_kernels.moba.context import moba_pallas_local
@@ -133,10 +133,11 @@ def moba_attention(
             )  # fmt: skip
 
         return context_attention(local, q, k, v, segment_ids, rules, kv_whole)
-    route = lambda q, k, seg: moba_routing(
-        q, k, block_size=block_size, top_k=top_k, segment_ids=seg, query_chunk=routing_chunk
-    )
     path, kernel, interpret = resolve_impl(impl)
+    route = lambda q, k, seg: moba_routing(
+        q, k, block_size=block_size, top_k=top_k, segment_ids=seg, query_chunk=routing_chunk,
+        kernel=kernel, interpret=interpret,
+    )  # fmt: skip
     if path == "pallas":
         from pallas_kernels.moba.attention import moba_pallas  # Pallas is imported only when used
 
