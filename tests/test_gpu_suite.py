@@ -26,6 +26,7 @@ def test_dry_run_writes_every_section_without_the_data_stack(tmp_path):
     assert result["dry"] and set(sections) == {
         "correctness",
         "attention",
+        "routing",
         "tiles",
         "moba_decode",
         "latent_decode",
@@ -42,6 +43,11 @@ def test_dry_run_writes_every_section_without_the_data_stack(tmp_path):
     (attn,) = sections["attention"]
     assert {"moba_pallas_ms", "dense_ms", "dense_over_moba"} <= set(attn)
     assert attn["pallas_vs_xla_max_rel_diff"] < 0.05  # bf16 loss and gradients, kernels vs XLA path
+    (routing,) = sections["routing"]  # interpreted kernel: its picks equal XLA's
+    assert routing["picks_equal"] and routing["routing_kernel_ms"] > 0 and routing["floor_ms"] > 0
+    assert {"kernel_over_floor", "xla_over_floor", "kernel_share_of_forward", "moba_forward_ms"} <= set(
+        routing
+    )
     assert {"moba_ms", "dense_ms", "ratio"} <= set(sections["moba_decode"][0])
     latent = sections["latent_decode"]
     assert "copy_bytes_per_s" in latent[0] and {r["model"] for r in latent[1:]} == {

@@ -16,6 +16,8 @@ says so in the JSON):
 - attention: MoBA (Pallas GPU kernels) against cuDNN flash attention, forward + backward, bf16,
   batch 1, 16 heads, head dim 128, block 512, top_k 3, block-local routing, at 8K/32K/128K;
   the loss and gradients against the XLA path's at the first length (largest relative difference).
+- routing: MoBA's gate through its Pallas kernel against the XLA gate, the floor (bytes at the copy
+  rate) and the MoBA forward, at 32K and 128K (eval/bench/gpu_routing.py); the picks against XLA's.
 - tiles: the evidence for the GPU tile table, forward + backward of the attention section's shape
   at one length for each tile set of `GPU_TILES` and a few larger ones; a set over the device's
   shared memory is refused before it compiles and says so.
@@ -53,7 +55,7 @@ from effattn_jax.ops.moba import BlockSizes, moba_attention
 from effattn_jax.sharding import make_mesh
 from effattn_jax.train.state import init_state, make_setup
 from effattn_jax.train.step import make_train_step
-from eval.bench import common, gpu_checks
+from eval.bench import common, gpu_checks, gpu_routing
 from eval.bench.attention import structured_inputs
 from eval.decoding import copy_bandwidth, latent_decode, moba_vs_dense_decode
 from eval.timing import alternated, seconds
@@ -76,7 +78,8 @@ SHARES = {
     "moba_decode": 0.08,
     "latent_decode": 0.07,
     "train": 0.13,
-    "train_py": 0.22,
+    "train_py": 0.17,
+    "routing": 0.05,
     "long_attention": 0.08,
 }
 MOBA_CHECKS = [dict(heads=16, kv_heads=4, top_k=3, docs=3), dict(heads=16, kv_heads=16, top_k=1, docs=1),
@@ -97,6 +100,7 @@ FULL = {
                      overrides=["train.steps=30", "train.log_every=10", "eval.every_steps=1000",
                                 "eval.max_batches=1", "checkpoint.every_steps=1000"]),
     "long_seqs": [262144, 524288],
+    "routing": gpu_routing.FULL,
     "moba_decode": dict(contexts=[32768, 131072], model=None),
     "latent_decode": dict(contexts=[32768], batches=[1, 16], overrides=(), copy_gib=1.0),
     "train": ["model.num_layers=4", "model.d_model=512", "model.num_heads=8", "model.mlp_dim=1408",
@@ -117,6 +121,7 @@ DRY = {
     "tiles": dict(seq=256, sets=[(16, 16, 16), (32, 16, 32)]),
     "train_py": dict(configs=["moba_545m_8k"], overrides=TINY_TRAIN_PY),
     "long_seqs": [],  # the same function as the first section's
+    "routing": gpu_routing.DRY,
     "moba_decode": dict(contexts=[128], model=["model.num_layers=2", "model.d_model=64", "model.num_heads=2",
                         "model.mlp_dim=128", "model.vocab_size=256", "model.dtype=float32",
                         "moba.block_size=32", "moba.top_k=3"]),
@@ -371,6 +376,8 @@ def run(args) -> Suite:
     attention(
         suite, suite.section("attention"), plan["attention"], plan["attention"]["seqs"], compare_xla=True
     )
+    rows = suite.section("routing")
+    gpu_routing.routing_rows(plan["routing"], suite.time_left, lambda row: suite.add(rows, row), _error)
     tile_sweep(suite, suite.section("tiles"), plan["attention"], plan["tiles"])
     rows = suite.section("moba_decode")
     decode = plan["moba_decode"]
