@@ -1,5 +1,6 @@
-"""MoBA's routing kernel (pallas_kernels/moba/routing_gpu.py), interpreted on CPU, against the XLA
-gate `moba_routing`: the picks must be equal, slot for slot (order, ties and -1 slots included)."""
+"""MoBA's routing kernels (pallas_kernels/moba/routing_gpu.py, routing_tpu.py), interpreted on CPU,
+against the XLA gate `moba_routing`: the picks must be equal, slot for slot (order, ties and -1 slots
+included); and their lowerings for CUDA and a TPU."""
 
 import re
 
@@ -7,12 +8,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import quick_or_slow, rand_qkv, segments
+from conftest import quick_or_slow, rand_qkv, segments, v5e_arg
 
 from effattn_jax.ops.moba import moba_attention
 from effattn_jax.ops.routing import moba_routing
 from pallas_kernels.common import gpu_lowering_target
+from pallas_kernels.moba import routing_gpu as routing_gpu_module
+from pallas_kernels.moba import routing_tpu as routing_tpu_module
 from pallas_kernels.moba.routing_gpu import routing_gpu
+from pallas_kernels.moba.routing_tpu import routing_tpu
 
 CASES = {
     # name: (batch, seq, q_heads, kv_heads, block, top_k, segment lengths or None)
@@ -20,31 +24,39 @@ CASES = {
     "gqa": (1, 64, 4, 2, 8, 3, None),
     "partial_last_block": (1, 70, 2, 2, 8, 3, None),
     "top_k_covers_every_block": (1, 64, 2, 1, 8, 12, [40, 24]),
-    "top_k_16": (1, 160, 2, 1, 8, 16, None),  # 19 full blocks: two tiles of 16 means, 15 picks
+    "top_k_16": (1, 160, 2, 1, 8, 16, None),  # 19 full blocks, 15 picks
 }
 
 
-def both(q, k, **kw):
-    """(XLA's past_start, the kernel's), each jitted."""
-    route = lambda kernel: jax.jit(lambda q, k: moba_routing(q, k, kernel=kernel, interpret=True, **kw))
-    return route(None)(q, k).past_start, route("gpu")(q, k).past_start
+KERNELS = ("gpu", "tpu")
+
+
+def both(q, k, kernel="gpu", interpret=True, **kw):
+    """(XLA's past_start, the kernel's), each jitted; `interpret`: True, or "tpu" (TPU interpreter)."""
+    route = lambda kernel: jax.jit(lambda q, k: moba_routing(q, k, kernel=kernel, interpret=interpret, **kw))
+    return route(None)(q, k).past_start, route(kernel)(q, k).past_start
+
+
+QUICK = {(k, "packed_documents", "bfloat16") for k in KERNELS}
 
 
 @pytest.mark.parametrize(
-    "name, dtype",
-    quick_or_slow(
-        [(n, d) for n in CASES for d in ("float32", "bfloat16")], {("packed_documents", "bfloat16")}
-    ),
+    "kernel, name, dtype",
+    quick_or_slow([(k, n, d) for k in KERNELS for n in CASES for d in ("float32", "bfloat16")], QUICK),
 )
-def test_kernel_picks_equal_xla(name, dtype):
+def test_kernel_picks_equal_xla(kernel, name, dtype, monkeypatch):
     """Every slot equal to moba_routing's over packed documents, GQA (a query head reading its KV head's
     means), a partial last block, top_k covering every block (-1 slots) and top_k 16 (means over two tiles),
-    in float32 and bfloat16. Catches: a candidate window off by one (own block or document start), a query
-    head mapped to the wrong KV head, picks out of order, a -1 slot filled, a tile of means skipped."""
+    in float32 and bfloat16, with tiles of 16 means (the lists carried across tiles; a later document's
+    queries start past the first tile). Catches: a candidate window off by one (own block or document
+    start), a query head mapped to the wrong KV head, picks out of order, a -1 slot filled, a tile of
+    means skipped."""
+    monkeypatch.setattr(routing_gpu_module, "MEAN_TILE", 16)
+    monkeypatch.setattr(routing_tpu_module, "MEAN_TILE", 16)
     b, s, hq, hkv, c, top_k, lengths = CASES[name]
     q, k, _ = rand_qkv(7, b, s, hq, hkv, 16, dtype=jnp.dtype(dtype))
     seg = None if lengths is None else segments(b, lengths)
-    want, got = both(q, k, block_size=c, top_k=top_k, segment_ids=seg)
+    want, got = both(q, k, kernel, block_size=c, top_k=top_k, segment_ids=seg)
     assert got.dtype == jnp.int32 and got.shape == want.shape == (b, s, hq, min(top_k - 1, -(-s // c) - 1))
     np.testing.assert_array_equal(got, want)
     assert (want >= 0).any()
@@ -52,48 +64,61 @@ def test_kernel_picks_equal_xla(name, dtype):
         assert (want == -1).any() and (want[:, -1] >= 0).sum() > 0
 
 
-def test_kernel_ties_go_to_the_earlier_block():
+@pytest.mark.slow
+def test_tpu_kernel_in_the_tpu_interpreter():
+    """The TPU kernel under the TPU interpret mode (TPU memory, DMAs) at top_k 16 over two query tiles.
+    Catches: a running list that this mode mixes up (a loop carry of 31 separate vectors did, in the
+    second tile's first 32 lanes; the list is carried as two arrays)."""
+    q, k, _ = rand_qkv(7, 1, 256, 1, 1, 16)
+    want, got = both(q, k, "tpu", "tpu", block_size=4, top_k=16)
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_kernel_ties_go_to_the_earlier_block(kernel):
     """Identical keys make every block's mean the same, so every candidate ties: the picks must be the
     earliest blocks, in order, as in top_k_first; a second case ties only some blocks (pairs of equal
     means) among distinct scores. Catches: ties broken to the later block or by position in a tile."""
     q = jnp.ones((1, 64, 2, 8), jnp.float32)
     k = jnp.ones((1, 64, 1, 8), jnp.float32)
-    want, got = both(q, k, block_size=4, top_k=5)
+    want, got = both(q, k, kernel, block_size=4, top_k=5)
     np.testing.assert_array_equal(got, want)
     assert got[0, 63, 0].tolist() == [0, 4, 8, 12]
     blocks = np.random.default_rng(3).standard_normal((8, 1, 8)).astype(np.float32)
     k = jnp.asarray(np.repeat(np.repeat(blocks, 2, axis=0), 4, axis=0).reshape(1, 64, 1, 8))  # pairs tie
     q, _, _ = rand_qkv(4, 1, 64, 2, 1, 8)
-    want, got = both(q, k, block_size=4, top_k=6)
+    want, got = both(q, k, kernel, block_size=4, top_k=6)
     np.testing.assert_array_equal(got, want)
 
 
-def test_kernel_picks_for_a_context_shard():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_kernel_picks_for_a_context_shard(kernel):
     """The context-parallel gate (q_index: a shard's queries, two chunks from the two ends of the
     sequence, packed documents) equal to XLA's. Catches: query positions taken as 0..T-1."""
     q, k, _ = rand_qkv(5, 1, 128, 2, 1, 16)
     q_index = jnp.concatenate([jnp.arange(16, 48), jnp.arange(80, 112)])[None]
     kw = dict(block_size=8, top_k=4, segment_ids=segments(1, [50, 78]), q_index=q_index)
-    want, got = both(q[:, q_index[0]], k, **kw)
+    want, got = both(q[:, q_index[0]], k, kernel, **kw)
     np.testing.assert_array_equal(got, want)
 
 
-def test_moba_attention_on_pallas_gpu_routes_with_the_kernel():
-    """moba_attention(impl="pallas_gpu"), interpreted, gates with the kernel and still matches the
-    reference (output and gradients). Catches: the kernel routing not reaching the Pallas path, or
-    picks that change the attention."""
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_moba_attention_on_pallas_routes_with_the_kernel(kernel):
+    """moba_attention(impl="pallas_gpu" / "pallas_tpu"), interpreted, gates with that backend's kernel
+    and still matches the reference (output and gradients). Catches: the kernel routing not reaching
+    the Pallas path, or picks that change the attention."""
     q, k, v = rand_qkv(6, 1, 40, 2, 1, 8)
     seg = segments(1, [25, 15])
     attend = lambda impl: (
         lambda q, k, v: moba_attention(q, k, v, block_size=8, top_k=3, segment_ids=seg, impl=impl)
     )
-    assert "moba_routing_gpu" in str(jax.make_jaxpr(attend("pallas_gpu"))(q, k, v))
-    assert "moba_routing_gpu" not in str(jax.make_jaxpr(attend("xla"))(q, k, v))
+    assert f"moba_routing_{kernel}" in str(jax.make_jaxpr(attend(f"pallas_{kernel}"))(q, k, v))
+    assert "moba_routing" not in str(jax.make_jaxpr(attend("xla"))(q, k, v))
     w = jnp.asarray(np.random.default_rng(1).standard_normal(q.shape), jnp.float32)
     loss = lambda impl: jax.jit(
         jax.value_and_grad(lambda *x: jnp.sum(attend(impl)(*x) * w), argnums=(0, 1, 2))
     )
-    (got, got_grads), (want, want_grads) = loss("pallas_gpu")(q, k, v), loss("reference")(q, k, v)
+    (got, got_grads), (want, want_grads) = loss(f"pallas_{kernel}")(q, k, v), loss("reference")(q, k, v)
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
     for a, e in zip(got_grads, want_grads, strict=True):
         np.testing.assert_allclose(a, e, atol=1e-4, rtol=1e-4)
@@ -118,3 +143,23 @@ def test_kernel_lowers_for_cuda(dtype):
             s((b, t), jnp.int32),
         )
     assert re.findall(r'name = "(moba_\w+)"', exported.mlir_module()) == ["moba_routing_gpu"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("d, dtype, seq", [(128, "bfloat16", 4096), (64, "float32", 1000)])
+def test_tpu_kernel_compiles_for_a_real_tpu(d, dtype, seq):
+    """Mosaic lowering and a libtpu compile for a v5e (no TPU needed): a head of 128 lanes read in place
+    (bf16, the suite's shape) and a head of 64 through the head-major copy (float32, a partial query
+    tile, top_k 16). Catches: a block shape or op Mosaic rejects (interpret mode accepts them)."""
+    arg, dtype = v5e_arg(), jnp.dtype(dtype)
+    n, picks = seq // 512, 15
+    route = jax.jit(lambda q, st, m, lo, hi: routing_tpu(q, st, m, lo, hi, picks, seq=seq, key_dtype=dtype))
+    lowered = route.lower(
+        arg((1, seq, 4, d), dtype),
+        arg((1, n), jnp.int32),
+        arg((1, n, 2, d), jnp.float32),
+        arg((1, seq), jnp.int32),
+        arg((1, seq), jnp.int32),
+    )
+    assert lowered.as_text().count("tpu_custom_call") == 1
+    lowered.compile()

@@ -45,9 +45,9 @@ def moba_routing(
     Cost: T * blocks * D per head (the gate): block means computed once (S * D), then each
     query chunk against all of them as one matmul, masked and reduced to its top k' within the
     chunk; no [T, S] array, no per-query copy of the means, no [T, blocks] scores at once.
-    `kernel`: None selects in XLA (here); "gpu" in a Pallas kernel (`routing_kernel`) that
-    holds each query tile's scores in registers, from the same candidates, scores and tie rule;
-    `interpret` runs it interpreted (CPU).
+    `kernel`: None selects in XLA (here); "gpu" or "tpu" in that backend's Pallas kernel
+    (`routing_kernel`), which keeps each query tile's scores on chip, from the same candidates,
+    scores and tie rule; `interpret` runs it interpreted (CPU).
     """
     q, k = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
     b, t, hq, d = q.shape
@@ -103,15 +103,18 @@ def moba_routing(
 
 
 def routing_kernel(kernel: str | None):
-    """The Pallas selection for a MoBA kernel backend, or None where the gate stays in XLA.
-    GPU: the Triton kernel (pallas_kernels/moba/routing_gpu.py) on every GPU, Hopper included
-    (gpu_backend.device_backend() says "mosaic" there; no Mosaic GPU routing kernel exists yet).
-    TPU: XLA (no TPU routing kernel)."""
-    if kernel != "gpu":
-        return None
-    from pallas_kernels.moba.routing_gpu import routing_gpu  # Pallas is imported only when used
+    """The Pallas selection for a MoBA kernel backend ("gpu", "tpu"), or None: the gate selects in
+    XLA. GPU: the Triton kernel (pallas_kernels/moba/routing_gpu.py) on every GPU, Hopper included
+    (no Mosaic GPU routing kernel exists); TPU: pallas_kernels/moba/routing_tpu.py."""
+    if kernel == "gpu":
+        from pallas_kernels.moba.routing_gpu import routing_gpu  # Pallas is imported only when used
 
-    return routing_gpu
+        return routing_gpu
+    if kernel == "tpu":
+        from pallas_kernels.moba.routing_tpu import routing_tpu
+
+        return routing_tpu
+    return None
 
 
 def top_k_first(scores, k: int) -> list[jax.Array]:

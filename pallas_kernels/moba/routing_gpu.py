@@ -25,24 +25,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.common import NT, triton_params
+from pallas_kernels.moba.routing_common import insert, routing_tables, scores_in_full_f32
 
 Q_TILE, MEAN_TILE = 64, 64  # queries per program, block means per loop step (powers of two)
-
-
-def _better(a, b):
-    """Whether (score, start) pair a ranks before b: a higher score, or the same and an earlier block."""
-    return (a[0] > b[0]) | ((a[0] == b[0]) & (a[1] < b[1]))
-
-
-def _insert(best, new):
-    """`best`: k' (score, start) pairs of [Qt] vectors, sorted best first; `new` put in its place
-    (the last one drops out)."""
-    out = []
-    for entry in best:
-        swap = _better(new, entry)
-        out.append(tuple(jnp.where(swap, x, y) for x, y in zip(new, entry, strict=True)))
-        new = tuple(jnp.where(swap, y, x) for x, y in zip(new, entry, strict=True))
-    return out
 
 
 def _routing_kernel(
@@ -82,7 +67,7 @@ def _routing_kernel(
         for _ in range(picks):  # the tile's best, one at a time, into the running list
             top = jnp.max(s, axis=1)
             at = jnp.min(jnp.where(s == top[:, None], starts, seq), axis=1)  # first of equal scores
-            best = _insert(best, (top, at))
+            best = insert(best, (top, at))
             s = jnp.where(starts == at[:, None], -jnp.inf, s)
         return best, count
 
@@ -94,18 +79,6 @@ def _routing_kernel(
         out_ref[b, h, slot, pl.ds(i * qt, qt)] = jnp.where(count > slot, start, -1)
 
 
-def routing_tables(starts, lo, hi, *, q_tile: int, mean_tile: int):
-    """first, end [B * T / q_tile]: the tiles of block means a tile of queries can pick from,
-    those with a start in [min doc_start, max own_start) of its queries (starts [B, n] are in
-    position order)."""
-    b = lo.shape[0]
-    tile_lo, tile_hi = lo.reshape(b, -1, q_tile).min(-1), hi.reshape(b, -1, q_tile).max(-1)
-    search = jax.vmap(lambda row, x: jnp.searchsorted(row, x, side="left"))
-    first = search(starts, tile_lo) // mean_tile
-    end = -(-search(starts, tile_hi) // mean_tile)
-    return first.astype(jnp.int32).reshape(-1), jnp.maximum(end, first).astype(jnp.int32).reshape(-1)
-
-
 def routing_gpu(q, starts, means, lo, hi, picks: int, *, seq: int, key_dtype, interpret: bool = False):
     """past_start [B, T, Hq, picks] int32 (moba_routing's Routing.past_start) from q [B, T, Hq, D],
     block starts [B, n] (position order; `seq` = S marks an unused one) and means [B, n, Hkv, D]
@@ -114,7 +87,7 @@ def routing_gpu(q, starts, means, lo, hi, picks: int, *, seq: int, key_dtype, in
     sums (exact products, as the float32 dot); anything else in full float32 (no TF32)."""
     b, t, hq, d = q.shape
     n, hkv = means.shape[1], means.shape[2]
-    full_f32 = not (q.dtype == key_dtype and q.dtype in (jnp.bfloat16, jnp.float16))
+    full_f32 = scores_in_full_f32(q.dtype, key_dtype)
     q_tile = min(Q_TILE, max(16, pl.next_power_of_2(t)))
     nb = min(MEAN_TILE, max(16, pl.next_power_of_2(n)))
     tp, n_pad = -(-t // q_tile) * q_tile, -(-n // nb) * nb
