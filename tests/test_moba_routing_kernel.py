@@ -2,6 +2,7 @@
 against the XLA gate `moba_routing`: the picks must be equal, slot for slot (order, ties and -1 slots
 included); and their lowerings for CUDA and a TPU."""
 
+import functools
 import re
 
 import jax
@@ -16,6 +17,7 @@ from pallas_kernels.common import gpu_lowering_target
 from pallas_kernels.moba import routing_gpu as routing_gpu_module
 from pallas_kernels.moba import routing_tpu as routing_tpu_module
 from pallas_kernels.moba.routing_gpu import routing_gpu
+from pallas_kernels.moba.routing_mgpu import routing_mgpu
 from pallas_kernels.moba.routing_tpu import routing_tpu
 
 CASES = {
@@ -31,9 +33,11 @@ CASES = {
 KERNELS = ("gpu", "tpu")
 
 
-def both(q, k, kernel="gpu", interpret=True, **kw):
-    """(XLA's past_start, the kernel's), each jitted; `interpret`: True, or "tpu" (TPU interpreter)."""
+def both(q, k, kernel="gpu", interpret=True, uses=None, **kw):
+    """(XLA's past_start, the kernel's), each jitted; `interpret`: True, or "tpu" (TPU interpreter);
+    `uses`: the kernel expected to run (default: the Triton or TPU one)."""
     route = lambda kernel: jax.jit(lambda q, k: moba_routing(q, k, kernel=kernel, interpret=interpret, **kw))
+    assert (uses or f"moba_routing_{kernel}") in str(jax.make_jaxpr(route(kernel))(q, k))
     return route(None)(q, k).past_start, route(kernel)(q, k).past_start
 
 
@@ -163,3 +167,71 @@ def test_tpu_kernel_compiles_for_a_real_tpu(d, dtype, seq):
     )
     assert lowered.as_text().count("tpu_custom_call") == 1
     lowered.compile()
+
+
+MGPU_CASES = {
+    # name: (batch, seq, q_heads, kv_heads, block, top_k, segment lengths or None); bf16, head dim 64
+    "packed_documents": (2, 128, 2, 1, 8, 4, [50, 78]),
+    "gqa_partial_last_block": (1, 192, 4, 2, 40, 3, None),
+    "top_k_covers_every_block": (1, 128, 2, 1, 8, 12, [80, 48]),
+    "top_k_16_two_mean_tiles": (1, 640, 2, 1, 8, 16, [100, 540]),  # 80 full blocks: two tiles of 64
+}
+
+
+@pytest.mark.parametrize("name", quick_or_slow(list(MGPU_CASES), {"packed_documents"}))
+def test_mosaic_gpu_kernel_picks_equal_xla(name):
+    """The Mosaic GPU kernel (what a Hopper GPU runs for bf16 and a head dim of 64 or 128), in its
+    interpreter, slot for slot against moba_routing: packed documents, GQA with a partial last block,
+    -1 slots, top_k 16 over two tiles of means. Catches: what the Triton kernel's test catches, in
+    this kernel's wgmma operands, TMA slices and float-carried starts."""
+    b, s, hq, hkv, c, top_k, lengths = MGPU_CASES[name]
+    q, k, _ = rand_qkv(7, b, s, hq, hkv, 64, dtype=jnp.bfloat16)
+    seg = None if lengths is None else segments(b, lengths)
+    want, got = both(q, k, uses="moba_routing_mgpu", block_size=c, top_k=top_k, segment_ids=seg)
+    np.testing.assert_array_equal(got, want)
+    assert (want >= 0).any() and (name != "top_k_covers_every_block" or (want == -1).any())
+
+
+def test_mosaic_gpu_kernel_ties_and_context_shard():
+    """Identical block means (every candidate ties: the earliest blocks, in order) and a context
+    shard's queries (q_index), through the Mosaic GPU kernel. Catches: ties to the later block, query
+    positions taken as 0..T-1."""
+    ones = jnp.ones((1, 128, 2, 64), jnp.bfloat16)
+    want, got = both(ones, ones[:, :, :1], uses="moba_routing_mgpu", block_size=8, top_k=5)
+    np.testing.assert_array_equal(got, want)
+    assert got[0, 127, 0].tolist() == [0, 8, 16, 24]
+    q, k, _ = rand_qkv(5, 1, 256, 2, 1, 64, dtype=jnp.bfloat16)
+    q_index = jnp.concatenate([jnp.arange(0, 64), jnp.arange(192, 256)])[None]
+    kw = dict(block_size=16, top_k=4, segment_ids=segments(1, [90, 166]), q_index=q_index)
+    want, got = both(q[:, q_index[0]], k, uses="moba_routing_mgpu", **kw)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_moba_attention_bf16_on_pallas_gpu_routes_with_mosaic_gpu():
+    """moba_attention(impl="pallas_gpu") in bf16 with a head dim of 64 gates with the Mosaic GPU kernel
+    (interpreted) and matches the reference. Catches: the Hopper dispatch not reaching the kernel."""
+    q, k, v = rand_qkv(6, 1, 128, 2, 1, 64, dtype=jnp.bfloat16)
+    attend = lambda impl: jax.jit(lambda q, k, v: moba_attention(q, k, v, block_size=16, top_k=3, impl=impl))
+    assert "moba_routing_mgpu" in str(jax.make_jaxpr(attend("pallas_gpu"))(q, k, v))
+    got, want = attend("pallas_gpu")(q, k, v), attend("reference")(q, k, v)
+    np.testing.assert_allclose(got.astype(jnp.float32), want.astype(jnp.float32), atol=2e-2, rtol=2e-2)
+
+
+def test_mosaic_gpu_kernel_lowers_for_cuda():
+    """The Mosaic GPU kernel lowers for CUDA (jax.export, no GPU) at the suite's head shape, top_k 3
+    and 16. Catches: a layout, transform or op Mosaic GPU's lowering rejects (its interpreter accepts
+    them)."""
+    b, t, hq, d, n = 1, 2048, 4, 128, 4
+    s = jax.ShapeDtypeStruct
+    for picks in (2, 15):
+        route = functools.partial(routing_mgpu, picks=picks, seq=t, key_dtype=jnp.bfloat16)
+        with gpu_lowering_target():
+            exported = jax.export.export(jax.jit(route), platforms=["cuda"])(
+                s((b, t, hq, d), jnp.bfloat16),
+                s((b, n), jnp.int32),
+                s((b, n, 2, d), jnp.float32),
+                s((b, t), jnp.int32),
+                s((b, t), jnp.int32),
+            )
+        module = exported.mlir_module()
+        assert "mosaic_gpu" in module and "xla.gpu.triton" not in module

@@ -104,17 +104,27 @@ def moba_routing(
 
 def routing_kernel(kernel: str | None):
     """The Pallas selection for a MoBA kernel backend ("gpu", "tpu"), or None: the gate selects in
-    XLA. GPU: the Triton kernel (pallas_kernels/moba/routing_gpu.py) on every GPU, Hopper included
-    (no Mosaic GPU routing kernel exists); TPU: pallas_kernels/moba/routing_tpu.py."""
+    XLA. GPU: Mosaic GPU (pallas_kernels/moba/routing_mgpu.py) where gpu_backend.device_backend()
+    says "mosaic" (Hopper) and the shapes fit it, else Triton (routing_gpu.py); TPU:
+    routing_tpu.py."""
     if kernel == "gpu":
-        from pallas_kernels.moba.routing_gpu import routing_gpu  # Pallas is imported only when used
-
-        return routing_gpu
+        return _gpu_selection
     if kernel == "tpu":
-        from pallas_kernels.moba.routing_tpu import routing_tpu
+        from pallas_kernels.moba.routing_tpu import routing_tpu  # Pallas is imported only when used
 
         return routing_tpu
     return None
+
+
+def _gpu_selection(q, starts, means, lo, hi, picks, *, seq, key_dtype, interpret=False):
+    from pallas_kernels.gpu_backend import device_backend
+    from pallas_kernels.moba import routing_gpu, routing_mgpu
+
+    if device_backend() == "mosaic" and routing_mgpu.fits(q, key_dtype, seq):
+        select = routing_mgpu.routing_mgpu
+    else:
+        select = routing_gpu.routing_gpu
+    return select(q, starts, means, lo, hi, picks, seq=seq, key_dtype=key_dtype, interpret=interpret)
 
 
 def top_k_first(scores, k: int) -> list[jax.Array]:
