@@ -235,3 +235,13 @@ def test_mosaic_gpu_kernel_lowers_for_cuda():
             )
         module = exported.mlir_module()
         assert "mosaic_gpu" in module and "xla.gpu.triton" not in module
+
+
+def test_routing_kernel_names_are_checked():
+    """A routing kernel name that is not one gets one line naming the allowed ones; the Mosaic GPU
+    kernel asked for by name with shapes it does not take says what it takes."""
+    q, k, _ = rand_qkv(1, 1, 32, 2, 1, 16)
+    with pytest.raises(ValueError, match="routing kernel must be"):
+        moba_routing(q, k, block_size=8, top_k=3, kernel="cuda")
+    with pytest.raises(ValueError, match="Mosaic GPU routing kernel takes bf16/f16"):
+        moba_routing(q, k, block_size=8, top_k=3, kernel="gpu_mosaic", interpret=True)
