@@ -26,6 +26,7 @@ def test_dry_run_writes_every_section_without_the_data_stack(tmp_path):
     assert result["dry"] and set(sections) == {
         "correctness",
         "attention",
+        "routing",
         "block_kernels",
         "tiles",
         "own_kernels",
@@ -50,6 +51,11 @@ def test_dry_run_writes_every_section_without_the_data_stack(tmp_path):
     assert all({"moba_pallas_ms", "dense_ms", "dense_over_moba"} <= set(a) for a in attn), attn
     # bf16 loss and gradients, kernels vs XLA path
     assert all(a["pallas_vs_xla_max_rel_diff"] < 0.05 for a in attn)
+    (routing,) = sections["routing"]  # interpreted kernel: its picks equal XLA's
+    assert routing["picks_equal"] and routing["routing_kernel_ms"] > 0 and routing["floor_ms"] > 0
+    assert {"kernel_over_floor", "xla_over_floor", "kernel_share_of_forward", "moba_forward_ms"} <= set(
+        routing
+    )
     (blocks,) = sections["block_kernels"]  # Mosaic GPU against Triton, both interpreted
     assert blocks["dq_rel_diff"] < 0.05 and blocks["dk_rel_diff"] < 0.05 and blocks["mosaic_bwd_ms"] > 0
     assert {"moba_ms", "dense_ms", "ratio"} <= set(sections["moba_decode"][0])

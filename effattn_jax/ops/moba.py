@@ -27,6 +27,10 @@ from pallas_kernels import gpu_memory
 from pallas_kernels.moba.schedule import SCHEDULE_NAME as SCHEDULE_NAME
 from pallas_kernels.moba.schedule import BlockSizes as BlockSizes
 
+# the routing kernel each attention kernel backend gates with (ops/routing.py, routing_kernel): the
+# Mosaic GPU attention kernels take the GPU's own choice (Mosaic GPU on Hopper where it fits)
+ROUTING_KERNELS = {"tpu": "tpu", "gpu": "gpu", "mosaic": "gpu", "triton": "gpu_triton"}
+
 
 def gpu_tiles_fit(
     block_sizes: BlockSizes, *, block_size: int, head_dim: int, v_head_dim: int, itemsize: int, device=None
@@ -118,7 +122,8 @@ def moba_attention(
             q_index = query_positions(firsts, q.shape[1] // len(firsts), q.shape[0])
             r = moba_routing(
                 q, k, block_size=block_size, top_k=top_k, segment_ids=k_seg,
-                query_chunk=routing_chunk, q_index=q_index,
+                query_chunk=routing_chunk, q_index=q_index, kernel=ROUTING_KERNELS.get(kernel),
+                interpret=interpret,
             )  # fmt: skip
             if path == "pallas":
                 from pallas_kernels.moba.context import moba_pallas_local
@@ -134,10 +139,11 @@ def moba_attention(
             )  # fmt: skip
 
         return context_attention(local, q, k, v, segment_ids, rules, kv_whole)
-    route = lambda q, k, seg: moba_routing(
-        q, k, block_size=block_size, top_k=top_k, segment_ids=seg, query_chunk=routing_chunk
-    )
     path, kernel, interpret = resolve_impl(impl)
+    route = lambda q, k, seg: moba_routing(
+        q, k, block_size=block_size, top_k=top_k, segment_ids=seg, query_chunk=routing_chunk,
+        kernel=ROUTING_KERNELS.get(kernel), interpret=interpret,
+    )  # fmt: skip
     if path == "pallas":
         from pallas_kernels.moba.attention import moba_pallas  # Pallas is imported only when used
 

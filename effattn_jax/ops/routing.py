@@ -10,6 +10,7 @@ Every query head routes on its own (GQA without copying K/V).
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -27,7 +28,16 @@ class Routing(NamedTuple):
 
 
 def moba_routing(
-    q, k, *, block_size: int, top_k: int, segment_ids=None, query_chunk: int = 512, q_index=None
+    q,
+    k,
+    *,
+    block_size: int,
+    top_k: int,
+    segment_ids=None,
+    query_chunk: int = 512,
+    q_index=None,
+    kernel: str | None = None,
+    interpret=False,
 ) -> Routing:
     """The one MoBA gate. q [B, T, Hq, D], k [B, S, Hkv, D]; blocks follow `segment_ids` [B, S];
     the queries are the keys' positions `q_index` [B, T] (default: T = S, all of them in order;
@@ -36,7 +46,12 @@ def moba_routing(
     Cost: T * blocks * D per head (the gate): block means computed once (S * D), then each
     query chunk against all of them as one matmul, masked and reduced to its top k' within the
     chunk; no [T, S] array, no per-query copy of the means, no [T, blocks] scores at once.
+    `kernel`: None selects in XLA (here); "gpu" or "tpu" in that backend's Pallas kernel
+    (`routing_kernel`, which also names "gpu_triton" and "gpu_mosaic"), which keeps each query
+    tile's scores on chip, from the same candidates, scores and tie rule; `interpret` runs it
+    interpreted (CPU).
     """
+    select_in_kernel = routing_kernel(kernel)  # None: here, in XLA
     q, k = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
     b, t, hq, d = q.shape
     s, hkv = k.shape[1], k.shape[2]
@@ -53,6 +68,11 @@ def moba_routing(
         return Routing(own_start, jnp.zeros((b, t, hq, 0), jnp.int32))
 
     starts, means = _full_block_means(k, None if segment_ids is None else pos, c)  # [B, n'], [B, n', Hkv, D]
+    if select_in_kernel is not None:
+        past = select_in_kernel(
+            q, starts, means, doc_start, own_start, kk, seq=s, key_dtype=k.dtype, interpret=interpret
+        )
+        return Routing(own_start, past)
     chunk = min(query_chunk, t)
     pad = -t % chunk
     by_chunk = lambda x, fill: jnp.moveaxis(
@@ -82,6 +102,45 @@ def moba_routing(
 
     chosen = jax.lax.map(select, (by_chunk(q, 0), by_chunk(doc_start, 0), by_chunk(own_start, 0)))
     return Routing(own_start, jnp.moveaxis(chosen, 0, 1).reshape(b, -1, hq, kk)[:, :t])
+
+
+GPU_ROUTING_KERNELS = ("gpu", "gpu_triton", "gpu_mosaic")  # the device's choice, or one named
+
+
+def routing_kernel(kernel: str | None):
+    """The Pallas selection for a MoBA kernel backend, or None: the gate selects in XLA. "gpu":
+    Mosaic GPU (pallas_kernels/moba/routing_mgpu.py) where gpu_backend.device_backend() says
+    "mosaic" (Hopper) and the shapes fit it, else Triton (routing_gpu.py); interpreted (tests on a
+    CPU) Triton, as the attention kernels (parts.gpu_kernels_for); "gpu_triton" / "gpu_mosaic":
+    that one; "tpu": routing_tpu.py."""
+    if kernel in GPU_ROUTING_KERNELS:
+        return functools.partial(_gpu_selection, backend=kernel.removeprefix("gpu").lstrip("_") or None)
+    if kernel == "tpu":
+        from pallas_kernels.moba.routing_tpu import routing_tpu  # Pallas is imported only when used
+
+        return routing_tpu
+    if kernel is not None:
+        raise ValueError(
+            f"routing kernel must be None, 'tpu' or one of {GPU_ROUTING_KERNELS}, got {kernel!r}"
+        )
+    return None
+
+
+def _gpu_selection(q, starts, means, lo, hi, picks, *, seq, key_dtype, interpret=False, backend=None):
+    from pallas_kernels.gpu_backend import device_backend
+    from pallas_kernels.moba import routing_gpu, routing_mgpu
+
+    fits = routing_mgpu.fits(q, key_dtype, seq)
+    if backend == "mosaic" and not fits:
+        raise ValueError(
+            f"the Mosaic GPU routing kernel takes bf16/f16 q and K, head dims of 64k and lengths of 64k; "
+            f"got q {q.dtype}{q.shape}, K {key_dtype}"
+        )
+    if (backend or ("triton" if interpret else device_backend())) == "mosaic" and fits:
+        select = routing_mgpu.routing_mgpu
+    else:
+        select = routing_gpu.routing_gpu
+    return select(q, starts, means, lo, hi, picks, seq=seq, key_dtype=key_dtype, interpret=interpret)
 
 
 def top_k_first(scores, k: int) -> list[jax.Array]:

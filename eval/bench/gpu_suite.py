@@ -20,6 +20,8 @@ sum to the budget):
   512, top_k 3 at 8K/32K/128K; the same with 16 query heads on 4 KV heads; FlashMoBA's benchmark
   configuration (batch 2, 16 heads, block 128, top_k 8). The loss and gradients against the XLA
   path's at each shape's first length (largest relative difference).
+- routing: MoBA's gate through its Pallas kernel against the XLA gate, the floor (bytes at the copy
+  rate) and the MoBA forward, at 32K and 128K (eval/bench/gpu_routing.py); the picks against XLA's.
 - block_kernels: the selected blocks' kernels alone, Mosaic GPU (Hopper) against Triton, on the
   tiles of the attention section's shape at 8K and 128K (and at 128K with Mosaic's two-warpgroup
   tiles): results compared, forward and backward timed (eval/bench/block_kernels.py).
@@ -76,7 +78,7 @@ from effattn_jax.ops.platform import resolve_impl
 from effattn_jax.sharding import make_mesh
 from effattn_jax.train.state import init_state, make_setup
 from effattn_jax.train.step import make_train_step
-from eval.bench import block_kernels, common, gpu_checks, gpu_transformers, own_kernels
+from eval.bench import block_kernels, common, gpu_checks, gpu_routing, gpu_transformers, own_kernels
 from eval.bench.attention import structured_inputs
 from eval.bench.latent_kernel import latent_kernel_case
 from eval.decoding import copy_bandwidth, latent_decode, moba_vs_dense_decode
@@ -95,14 +97,15 @@ TINY_TRAIN_PY = (
 # (section, share of the budget)
 SHARES = {
     "correctness": 0.1,
-    "attention": 0.22,
-    "block_kernels": 0.06,
-    "tiles": 0.1,
+    "attention": 0.2,
+    "routing": 0.05,
+    "block_kernels": 0.05,
+    "tiles": 0.06,
     "own_kernels": 0.05,
     "moba_decode": 0.08,
     "latent_decode": 0.07,
-    "train": 0.13,
-    "train_py": 0.16,
+    "train": 0.12,
+    "train_py": 0.14,
     "long_attention": 0.08,
     "transformers": 0.3,
 }
@@ -134,6 +137,7 @@ FULL = {
                      overrides=["train.steps=30", "train.log_every=10", "eval.every_steps=1000",
                                 "eval.max_batches=1", "checkpoint.every_steps=1000"]),
     "own_kernels": own_kernels.FULL,
+    "routing": gpu_routing.FULL,
     "moba_decode": dict(contexts=[32768, 131072], model=None),
     "latent_decode": dict(contexts=[32768], batches=[1, 16], overrides=(), copy_gib=1.0),
     "latent_kernel": dict(contexts=[32768], heads=[16, 128], batches=[1, 16], latent=512, rope=64,
@@ -163,6 +167,7 @@ DRY = {
     "tiles": dict(seq=256, sets=[(16, 16, 16), (32, 16, 32)]),
     "train_py": dict(configs=["moba_545m_8k"], overrides=TINY_TRAIN_PY),
     "own_kernels": own_kernels.DRY,
+    "routing": gpu_routing.DRY,
     "moba_decode": dict(contexts=[128], model=["model.num_layers=2", "model.d_model=64", "model.num_heads=2",
                         "model.mlp_dim=128", "model.vocab_size=256", "model.dtype=float32",
                         "moba.block_size=32", "moba.top_k=3"]),
@@ -509,6 +514,9 @@ def _latent_decode(suite: Suite, rows: list, plan: dict, args) -> None:
 SECTIONS = {
     "correctness": lambda suite, rows, plan, args: correctness(suite, rows, plan["correctness"]),
     "attention": lambda suite, rows, plan, args: attention(suite, rows, plan["attention"], long=False),
+    "routing": lambda suite, rows, plan, args: gpu_routing.routing_rows(
+        plan["routing"], suite.time_left, lambda row: suite.add(rows, row), _error
+    ),
     "block_kernels": lambda suite, rows, plan, args: block_kernels.block_kernels(
         suite, rows, block_kernels.DRY if args.dry else block_kernels.FULL, interpret=args.dry
     ),
