@@ -2,9 +2,9 @@
 for the same Llama-architecture model (random weights, bf16 weights, caches and compute), greedy.
 
     python -m eval.bench.gpu_transformers --side ours|transformers --shape llama_12l_d768 \
-        --prompt 4096 --batch 1 [--new-tokens 64] [--dry]
+        --prompt 4096 --batch 1 [--new-tokens 64] [--dry] [--json]
 
-prints one JSON row (keys: side, shape, prompt, batch, new_tokens, decode_tokens_per_s; ours
+prints one JSON row on stdout, with or without `--json` (the suite reads it; keys: side, shape, prompt, batch, new_tokens, decode_tokens_per_s; ours
 also step_ops, the operations its compiled step launches, and step_bytes_accessed; ...;
 `skipped` where that side cannot run here). Decode tokens/s = batch x (new_tokens - 1) over the
 time of a `new_tokens` generation less that of a one-token one (prefill and first token), each
@@ -222,7 +222,7 @@ def section(suite, rows: list, p: dict, trace: Path | None = None) -> None:
 def main(argv=None) -> int:
     from eval.bench import common
 
-    p = common.parser(__doc__, __file__, json=False)
+    p = common.parser(__doc__, __file__)
     p.add_argument("--side", choices=("ours", "transformers"), required=True)
     p.add_argument("--shape", choices=sorted(SHAPES), required=True)
     p.add_argument("--prompt", type=int, required=True, help="prompt tokens per row")
