@@ -28,7 +28,15 @@ ATTENTION_CORES = ("dense", "moba")  # which keys each query sees (effattn_jax.a
 IntOrAuto = int | str  # a config value that is an integer or the string "auto"
 MOBA_IMPLS = ("auto", "reference", "xla", "pallas", "pallas_tpu", "pallas_gpu")  # effattn_jax.ops.moba
 DENSE_IMPLS = ("auto", "xla", "splash", "cudnn")  # effattn_jax.ops.dense
-MLA_DECODE_IMPLS = ("auto", "xla", "pallas", "pallas_tpu", "pallas_gpu")  # effattn_jax.ops.mla_decode
+MLA_DECODE_IMPLS = (
+    "auto",
+    "xla",
+    "pallas",
+    "pallas_tpu",
+    "pallas_gpu",
+    "pallas_mosaic",
+    "pallas_triton",
+)  # effattn_jax.ops.mla_decode
 EG_MLA_GATE_AT = ("latent", "heads", "projected")
 
 

@@ -10,6 +10,8 @@ import contextvars
 
 import jax
 
+from pallas_kernels.gpu_backend import GPU_BACKENDS
+
 _TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("effattn_target_platform", default=None)
 
 
@@ -32,7 +34,9 @@ def resolve_impl(impl: str, backend: str | None = None) -> tuple[str, str | None
 
     auto: the Pallas kernels on TPU and GPU, xla elsewhere. pallas: the kernel
     for this backend, interpreted on CPU (TPU kernel). pallas_tpu/pallas_gpu:
-    that kernel, interpreted unless running on its own hardware."""
+    that kernel, interpreted unless running on its own hardware. pallas_mosaic/pallas_triton:
+    the GPU kernels written for that Pallas GPU backend (pallas_gpu picks one per device:
+    pallas_kernels/gpu_backend.py); the kernel backend is then "mosaic" or "triton"."""
     backend = backend or target_backend()
     on = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}.get(backend)
     if impl == "auto":
@@ -40,4 +44,5 @@ def resolve_impl(impl: str, backend: str | None = None) -> tuple[str, str | None
     if impl in ("reference", "xla"):
         return impl, None, False
     kernel = impl.removeprefix("pallas_") if impl != "pallas" else (on or "tpu")
-    return "pallas", kernel, kernel != on
+    hardware = "gpu" if kernel in GPU_BACKENDS else kernel
+    return "pallas", kernel, hardware != on
