@@ -1,7 +1,7 @@
 """MLA's absorbed decoding over the cached latent (docs/mla.md), and its one dispatch: XLA, or
 the Pallas kernels that read each latent tile once for all heads
-(pallas_kernels/mla_decode/: tpu.py; on GPU mgpu.py, Mosaic GPU, on Hopper and gpu.py, Triton,
-elsewhere)."""
+(pallas_kernels/mla_decode/: tpu.py; on GPU mgpu.py, Mosaic GPU, on Hopper, or gpu.py, Triton,
+where Mosaic does not run)."""
 
 from __future__ import annotations
 

@@ -76,13 +76,16 @@ def stages_for(d: int, dr: int, itemsize: int, limit: int | None = None) -> int:
     return next((s for s in range(MAX_STAGES, 1, -1) if smem_bytes(d, dr, itemsize, s) <= limit), 0)
 
 
-def supports(*, heads: int, d: int, dr: int, length: int, dtype) -> str | None:
-    """None when this kernel runs the step (shapes of q_lat [B, heads, d], k^R [B, length, dr]),
-    else one line saying why not (the Triton kernel, gpu.py, takes it instead)."""
+def supports(*, heads: int, d: int, dr: int, length: int, dtype, q_dtype=None) -> str | None:
+    """None when this kernel runs the step (shapes of q_lat [B, heads, d], k^R [B, length, dr];
+    `dtype` the cache's, `q_dtype` the queries', default the same), else one line saying why not
+    (the Triton kernel, gpu.py, takes it instead)."""
     del heads  # any count: padded to whole groups of ROWS
     name, itemsize = jnp.dtype(dtype).name, jnp.dtype(dtype).itemsize
     if jnp.dtype(dtype) not in map(jnp.dtype, DTYPES):
         return f"{KERNEL} takes bfloat16 or float16 inputs, got {name}"
+    if q_dtype is not None and jnp.dtype(q_dtype) != jnp.dtype(dtype):
+        return f"{KERNEL} takes queries in the cache's dtype {name}, got {jnp.dtype(q_dtype).name}"
     if d % 64 or (d > CHUNK and d % CHUNK):
         return f"{KERNEL} needs a latent width that is a multiple of 64 (of {CHUNK} above {CHUNK}), got {d}"
     if dr % 64 or dr > CHUNK:
@@ -245,7 +248,9 @@ def mla_decode_mgpu(
     shapes. `num_slices` slices per row (default: `gpu.slices`, for this GPU's multiprocessors)."""
     b, h, d = q_lat.shape
     length, dr = lat.shape[1], kr.shape[-1]
-    reason = supports(heads=h, d=d, dr=dr, length=length, dtype=lat.dtype)
+    reason = supports(heads=h, d=d, dr=dr, length=length, dtype=lat.dtype, q_dtype=q_lat.dtype)
+    if reason is None and not q_rope.dtype == kr.dtype == lat.dtype:
+        reason = f"{KERNEL} takes q_rope and k^R in the latent's dtype, got {q_rope.dtype}, {kr.dtype}"
     if reason is not None:
         raise ValueError(reason)
     rows = -(-h // ROWS) * ROWS
