@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from conftest import TINY_MLA
 from flax import nnx
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from effattn_jax.config import load_config
 from effattn_jax.model import Transformer, init_cache
@@ -52,6 +53,23 @@ def test_slices_equal_xla_and_triton(heads, d):
     np.testing.assert_allclose(out, want, **BF16)
     triton = mla_decode_gpu(q_lat[:, 0], q_rope[:, 0], lat, kr, lengths, scale, num_slices=3, interpret=True)
     np.testing.assert_allclose(out, triton, **BF16)
+
+
+def test_no_races_between_the_warpgroups(monkeypatch):
+    """The interpreter's race detector, latent 512 (two compute warpgroups and the memory one), one
+    slice of 328 slots: 6 steps through 2 ring slots, so the ring wraps. Catches: the memory
+    warpgroup refilling a slot before both compute warpgroups released it (tried: dropping its
+    consumed-barrier wait raises here)."""
+    monkeypatch.setattr(
+        mgpu, "_interpret", lambda interpret: plgpu.InterpretGPUParams(detect_races=True, on_race="raise")
+    )
+    q_lat, q_rope, lat, kr = _inputs(16, 512, 64, 328, batch=1)
+    assert mgpu.stages_for(512, 64, 2) == 2
+    out = mla_decode_mgpu(
+        q_lat[:, 0], q_rope[:, 0], lat, kr, jnp.array([328]), 0.1, num_slices=1, interpret=True
+    )
+    want = absorbed_attention(q_lat, q_rope, lat, kr, jnp.array([[327]]), 0.1, "xla")[:, 0]
+    np.testing.assert_allclose(out, want, **BF16)
 
 
 @pytest.mark.parametrize("kind", ["mla", "eg_mla"])

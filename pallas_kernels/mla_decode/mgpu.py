@@ -98,6 +98,10 @@ def supports(*, heads: int, d: int, dr: int, length: int, dtype, q_dtype=None) -
     return None
 
 
+def _interpret(interpret):
+    return plgpu.InterpretGPUParams() if interpret else None
+
+
 def _smem(shape, dtype):
     """An SMEM buffer tiled and swizzled for wgmma (rows of 128-byte swizzle groups)."""
     tiling = plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize))
@@ -287,7 +291,7 @@ def mla_decode_mgpu(
         num_threads=wgs + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
+        interpret=_interpret(interpret),
     )(lengths.astype(jnp.int32), pad(q_lat), pad(q_rope), lat, kr)
     out = out[:, 0] if count == 1 else combine_partials(out, m, l, axis=1)
     return out[:, :h]
