@@ -6,9 +6,9 @@ outputs (normalised output, softmax max and sum per slice) and the same XLA comb
 Memory-bound design, warp specialised: one memory warpgroup streams the slice's latent and RoPE-key
 tiles of TILE slots by TMA into a ring of SMEM stages (a "loaded" barrier per copy, a "consumed"
 barrier per slot), while the compute warpgroups run warpgroup matmuls (wgmma) on them. A wgmma
-takes 64 rows, so a group is 64 heads: 128 heads run as 2 groups (each reads the cache slice; the
-second read mostly from L2), fewer than 64 heads are padded with zero queries to 64 rows (the
-matmuls do up to 4x the useful work, which a memory-bound step has to spare, and the padded rows'
+takes 64 rows, so a group is 64 heads: 128 heads run as 2 groups (each reads the cache slice),
+fewer than 64 heads are padded with zero queries to 64 rows (the matmuls do 64 / H times the
+useful work, 4x at 16 heads, which a memory-bound step has to spare, and the padded rows'
 partials are written too). Each compute warpgroup owns CHUNK (<= 256, wgmma's widest N) of the
 latent's columns of the output: with latent 512 two warpgroups, each holding a [64, 256] float32
 accumulator in registers (one [64, 512] would not fit a warpgroup's registers); both compute the
