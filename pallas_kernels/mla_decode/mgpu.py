@@ -13,7 +13,10 @@ partials are written too). Each compute warpgroup owns CHUNK (<= 256, wgmma's wi
 latent's columns of the output: with latent 512 two warpgroups, each holding a [64, 256] float32
 accumulator in registers (one [64, 512] would not fit a warpgroup's registers); both compute the
 same [64, TILE] scores (q_lat . latent + q_rope . k^R, summed over the latent's chunks) and the same
-online softmax, in registers, and feed p from registers to their own chunk's matmul.
+online softmax, in registers, and feed p from registers to their own chunk's matmul. The
+duplicated scores cost matmul work (about 185 flops per cache byte at latent 512 + 64, against
+121 with scores computed once and p shared through SMEM, which the 2-slot ring leaves no room
+for): docs/mla.md.
 
 A TMA copy reads whole tiles: the cache length must be a multiple of 8 and at least TILE, and the
 last tile of a slice that would run past the cache is read from the cache's last TILE slots
