@@ -71,8 +71,9 @@ def moba_decode_attention(
     its own by the unscaled float32 gate (ties to the earlier block) plus its own block
     causally. Only those blocks are fetched from the cache. `impl` (as `moba.impl`): where it
     resolves to a kernel, a single-token step over a plain K/V cache runs
-    `pallas_kernels/moba/{tpu,gpu}_decode.py` where the kernel takes the shape (TPU: cache
-    length and block multiples of 32; GPU: a power-of-two block); everything else runs XLA."""
+    `pallas_kernels/moba/{tpu,gpu,mgpu}_decode.py` where the kernel takes the shape (TPU: cache
+    length and block multiples of 32; GPU: Mosaic GPU on Hopper where `gpu_decode_backend` says so,
+    else Triton with a power-of-two block); everything else runs XLA."""
     starts, lo, hi, size = select_blocks(view, means, positions, block_size=block_size, top_k=top_k)
     kernel = decode_kernel(view, size, impl)
     if kernel is not None:
@@ -101,9 +102,37 @@ def decode_kernel(view: CacheView, size: int, impl: str):
 
         ok = tpu_decode.fits(view.length, size)
         return functools.partial(tpu_decode.moba_decode_tpu, interpret=interpret) if ok else None
+    if gpu_decode_backend(kernel, interpret, view, size) == "mosaic":
+        from pallas_kernels.moba.mgpu_decode import moba_decode_mgpu
+
+        return functools.partial(moba_decode_mgpu, interpret=interpret)
     from pallas_kernels.moba.gpu_decode import moba_decode_gpu
 
     return functools.partial(moba_decode_gpu, interpret=interpret) if size & (size - 1) == 0 else None
+
+
+def gpu_decode_backend(kernel: str, interpret, view: CacheView, size: int) -> str:
+    """ "mosaic" or "triton": which GPU decode kernel runs (kernel: resolve_impl's "gpu", "mosaic" or
+    "triton"). "gpu" takes the device's Pallas GPU backend (pallas_kernels/gpu_backend.py: Mosaic GPU
+    on Hopper) where the Mosaic kernel supports the step, else Triton; interpreted (tests on a CPU)
+    Triton, unless "mosaic" asks for it (a ValueError where it cannot run)."""
+    from pallas_kernels import gpu_backend
+
+    if kernel == "triton" or (kernel == "gpu" and (interpret or gpu_backend.device_backend() != "mosaic")):
+        return "triton"
+    from pallas_kernels.moba import mgpu_decode
+
+    k, v = view.caches
+    reason = mgpu_decode.supports(
+        head_dim=k.shape[-1], v_head_dim=v.shape[-1], size=size, length=k.shape[2], dtype=k.dtype
+    )
+    if reason is None and not view.q.dtype == k.dtype == v.dtype:
+        reason = f"q and the K/V caches must share a dtype, got {view.q.dtype}, {k.dtype}, {v.dtype}"
+    if reason is None:
+        return "mosaic"
+    if kernel == "mosaic":
+        raise ValueError(f"moba.impl=pallas_mosaic cannot run this decode step: {reason}; use pallas_triton")
+    return "triton"
 
 
 def select_blocks(view: CacheView, means, positions, *, block_size: int, top_k: int):

@@ -35,7 +35,8 @@ sum to the budget):
   dense, at 32K and 128K (eval/decoding.py).
 - latent_decode: the absorbed MLA and EG-MLA decode steps (their kernels) at 32K, the cache
   bytes they read per second against a device-to-device copy; then the MLA decode kernel alone
-  against the XLA step at 16 and 128 heads, batch 1 and 16 (eval/bench/latent_kernel.py).
+  (on Hopper the Mosaic GPU one with the Triton one beside it) against the XLA step at 16 and
+  128 heads, batch 1 and 16 (eval/bench/latent_kernel.py).
 - train: 30 steps of a small MoBA model with the GPU kernels beside the same run with the XLA
   path (same initialisation, same batches, float32): the losses must agree within `--loss-tol`.
 - train_py: `train.py` itself on the configs/gpu/ models for a few dozen steps (a subprocess each):
