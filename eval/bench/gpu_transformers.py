@@ -5,13 +5,14 @@ for the same Llama-architecture model (random weights, bf16 weights, caches and 
         --prompt 4096 --batch 1 [--new-tokens 64] [--dry] [--json]
 
 prints one JSON row on stdout, with or without `--json` (the suite reads it; keys: side, shape,
-prompt, batch, new_tokens, decode_tokens_per_s; ours also step_ops, the operations its compiled
-step launches, and step_bytes_accessed; ...; `skipped` where that side cannot run here). Decode
-tokens/s = batch x (new_tokens - 1) over the time of a `new_tokens` generation less that of a one-token one (prefill and first token), each
-the median of alternated repeats after a warm-up that compiles: the prompt's prefill is not
-counted. transformers runs with a static cache and SDPA attention, as `generate` does by default
-with a static cache (recent versions compile the step with torch.compile: `torch_compile` in the
-row says which), and again with compilation disabled where the version has that switch.
+prompt, batch, new_tokens, decode_tokens_per_s; ours also step_ops, the operations its compiled step
+launches, and step_bytes_accessed; ...; `skipped` where that side cannot run here). Decode tokens/s
+= batch x (new_tokens - 1) over the time of a `new_tokens` generation less that of a one-token one
+(prefill and first token), each the median of alternated repeats after a warm-up that compiles: the
+prompt's prefill is not counted. transformers runs with a static cache and SDPA attention, as
+`generate` does by default with a static cache (recent versions compile the step with torch.compile:
+`torch_compile` in the row says which), and again with compilation disabled where the version has
+that switch.
 
 The GPU suite (eval/bench/gpu_suite.py, section `transformers`) runs each (shape, prompt, batch,
 side) in a process of its own, so each starts with the GPU's memory free of the other's. torch and
