@@ -180,11 +180,13 @@ def test_training_over_context_shards_matches_and_resumes_across_degrees(tmp_pat
 
 
 @pytest.mark.slow
-def test_moba_gpu_kernels_over_a_shard_lower_for_cuda():
-    """A context shard's MoBA through the GPU kernels lowers to Triton for CUDA (jax.export, no
-    GPU), forward and backward: shard 0 of 2 (chunks 0 and 3 of 256 queries) against 1,024
-    gathered keys, block 128. Catches: a window shape the Triton lowering rejects (interpret
-    mode accepts it), a kernel replaced by an XLA fallback."""
+@pytest.mark.parametrize("kernel", ["gpu", "triton"])
+def test_moba_gpu_kernels_over_a_shard_lower_for_cuda(kernel):
+    """A context shard's MoBA through the GPU kernels lowers for CUDA (jax.export, no GPU), forward
+    and backward: shard 0 of 2 (chunks 0 and 3 of 256 queries) against 1,024 gathered keys, block
+    128; `gpu` (a Hopper's: the Mosaic GPU kernels) and `triton` (the six Triton kernels, by
+    name). Catches: a window shape a lowering rejects (interpret mode accepts it), a kernel
+    replaced by an XLA fallback."""
     firsts, c = (0, 768), 128
     q_index = jnp.concatenate([jnp.arange(f, f + 256) for f in firsts])[None]
 
@@ -192,7 +194,7 @@ def test_moba_gpu_kernels_over_a_shard_lower_for_cuda():
         r = moba_routing(q, k, block_size=c, top_k=3, q_index=q_index)
         out = moba_pallas_local(
             q, k, v, r.own_start, r.past_start, block_starts(None, 1, 1024, c), firsts, c, 128**-0.5,
-            "gpu", False, BlockSizes(64, 64),
+            kernel, False, BlockSizes(64, 64),
         )  # fmt: skip
         return out.astype(jnp.float32).sum()
 
@@ -201,5 +203,10 @@ def test_moba_gpu_kernels_over_a_shard_lower_for_cuda():
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
     with gpu_lowering_target():
         exported = jax.export.export(grad, platforms=["cuda"], disabled_checks=[triton])(q, kv, kv)
-    names = set(re.findall(r'name = "(moba_\w+_gpu)"', exported.mlir_module()))
-    assert names == {f"moba_{k}_{p}_gpu" for k in ("own", "block") for p in ("fwd", "dq", "dkv")}
+    text = exported.mlir_module()
+    names = set(re.findall(r'name = "(moba_\w+_gpu)"', text))
+    if kernel == "triton":
+        assert names == {f"moba_{k}_{p}_gpu" for k in ("own", "block") for p in ("fwd", "dq", "dkv")}
+    else:
+        calls = len(re.findall(r"stablehlo.custom_call @mosaic_gpu", text))
+        assert not names and calls == 2 * 3 + 3  # the own block's three per chunk, the blocks' three
