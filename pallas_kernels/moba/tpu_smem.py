@@ -1,0 +1,113 @@
+"""The MoBA TPU kernels' scalar-prefetched tables against a TPU core's scalar memory (SMEM).
+
+A Pallas TPU kernel's scalar-prefetch operands are copied into the core's SMEM for the whole
+call: int32 tables of one entry per grid row of the schedule. The selected blocks' kernels
+(tpu_blocks.py) take 5 tables of [T] (forward) or 6 (backward), T the schedule's tiles; the own
+block's (tpu_own.py) take 2 of [B * n], n the chunks. T grows with the queries per chip: at 1M
+tokens on 8 context shards (131,072 queries per chip, 14 heads, top_k 12, block 4,096) one
+forward call over all 82,432 tiles needed 1.57 MiB, over the 1 MiB of a v5p core (libtpu: "Ran
+out of memory in memory space smem"). So the selected blocks' calls run in slices of the
+schedule (`tiles_per_call`), each under SMEM_BUDGET_BYTES, whatever the length.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from pallas_kernels.moba.schedule import num_past_tiles
+
+# SMEM per TPU core by libtpu's device_kind (bytes): v5e, v5p, v6e, as libtpu reports its capacity
+# when a program overflows it ("Used ... of 1.00M smem"), compiling ahead of time for each.
+SMEM_BYTES = {"TPU v5 lite": 1 << 20, "TPU v5": 1 << 20, "TPU v6 lite": 1 << 20}
+# what one kernel call's tables may take: half the smallest core's, the rest left to Mosaic's own
+# scalars and to the other operands a kernel keeps there
+SMEM_BUDGET_BYTES = min(SMEM_BYTES.values()) // 2
+TABLE_ITEMSIZE = 4  # int32
+
+# scalar-prefetched tables per kernel (each one entry per schedule tile, or per (batch, chunk))
+TABLES = {"moba_block_fwd": 5, "moba_block_bwd": 6, "moba_own_fwd": 2, "moba_own_bwd": 2}
+KNOBS = "mesh.context (fewer queries per chip), moba.block_size"
+
+
+def table_bytes(kernel: str, entries: int) -> int:
+    """Bytes of SMEM a call of `kernel` (a TABLES name) holds for tables of `entries` each."""
+    if kernel not in TABLES:
+        raise ValueError(f"kernel must be one of {sorted(TABLES)}, got {kernel!r}")
+    return TABLES[kernel] * entries * TABLE_ITEMSIZE
+
+
+def tiles_per_call(kernel: str, ntiles: int, budget: int | None = None) -> int:
+    """The most schedule tiles one call of `kernel` may take with its tables under `budget`
+    (default SMEM_BUDGET_BYTES), at most `ntiles`."""
+    budget = SMEM_BUDGET_BYTES if budget is None else budget
+    most = budget // table_bytes(kernel, 1)
+    if most < 1:
+        raise ValueError(f"an SMEM budget of {budget} bytes holds no tile of {kernel}'s tables")
+    return min(ntiles, most)
+
+
+def tile_slices(ntiles: int, most: int) -> list[slice]:
+    """[0, ntiles) in as few calls as `most` tiles a call allows, the calls of equal size (the
+    last one shorter by less than a call's count of calls)."""
+    calls = max(1, -(-ntiles // max(most, 1)))
+    size = -(-ntiles // calls)
+    return [slice(lo, min(lo + size, ntiles)) for lo in range(0, ntiles, size)]
+
+
+def check_own(kernel: str, entries: int, budget: int | None = None) -> None:
+    """The own block's tables (one entry per (batch, chunk), a few hundred bytes at 1M tokens)
+    are not sliced: a call over the budget is refused in one line naming the knobs."""
+    budget = SMEM_BUDGET_BYTES if budget is None else budget
+    need = table_bytes(kernel, entries)
+    if need > budget:
+        raise ValueError(
+            f"{kernel}: its scalar-prefetched tables need {need:,} bytes of SMEM ({entries:,} (batch, chunk) "
+            f"rows per chip), over the {budget:,}-byte budget of a TPU core; raise {KNOBS}"
+        )
+
+
+class CallTables(NamedTuple):
+    """One MoBA TPU kernel's calls in a layer's step on one chip: how many, and the largest
+    call's scalar-prefetched bytes."""
+
+    kernel: str
+    calls: int
+    table_bytes: int
+
+
+def moba_call_tables(
+    *,
+    batch: int,
+    queries: int,
+    key_len: int,
+    q_heads: int,
+    kv_heads: int,
+    block_size: int,
+    top_k: int,
+    past_q_tile: int,
+    runs: int = 1,
+) -> list[CallTables]:
+    """Every MoBA TPU kernel call of one attention layer on one chip, forward and backward, from
+    the schedule's static shapes (nothing traced or compiled): [batch, queries] queries per chip
+    with q_heads and kv_heads heads, in `runs` runs of the sequence (a context shard holds 2,
+    each its own-block window of one block more), against key_len keys."""
+    from pallas_kernels.moba import parts  # parts slices the calls; it imports this module
+
+    blocks = -(-key_len // block_size)
+    selections = min(top_k - 1, blocks - 1)  # routing's k'
+    run = queries // runs
+    window = run + block_size if runs > 1 else run  # a context run's window: one block of dummies first
+    own_entries = batch * -(-window // block_size)
+    out = [
+        CallTables(kernel, runs, table_bytes(kernel, own_entries))
+        for kernel in ("moba_own_fwd", "moba_own_bwd")
+    ]
+    if selections < 1:
+        return out
+    pairs = batch * queries * q_heads * selections
+    groups = batch * kv_heads * (key_len // block_size)
+    ntiles = num_past_tiles(pairs, groups=groups, q_tile=past_q_tile)
+    for kernel in ("moba_block_fwd", "moba_block_bwd"):
+        cuts = parts.tpu_past_slices(kernel, ntiles, past_q_tile)
+        out.append(CallTables(kernel, len(cuts), table_bytes(kernel, max(c.stop - c.start for c in cuts))))
+    return out

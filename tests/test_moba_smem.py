@@ -1,0 +1,63 @@
+"""The MoBA TPU kernels' scalar-prefetched tables against a TPU core's SMEM: every call under the
+budget at the 1M config's per-chip shapes (arithmetic on the schedule's shapes, nothing compiled),
+and the calls sliced small, interpreted, against the reference."""
+
+import pytest
+from test_moba_pallas import CASES, SMALL, check_against_reference
+
+from effattn_jax.config import load_config
+from effattn_jax.train.tpu_memory import moba_tpu_tables
+from pallas_kernels.moba import parts, tpu_smem
+
+
+def test_budget_is_a_fraction_of_each_generation():
+    """The budget leaves room for Mosaic's own scalars on the smallest core of v5e, v5p, v6e."""
+    assert set(tpu_smem.SMEM_BYTES) == {"TPU v5 lite", "TPU v5", "TPU v6 lite"}
+    assert 0 < tpu_smem.SMEM_BUDGET_BYTES < min(tpu_smem.SMEM_BYTES.values())
+
+
+def test_every_call_fits_smem_at_1m_on_16_chips():
+    """moba_545m_1m.yaml at context 8 (131,072 queries per chip, 14 heads, block 4,096, top_k 12):
+    each call's tables under the budget, and the forward in several calls: one call over all 82,432
+    tiles held 5 x 82,432 int32 = 1.57 MiB, what libtpu refused for a v5p core ("Used 1.57M of
+    1.00M smem"). Catches: a kernel call left unsliced, a slice sized without the tables' count."""
+    cfg = load_config("configs/moba/paper/moba_545m_1m.yaml", ["mesh.context=8", "mesh.topology=v5p:2x2x4"])
+    calls = {c.kernel: c for c in moba_tpu_tables(cfg, {"data": 1, "fsdp": 2, "context": 8, "tensor": 1})}
+    assert set(calls) == set(tpu_smem.TABLES)
+    for call in calls.values():
+        assert 0 < call.table_bytes <= tpu_smem.SMEM_BUDGET_BYTES, call
+    ntiles = 131072 * 14 * 11 // 256 + 14 * 256
+    assert tpu_smem.table_bytes("moba_block_fwd", ntiles) == 1_648_640  # the 1.57 MiB libtpu refused
+    assert calls["moba_block_fwd"].calls == 4 and calls["moba_block_bwd"].calls == 11
+    assert calls["moba_own_fwd"].calls == 2  # a context shard's two runs
+
+
+def test_slices_cover_the_schedule_once():
+    """Slices of equal size, in order, every tile once, within the budget."""
+    for ntiles, most in [(1, 1), (10, 3), (82432, 26214), (7, 100)]:
+        cuts = tpu_smem.tile_slices(ntiles, most)
+        assert [i for c in cuts for i in range(c.start, c.stop)] == list(range(ntiles))
+        assert max(c.stop - c.start for c in cuts) <= most
+    assert tpu_smem.tiles_per_call("moba_block_fwd", 10**6) == tpu_smem.SMEM_BUDGET_BYTES // 20
+
+
+def test_own_tables_over_budget_refused_in_one_line():
+    with pytest.raises(ValueError, match=r"moba_own_fwd.*SMEM.*mesh\.context.*moba\.block_size"):
+        tpu_smem.check_own("moba_own_fwd", tpu_smem.SMEM_BUDGET_BYTES)
+
+
+@pytest.mark.slow
+def test_tpu_kernels_in_smem_sized_slices(monkeypatch):
+    """The selected blocks' forward and backward with a budget of 7 tiles' tables a call (forward:
+    5 tables, backward 6: 5 tiles a call), groups cut between calls, interpreted against the
+    reference, forward and gradients. Catches: a slice's tiles written at the wrong offset of o or
+    lse, a slice dropped or run twice."""
+    monkeypatch.setattr(tpu_smem, "SMEM_BUDGET_BYTES", 7 * 5 * 4)
+    seen = []
+    slices = parts.tpu_past_slices
+    monkeypatch.setattr(parts, "tpu_past_slices", lambda *a: seen.append(a[0]) or slices(*a))
+    check_against_reference("tpu", True, *CASES["packed_documents"], block_sizes=SMALL)
+    cuts = {k: slices(k, 100, SMALL.past_q_tile) for k in ("moba_block_fwd", "moba_block_bwd")}
+    assert max(c.stop - c.start for c in cuts["moba_block_fwd"]) == 7
+    assert max(c.stop - c.start for c in cuts["moba_block_bwd"]) == 5
+    assert {"moba_block_fwd", "moba_block_bwd"} <= set(seen)
