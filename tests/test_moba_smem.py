@@ -1,13 +1,16 @@
 """The MoBA TPU kernels' scalar-prefetched tables against a TPU core's SMEM: every call under the
 budget at the 1M config's per-chip shapes (arithmetic on the schedule's shapes, nothing compiled),
-and the calls sliced small, interpreted, against the reference."""
+the calls sliced small (interpreted against the reference; compiled with libtpu), and the SMEM and
+VMEM per kernel read from a program's text, with the one-line refusal of an overflow."""
 
 import pytest
-from test_moba_pallas import CASES, SMALL, check_against_reference
+from conftest import v5e_arg
+from test_moba_pallas import CASES, SMALL, _moba_grad_fn, check_against_reference
 
-from effattn_jax.config import load_config
-from effattn_jax.train.tpu_memory import moba_tpu_tables
+from effattn_jax.config import ConfigError, load_config
+from effattn_jax.train.tpu_memory import KernelMemory, check_kernel_memory, kernel_memory, moba_tpu_tables
 from pallas_kernels.moba import parts, tpu_smem
+from pallas_kernels.moba.schedule import BlockSizes
 
 
 def test_budget_is_a_fraction_of_each_generation():
@@ -61,3 +64,61 @@ def test_tpu_kernels_in_smem_sized_slices(monkeypatch):
     assert max(c.stop - c.start for c in cuts["moba_block_fwd"]) == 7
     assert max(c.stop - c.start for c in cuts["moba_block_bwd"]) == 5
     assert {"moba_block_fwd", "moba_block_bwd"} <= set(seen)
+
+
+LOWERED = (
+    "    %5 = stablehlo.custom_call @tpu_custom_call(%0, %1, %2) {backend_config = "
+    '"{\\22custom_call_config\\22: {\\22body\\22: \\22TUzv\\22}, '
+    "\\22scoped_memory_configs\\22: [{\\22memory_space\\22:1, \\22offset\\22: 0, "
+    '\\22size\\22: 20971520}]}", kernel_name = "moba_block_fwd"} : (tensor<20608xi32>, '
+    "tensor<20608xi32>, tensor<20608x256x128xbf16>) -> tensor<82432x256x128xf32>"
+)
+COMPILED = (
+    "  %transpose_jvp_moba_block_bwd__.3 = (bf16[12,256,128]{2,1,0}) custom-call(%a, %b, %c), "
+    'custom_call_target="tpu_custom_call", operand_layout_constraints={s32[12]{0}, s32[12]{0}, '
+    'bf16[12,256,128]{2,1,0}}, backend_config={"flag_configs":[],"scoped_memory_configs":'
+    '[{"memory_space":"1","offset":"0","size":"33554432"}],"custom_call_config":{"body":"TUzv"}}'
+)
+
+
+def test_kernel_memory_read_from_the_program_text():
+    """Lowered StableHLO and compiled HLO: the kernel's name (AD's prefixes dropped), its leading
+    1-D int32 operands (the scalar-prefetched tables) and its scoped VMEM (memory space 1)."""
+    assert kernel_memory(LOWERED + "\n" + LOWERED) == [
+        KernelMemory("moba_block_fwd", 2, 2 * 20608 * 4, 20 << 20)
+    ]
+    assert kernel_memory(COMPILED) == [KernelMemory("moba_block_bwd", 1, 2 * 12 * 4, 32 << 20)]
+
+
+def test_kernel_over_smem_or_vmem_refused_in_one_line():
+    """Against a v5p core (1 MiB SMEM, 64 MiB VMEM, libtpu's capacities): named kernel, memory and knobs."""
+    fits = [KernelMemory("moba_block_fwd", 4, 412_160, 20 << 20)]
+    check_kernel_memory(fits, "TPU v5", "v5p:2x2x4")
+    smem = [KernelMemory("moba_block_fwd", 1, 1_648_640, 20 << 20)]
+    with pytest.raises(
+        ConfigError, match=r"moba_block_fwd needs 1\.57 MiB of SMEM.*mesh\.context.*moba\.block_size"
+    ):
+        check_kernel_memory(smem, "TPU v5", "v5p:2x2x4")
+    vmem = [KernelMemory("moba_own_bwd", 1, 136, 80 << 20)]
+    with pytest.raises(ConfigError, match=r"moba_own_bwd needs 80\.00 MiB of VMEM.*moba\.block_size"):
+        check_kernel_memory(vmem, "TPU v5", "v5p:2x2x4")
+    check_kernel_memory(vmem, "TPU v6 lite", "v6e:4x4")  # 128 MiB there
+
+
+@pytest.mark.slow
+def test_sliced_kernels_compile_for_a_real_tpu(monkeypatch):
+    """The selected blocks' calls sliced (12 tiles, 4 a call: the forward's o and lse and the
+    backward's dq written into the previous call's, aliased) lower with Mosaic and compile with
+    libtpu; the program's text reports each call's tables. Catches: an alias or an out-of-slice
+    block index Mosaic rejects (interpret mode would accept it)."""
+    x = v5e_arg()((1, 1024, 2, 128))
+    monkeypatch.setattr(tpu_smem, "SMEM_BUDGET_BYTES", 100)  # 4 tiles: forward 80 bytes, backward 96
+    lowered = _moba_grad_fn("tpu", BlockSizes(), 1024, 128).lower(x, x, x)
+    expected = {
+        "moba_block_fwd": (3, 80),
+        "moba_block_bwd": (3, 96),
+        "moba_own_fwd": (1, 16),
+        "moba_own_bwd": (1, 16),
+    }
+    for text in (lowered.as_text(), lowered.compile().as_text()):
+        assert {k.kernel: (k.calls, k.smem_bytes) for k in kernel_memory(text)} == expected

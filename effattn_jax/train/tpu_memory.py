@@ -1,11 +1,19 @@
-"""MoBA's TPU kernels against a TPU core's fast memories, for a config and a compiled train step:
-the scalar-prefetched tables in SMEM and the scoped VMEM each kernel call asks for."""
+"""Pallas TPU kernels against a TPU core's fast memories, for a config and a train step's program:
+the scalar-prefetched tables each call holds in SMEM and the scoped VMEM it asks for.
+
+libtpu's `compiled.memory_analysis()` counts HBM only (no SMEM or VMEM figure); the program's
+text has what a kernel call takes: its operands (the scalar-prefetched tables lead: 1-D int32)
+and its scoped VMEM limit (`scoped_memory_configs`, memory space 1). The limit is what the kernel
+asks Mosaic for, sized from its blocks, scratch and temporaries, not a measured peak."""
 
 from __future__ import annotations
 
+import re
+from typing import NamedTuple
+
 from effattn_jax.attention import moba_block_sizes
-from effattn_jax.config import Config
-from pallas_kernels.moba.tpu_smem import CallTables, moba_call_tables
+from effattn_jax.config import Config, ConfigError
+from pallas_kernels.moba.tpu_smem import SMEM_BYTES, CallTables, moba_call_tables
 
 
 def moba_tpu_tables(cfg: Config, mesh_sizes: dict[str, int]) -> list[CallTables]:
@@ -24,3 +32,123 @@ def moba_tpu_tables(cfg: Config, mesh_sizes: dict[str, int]) -> list[CallTables]
         past_q_tile=sizes.past_q_tile,
         runs=2 if context > 1 else 1,
     )
+
+
+# VMEM per TPU core by libtpu's device_kind (bytes), as libtpu reports its capacity when a kernel's
+# scratch overflows it, compiling ahead of time for each ("would exceed memory (size=...)")
+VMEM_BYTES = {"TPU v5 lite": 128 << 20, "TPU v5": 64 << 20, "TPU v6 lite": 128 << 20}
+KNOBS = {
+    "SMEM": "mesh.context (fewer queries per chip), moba.block_size, or a smaller slice of the schedule "
+    "(pallas_kernels.moba.tpu_smem.SMEM_BUDGET_BYTES)",
+    "VMEM": "moba.block_size, moba.key_tile, moba.past_q_tile",
+}
+
+
+class KernelMemory(NamedTuple):
+    """One Pallas TPU kernel of a program: its call sites, and the largest site's scalar-prefetched
+    tables (SMEM) and scoped VMEM limit (None: Mosaic's default)."""
+
+    kernel: str
+    calls: int
+    smem_bytes: int
+    vmem_bytes: int | None
+
+
+_ITEMSIZE = {
+    "i32": 4,
+    "s32": 4,
+    "ui32": 4,
+    "u32": 4,
+    "i64": 8,
+    "s64": 8,
+    "i16": 2,
+    "s16": 2,
+    "i8": 1,
+    "s8": 1,
+}
+_LOWERED_TYPE = re.compile(r"tensor<((?:\d+x)*)([a-z]+\d+)>")
+_COMPILED_TYPE = re.compile(r"\b([a-z]+\d+)\[([\d,]*)\]")
+_VMEM = re.compile(r"memory_space\W+1\W+offset\W+\d+\W+size\W+(\d+)")
+
+
+def _leading_table_bytes(types: list[tuple[str, list[int]]]) -> int:
+    """SMEM of a call: its leading 1-D integer operands, the scalar-prefetched tables (the
+    MoBA kernels take every table first and no other 1-D integer operand)."""
+    total = 0
+    for dtype, dims in types:
+        if len(dims) != 1 or dtype not in _ITEMSIZE:
+            break
+        total += dims[0] * _ITEMSIZE[dtype]
+    return total
+
+
+def _call_sites(hlo_text: str):
+    """(kernel, smem bytes, vmem bytes | None) of each tpu_custom_call in a lowered StableHLO
+    module or a compiled HLO module's text."""
+    for line in hlo_text.splitlines():
+        if "tpu_custom_call" not in line:
+            continue
+        vmem = _VMEM.search(line.replace("\\22", '"'))
+        vmem = int(vmem.group(1)) if vmem else None
+        if "stablehlo.custom_call" in line:  # lowered: kernel_name = "...", ... : (operand types) -> ...
+            name = re.search(r'kernel_name = "([^"]+)"', line)
+            operands = line.rsplit(" : (", 1)[-1].split(") ->", 1)[0]
+            types = [
+                (t, [int(x) for x in dims.split("x") if x]) for dims, t in _LOWERED_TYPE.findall(operands)
+            ]
+            yield (name.group(1) if name else "pallas kernel"), _leading_table_bytes(types), vmem
+        elif "custom_call_target=" in line:  # compiled: %name.N = ... custom-call(...), operand_layout_...
+            name = re.match(r"\s*(?:ROOT )?%?([\w-]+?)(?:\.\d+)? = ", line)
+            name = re.sub(r"^(?:transpose_|jvp_)+|_+$", "", name.group(1)) if name else None  # AD's prefixes
+            operands = re.search(r"operand_layout_constraints=\{(.*?)\}, [a-z_]+=", line)
+            types = [
+                (t, [int(x) for x in dims.split(",") if x])
+                for t, dims in _COMPILED_TYPE.findall(operands.group(1) if operands else "")
+            ]
+            yield name or "pallas kernel", _leading_table_bytes(types), vmem
+
+
+def kernel_memory(hlo_text: str) -> list[KernelMemory]:
+    """Per Pallas TPU kernel of a program's text (lowered or compiled): call sites, the largest
+    SMEM tables and the largest scoped VMEM limit, by kernel name."""
+    found: dict[str, KernelMemory] = {}
+    for name, smem, vmem in _call_sites(hlo_text):
+        seen = found.get(name, KernelMemory(name, 0, 0, None))
+        limits = [v for v in (vmem, seen.vmem_bytes) if v is not None]
+        found[name] = KernelMemory(
+            name, seen.calls + 1, max(smem, seen.smem_bytes), max(limits, default=None)
+        )
+    return sorted(found.values())
+
+
+def check_kernel_memory(kernels: list[KernelMemory], device_kind: str, topology: str) -> None:
+    """Refuses (ConfigError, one line) a program whose kernel would overflow a TPU core's SMEM
+    with its tables, or ask for more scoped VMEM than the core has: before libtpu's compile,
+    which takes tens of minutes at 1M tokens."""
+    caps = {"SMEM": SMEM_BYTES.get(device_kind), "VMEM": VMEM_BYTES.get(device_kind)}
+    for k in kernels:
+        for space, used in (("SMEM", k.smem_bytes), ("VMEM", k.vmem_bytes)):
+            if caps[space] is not None and used is not None and used > caps[space]:
+                raise ConfigError(
+                    "mesh.topology",
+                    topology,
+                    f"kernel {k.kernel} needs {used / 2**20:.2f} MiB of {space} per call, over the "
+                    f"{caps[space] / 2**20:.2f} MiB of a {device_kind} core; change {KNOBS[space]}",
+                )
+
+
+def memory_lines(kernels: list[KernelMemory], device_kind: str) -> list[str]:
+    """One line per kernel for the dry run: SMEM tables and scoped VMEM against the core's."""
+    smem_cap, vmem_cap = SMEM_BYTES.get(device_kind), VMEM_BYTES.get(device_kind)
+    lines = []
+    for k in kernels:
+        smem = f"SMEM tables {k.smem_bytes / 2**10:,.1f} KiB" + (
+            f" of {smem_cap / 2**10:,.0f}" if smem_cap else ""
+        )
+        vmem = "scoped VMEM: Mosaic's default"
+        if k.vmem_bytes:
+            vmem = f"scoped VMEM {k.vmem_bytes / 2**20:.1f} MiB" + (
+                f" of {vmem_cap / 2**20:.0f}" if vmem_cap else ""
+            )
+        lines.append(f"{k.kernel} ({k.calls} call{'s' if k.calls > 1 else ''}): {smem}, {vmem}")
+    return lines
