@@ -142,13 +142,14 @@ def memory_lines(kernels: list[KernelMemory], device_kind: str) -> list[str]:
     smem_cap, vmem_cap = SMEM_BYTES.get(device_kind), VMEM_BYTES.get(device_kind)
     lines = []
     for k in kernels:
-        smem = f"SMEM tables {k.smem_bytes / 2**10:,.1f} KiB" + (
+        smem = f"SMEM tables {k.smem_bytes / 2**10:,.1f}" + (
             f" of {smem_cap / 2**10:,.0f}" if smem_cap else ""
         )
         vmem = "scoped VMEM: Mosaic's default"
         if k.vmem_bytes:
-            vmem = f"scoped VMEM {k.vmem_bytes / 2**20:.1f} MiB" + (
+            vmem = f"scoped VMEM {k.vmem_bytes / 2**20:.1f}" + (
                 f" of {vmem_cap / 2**20:.0f}" if vmem_cap else ""
             )
-        lines.append(f"{k.kernel} ({k.calls} call{'s' if k.calls > 1 else ''}): {smem}, {vmem}")
+            vmem += " MiB"
+        lines.append(f"{k.kernel} ({k.calls} call{'s' if k.calls > 1 else ''}): {smem} KiB, {vmem}")
     return lines
