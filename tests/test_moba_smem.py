@@ -3,6 +3,9 @@ budget at the 1M config's per-chip shapes (arithmetic on the schedule's shapes, 
 the calls sliced small (interpreted against the reference; compiled with libtpu), and the SMEM and
 VMEM per kernel read from a program's text, with the one-line refusal of an overflow."""
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from conftest import v5e_arg
 from test_moba_pallas import CASES, SMALL, _moba_grad_fn, check_against_reference
@@ -26,7 +29,7 @@ def test_every_call_fits_smem_at_1m_on_16_chips():
     1.00M smem"). Catches: a kernel call left unsliced, a slice sized without the tables' count."""
     cfg = load_config("configs/moba/paper/moba_545m_1m.yaml", ["mesh.context=8", "mesh.topology=v5p:2x2x4"])
     calls = {c.kernel: c for c in moba_tpu_tables(cfg, {"data": 1, "fsdp": 2, "context": 8, "tensor": 1})}
-    assert set(calls) == set(tpu_smem.TABLES)
+    assert set(calls) == set(tpu_smem.TABLES) - {"moba_decode_tpu"}
     for call in calls.values():
         assert 0 < call.table_bytes <= tpu_smem.SMEM_BUDGET_BYTES, call
     ntiles = 131072 * 14 * 11 // 256 + 14 * 256
@@ -122,3 +125,36 @@ def test_sliced_kernels_compile_for_a_real_tpu(monkeypatch):
     }
     for text in (lowered.as_text(), lowered.compile().as_text()):
         assert {k.kernel: (k.calls, k.smem_bytes) for k in kernel_memory(text)} == expected
+
+
+def test_tpu_decode_in_row_slices(monkeypatch):
+    """The decode step's tables with a budget of one row a call (2 rows: 2 calls, each reading its
+    rows of the whole caches), interpreted, equal the XLA step. Catches: a call's rows offset wrongly
+    into the caches or the flat tables."""
+    from test_moba_decode import _kernel_case
+
+    from pallas_kernels.moba import tpu_decode
+
+    step = _kernel_case(160, 32)
+    want = step("xla")
+    monkeypatch.setattr(tpu_smem, "SMEM_BUDGET_BYTES", 3 * 4 * 4 * 4)  # 4 heads x 4 picks: one row
+    assert tpu_smem.rows_per_call("moba_decode_tpu", 2, 16) == 1
+    calls = str(jax.make_jaxpr(lambda: step("pallas_tpu"))()).count("name=moba_decode_tpu")
+    assert calls == 2
+    np.testing.assert_allclose(step("pallas_tpu"), want, atol=1e-5, rtol=1e-5)
+    assert tpu_decode.fits(160, 32)
+
+
+@pytest.mark.slow
+def test_tpu_decode_tables_fit_smem_at_64_rows():
+    """64 rows x 16 heads x 3 picks compile with libtpu: as [64, 16, 3] tables Mosaic padded each to
+    512 KiB of SMEM and libtpu refused the call (1.5 MiB of 1 MiB); flat, they take 36 KiB. Catches:
+    tables passed with more than one dim."""
+    from pallas_kernels.moba.tpu_decode import moba_decode_tpu
+
+    arg = v5e_arg()
+    step = jax.jit(lambda q, k, v, *tables: moba_decode_tpu(q, k, v, *tables, 512, 0.125))
+    cache = arg((64, 4, 1024, 128))
+    lowered = step.lower(arg((64, 16, 128)), cache, cache, *[arg((64, 16, 3), jnp.int32)] * 3)
+    assert kernel_memory(lowered.as_text())[0].smem_bytes == 3 * 64 * 16 * 3 * 4
+    lowered.compile()

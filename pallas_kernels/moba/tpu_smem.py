@@ -24,8 +24,16 @@ SMEM_BYTES = {"TPU v5 lite": 1 << 20, "TPU v5": 1 << 20, "TPU v6 lite": 1 << 20}
 SMEM_BUDGET_BYTES = min(SMEM_BYTES.values()) // 2
 TABLE_ITEMSIZE = 4  # int32
 
-# scalar-prefetched tables per kernel (each one entry per schedule tile, or per (batch, chunk))
-TABLES = {"moba_block_fwd": 5, "moba_block_bwd": 6, "moba_own_fwd": 2, "moba_own_bwd": 2}
+# scalar-prefetched tables per kernel, one entry per schedule tile, per (batch, chunk) or, in the
+# decode step, per (row, query head, selected block); all flat: Mosaic pads an SMEM table's last
+# dim to 128 words (a [64, 16, 3] int32 table took 512 KiB)
+TABLES = {
+    "moba_block_fwd": 5,
+    "moba_block_bwd": 6,
+    "moba_own_fwd": 2,
+    "moba_own_bwd": 2,
+    "moba_decode_tpu": 3,
+}
 KNOBS = "mesh.context (fewer queries per chip), moba.block_size"
 
 
@@ -44,6 +52,12 @@ def tiles_per_call(kernel: str, ntiles: int, budget: int | None = None) -> int:
     if most < 1:
         raise ValueError(f"an SMEM budget of {budget} bytes holds no tile of {kernel}'s tables")
     return min(ntiles, most)
+
+
+def rows_per_call(kernel: str, rows: int, entries_per_row: int, budget: int | None = None) -> int:
+    """The most rows (of `entries_per_row` table entries each) one call of `kernel` may take with
+    its flat tables under `budget` (default SMEM_BUDGET_BYTES), at most `rows`."""
+    return max(1, tiles_per_call(kernel, rows * entries_per_row, budget) // entries_per_row)
 
 
 def tile_slices(ntiles: int, most: int) -> list[slice]:
