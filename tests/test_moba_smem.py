@@ -86,11 +86,15 @@ COMPILED = (
 
 def test_kernel_memory_read_from_the_program_text():
     """Lowered StableHLO and compiled HLO: the kernel's name (AD's prefixes dropped), its leading
-    1-D int32 operands (the scalar-prefetched tables) and its scoped VMEM (memory space 1)."""
+    integer operands (the scalar-prefetched tables) and its scoped VMEM (memory space 1)."""
     assert kernel_memory(LOWERED + "\n" + LOWERED) == [
         KernelMemory("moba_block_fwd", 2, 2 * 20608 * 4, 20 << 20)
     ]
     assert kernel_memory(COMPILED) == [KernelMemory("moba_block_bwd", 1, 2 * 12 * 4, 32 << 20)]
+    # a table of several dims: its last dim padded to 128 entries, as Mosaic lays it out in SMEM
+    tables = COMPILED.replace("s32[12]{0}, s32[12]{0}", "s32[64,16,3]{2,1,0}")
+    assert kernel_memory(tables)[0].smem_bytes == 64 * 16 * 128 * 4
+    assert not kernel_memory(tables)[0].smem_exact
 
 
 def test_kernel_over_smem_or_vmem_refused_in_one_line():
@@ -106,6 +110,8 @@ def test_kernel_over_smem_or_vmem_refused_in_one_line():
     with pytest.raises(ConfigError, match=r"moba_own_bwd needs 80\.00 MiB of VMEM.*moba\.block_size"):
         check_kernel_memory(vmem, "TPU v5", "v5p:2x2x4")
     check_kernel_memory(vmem, "TPU v6 lite", "v6e:4x4")  # 128 MiB there
+    # an estimate (tables of several dims, padding inferred) is left to libtpu, not refused
+    check_kernel_memory([smem[0]._replace(smem_exact=False)], "TPU v5", "v5p:2x2x4")
 
 
 @pytest.mark.slow

@@ -2,12 +2,13 @@
 the scalar-prefetched tables each call holds in SMEM and the scoped VMEM it asks for.
 
 libtpu's `compiled.memory_analysis()` counts HBM only (no SMEM or VMEM figure); the program's
-text has what a kernel call takes: its operands (the scalar-prefetched tables lead: 1-D int32)
+text has what a kernel call takes: its operands (the scalar-prefetched tables lead: integers)
 and its scoped VMEM limit (`scoped_memory_configs`, memory space 1). The limit is what the kernel
 asks Mosaic for, sized from its blocks, scratch and temporaries, not a measured peak."""
 
 from __future__ import annotations
 
+import math
 import re
 from typing import NamedTuple
 
@@ -46,12 +47,14 @@ KNOBS = {
 
 class KernelMemory(NamedTuple):
     """One Pallas TPU kernel of a program: its call sites, and the largest site's scalar-prefetched
-    tables (SMEM) and scoped VMEM limit (None: Mosaic's default)."""
+    tables (SMEM) and scoped VMEM limit (None: Mosaic's default). smem_exact: every table flat
+    (counted as laid out); else the SMEM is an estimate (a padded table's layout is inferred)."""
 
     kernel: str
     calls: int
     smem_bytes: int
     vmem_bytes: int | None
+    smem_exact: bool = True
 
 
 _ITEMSIZE = {
@@ -71,19 +74,24 @@ _COMPILED_TYPE = re.compile(r"\b([a-z]+\d+)\[([\d,]*)\]")
 _VMEM = re.compile(r"memory_space\W+1\W+offset\W+\d+\W+size\W+(\d+)")
 
 
-def _leading_table_bytes(types: list[tuple[str, list[int]]]) -> int:
-    """SMEM of a call: its leading 1-D integer operands, the scalar-prefetched tables (the
-    MoBA kernels take every table first and no other 1-D integer operand)."""
-    total = 0
+def _leading_table_bytes(types: list[tuple[str, list[int]]]) -> tuple[int, bool]:
+    """SMEM of a call: its leading integer operands, the scalar-prefetched tables (the MoBA
+    kernels and splash attention take every table first, before any float operand). A table of
+    two or more dims is counted with its last dim padded to 128 entries, as Mosaic lays it out
+    in SMEM (an int32 [64, 16, 3] table took 512 KiB); a flat one as it is. -> (bytes, whether
+    every table was flat)."""
+    total, flat = 0, True
     for dtype, dims in types:
-        if len(dims) != 1 or dtype not in _ITEMSIZE:
+        if dtype not in _ITEMSIZE:
             break
-        total += dims[0] * _ITEMSIZE[dtype]
-    return total
+        flat &= len(dims) < 2
+        padded = dims if len(dims) < 2 else [*dims[:-1], -(-dims[-1] // 128) * 128]
+        total += math.prod(padded) * _ITEMSIZE[dtype]
+    return total, flat
 
 
 def _call_sites(hlo_text: str):
-    """(kernel, smem bytes, vmem bytes | None) of each tpu_custom_call in a lowered StableHLO
+    """(kernel, smem bytes, smem exact, vmem bytes | None) of each tpu_custom_call in a lowered StableHLO
     module or a compiled HLO module's text."""
     for line in hlo_text.splitlines():
         if "tpu_custom_call" not in line:
@@ -96,7 +104,7 @@ def _call_sites(hlo_text: str):
             types = [
                 (t, [int(x) for x in dims.split("x") if x]) for dims, t in _LOWERED_TYPE.findall(operands)
             ]
-            yield (name.group(1) if name else "pallas kernel"), _leading_table_bytes(types), vmem
+            yield (name.group(1) if name else "pallas kernel"), *_leading_table_bytes(types), vmem
         elif "custom_call_target=" in line:  # compiled: %name.N = ... custom-call(...), operand_layout_...
             name = re.match(r"\s*(?:ROOT )?%?([\w-]+?)(?:\.\d+)? = ", line)
             name = re.sub(r"^(?:transpose_|jvp_)+|_+$", "", name.group(1)) if name else None  # AD's prefixes
@@ -105,30 +113,36 @@ def _call_sites(hlo_text: str):
                 (t, [int(x) for x in dims.split(",") if x])
                 for t, dims in _COMPILED_TYPE.findall(operands.group(1) if operands else "")
             ]
-            yield name or "pallas kernel", _leading_table_bytes(types), vmem
+            yield name or "pallas kernel", *_leading_table_bytes(types), vmem
 
 
 def kernel_memory(hlo_text: str) -> list[KernelMemory]:
     """Per Pallas TPU kernel of a program's text (lowered or compiled): call sites, the largest
     SMEM tables and the largest scoped VMEM limit, by kernel name."""
     found: dict[str, KernelMemory] = {}
-    for name, smem, vmem in _call_sites(hlo_text):
+    for name, smem, exact, vmem in _call_sites(hlo_text):
         seen = found.get(name, KernelMemory(name, 0, 0, None))
         limits = [v for v in (vmem, seen.vmem_bytes) if v is not None]
         found[name] = KernelMemory(
-            name, seen.calls + 1, max(smem, seen.smem_bytes), max(limits, default=None)
+            name,
+            seen.calls + 1,
+            max(smem, seen.smem_bytes),
+            max(limits, default=None),
+            exact and seen.smem_exact,
         )
     return sorted(found.values())
 
 
 def check_kernel_memory(kernels: list[KernelMemory], device_kind: str, topology: str) -> None:
     """Refuses (ConfigError, one line) a program whose kernel would overflow a TPU core's SMEM
-    with its tables, or ask for more scoped VMEM than the core has: before libtpu's compile,
-    which takes tens of minutes at 1M tokens."""
+    with its tables (counted exactly: flat tables), or ask for more scoped VMEM than the core
+    has: before libtpu's compile, which takes minutes at 1M tokens. An estimated overflow is
+    left to libtpu, whose refusal the dry run reports."""
     caps = {"SMEM": SMEM_BYTES.get(device_kind), "VMEM": VMEM_BYTES.get(device_kind)}
     for k in kernels:
         for space, used in (("SMEM", k.smem_bytes), ("VMEM", k.vmem_bytes)):
-            if caps[space] is not None and used is not None and used > caps[space]:
+            known = space == "VMEM" or k.smem_exact
+            if known and caps[space] is not None and used is not None and used > caps[space]:
                 raise ConfigError(
                     "mesh.topology",
                     topology,
@@ -142,7 +156,7 @@ def memory_lines(kernels: list[KernelMemory], device_kind: str) -> list[str]:
     smem_cap, vmem_cap = SMEM_BYTES.get(device_kind), VMEM_BYTES.get(device_kind)
     lines = []
     for k in kernels:
-        smem = f"SMEM tables {k.smem_bytes / 2**10:,.1f}" + (
+        smem = f"SMEM tables {'' if k.smem_exact else 'about '}{k.smem_bytes / 2**10:,.1f}" + (
             f" of {smem_cap / 2**10:,.0f}" if smem_cap else ""
         )
         vmem = "scoped VMEM: Mosaic's default"
