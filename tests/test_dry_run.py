@@ -8,6 +8,7 @@ from conftest import ROOT
 from effattn_jax.config import ConfigError, load_config
 from effattn_jax.train import tpu_memory
 from effattn_jax.train.dry_run import dry_run
+from pallas_kernels.moba import tpu_smem
 
 pytestmark = pytest.mark.slow  # paper-size models and TPU compiles
 
@@ -97,3 +98,14 @@ def test_a_run_too_big_for_its_chips_is_reported_not_raised(capsys):
     report = dry_run(cfg)
     assert report["fits"] is False
     assert "DOES NOT FIT" in capsys.readouterr().out
+
+
+def test_moba_tpu_tables_without_a_topology(capsys):
+    """Without mesh.topology, a MoBA config's TPU kernel tables per chip come from the shapes alone:
+    the 1M config on 8 context shards, every call under the SMEM budget."""
+    cfg = load_config(ROOT / "configs/moba/paper/moba_545m_1m.yaml", ["mesh.topology=", "mesh.context=8"])
+    report = dry_run(cfg)
+    calls = {c["kernel"]: c for c in report["moba_tpu_tables"]}
+    assert calls["moba_block_fwd"]["calls"] == 4
+    assert all(c["table_bytes"] <= tpu_smem.SMEM_BUDGET_BYTES for c in calls.values())
+    assert "MoBA TPU kernel moba_block_fwd per layer and chip: 4 call(s)" in capsys.readouterr().out

@@ -31,7 +31,15 @@ from effattn_jax.model import Transformer, param_counts
 from effattn_jax.ops.platform import tracing_for
 from effattn_jax.sharding import config_mesh
 from effattn_jax.train.gpu_tiles import check_moba_gpu_tiles
-from effattn_jax.train.tpu_memory import KNOBS, KernelMemory, check_kernel_memory, kernel_memory, memory_lines
+from effattn_jax.train.tpu_memory import (
+    KNOBS,
+    KernelMemory,
+    check_kernel_memory,
+    kernel_memory,
+    memory_lines,
+    moba_tpu_tables,
+)
+from pallas_kernels.moba.tpu_smem import SMEM_BUDGET_BYTES
 
 # HBM per chip by libtpu's device_kind (GiB)
 HBM_GIB = {"TPU v4": 32, "TPU v5 lite": 16, "TPU v5": 95, "TPU v6 lite": 32}
@@ -145,6 +153,14 @@ def dry_run(cfg: Config, *, compile: bool = True) -> dict:
         if min(sizes.values()) > 0:
             check_batch_divides(cfg, sizes)
             check_context_split(cfg, sizes)
+            if moba_block_size(cfg) is not None:  # the TPU kernels' SMEM tables, from the shapes alone
+                report["moba_tpu_tables"] = [c._asdict() for c in moba_tpu_tables(cfg, sizes)]
+                budget = f"budget {SMEM_BUDGET_BYTES / 2**10:,.0f} KiB"
+                for c in report["moba_tpu_tables"]:
+                    print(
+                        f"MoBA TPU kernel {c['kernel']} per layer and chip: {c['calls']} call(s), "
+                        f"SMEM tables {c['table_bytes'] / 2**10:,.1f} KiB a call ({budget})"
+                    )
         print("no mesh.topology: the ahead-of-time compile was skipped (e.g. mesh.topology=v5p:4x4x4)")
         # the MoBA GPU kernels' tiles against this GPU's shared memory (an H100/H200's on a host
         # without one): ConfigError, one line, when they cannot fit
