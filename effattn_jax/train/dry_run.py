@@ -29,6 +29,7 @@ from effattn_jax.flops import PFLOPS_DAY, pflops_days, train_flops_per_token
 from effattn_jax.memory import program_bytes
 from effattn_jax.model import Transformer, param_counts
 from effattn_jax.ops.platform import tracing_for
+from effattn_jax.ops.tpu_tables import SMEM_BUDGET_BYTES
 from effattn_jax.sharding import config_mesh
 from effattn_jax.train.gpu_tiles import check_moba_gpu_tiles
 from effattn_jax.train.tpu_memory import (
@@ -39,7 +40,6 @@ from effattn_jax.train.tpu_memory import (
     memory_lines,
     moba_tpu_tables,
 )
-from pallas_kernels.moba.tpu_smem import SMEM_BUDGET_BYTES
 
 # HBM per chip by libtpu's device_kind (GiB)
 HBM_GIB = {"TPU v4": 32, "TPU v5 lite": 16, "TPU v5": 95, "TPU v6 lite": 32}

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 from effattn_jax.attention import moba_block_sizes
 from effattn_jax.config import Config, ConfigError
-from pallas_kernels.moba.tpu_smem import SMEM_BYTES, CallTables, moba_call_tables
+from effattn_jax.ops.tpu_tables import SMEM_BYTES, CallTables, moba_call_tables
 
 
 def moba_tpu_tables(cfg: Config, mesh_sizes: dict[str, int]) -> list[CallTables]:

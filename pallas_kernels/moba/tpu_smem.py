@@ -12,10 +12,6 @@ schedule (`tiles_per_call`), each under SMEM_BUDGET_BYTES, whatever the length.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
-from pallas_kernels.moba.schedule import num_past_tiles
-
 # SMEM per TPU core by libtpu's device_kind (bytes): v5e, v5p, v6e, as libtpu reports its capacity
 # when a program overflows it ("Used ... of 1.00M smem"), compiling ahead of time for each.
 SMEM_BYTES = {"TPU v5 lite": 1 << 20, "TPU v5": 1 << 20, "TPU v6 lite": 1 << 20}
@@ -78,50 +74,3 @@ def check_own(kernel: str, entries: int, budget: int | None = None) -> None:
             f"{kernel}: its scalar-prefetched tables need {need:,} bytes of SMEM ({entries:,} (batch, chunk) "
             f"rows per chip), over the {budget:,}-byte budget of a TPU core; raise {KNOBS}"
         )
-
-
-class CallTables(NamedTuple):
-    """One MoBA TPU kernel's calls in a layer's step on one chip: how many, and the largest
-    call's scalar-prefetched bytes."""
-
-    kernel: str
-    calls: int
-    table_bytes: int
-
-
-def moba_call_tables(
-    *,
-    batch: int,
-    queries: int,
-    key_len: int,
-    q_heads: int,
-    kv_heads: int,
-    block_size: int,
-    top_k: int,
-    past_q_tile: int,
-    runs: int = 1,
-) -> list[CallTables]:
-    """Every MoBA TPU kernel call of one attention layer on one chip, forward and backward, from
-    the schedule's static shapes (nothing traced or compiled): [batch, queries] queries per chip
-    with q_heads and kv_heads heads, in `runs` runs of the sequence (a context shard holds 2,
-    each its own-block window of one block more), against key_len keys."""
-    from pallas_kernels.moba import parts  # parts slices the calls; it imports this module
-
-    blocks = -(-key_len // block_size)
-    selections = min(top_k - 1, blocks - 1)  # routing's k'
-    run = queries // runs
-    window = run + block_size if runs > 1 else run  # a context run's window: one block of dummies first
-    own_entries = batch * -(-window // block_size)
-    out = [
-        CallTables(kernel, runs, table_bytes(kernel, own_entries))
-        for kernel in ("moba_own_fwd", "moba_own_bwd")
-    ]
-    if selections < 1:
-        return out
-    pairs = batch * queries * q_heads * selections
-    groups = batch * kv_heads * (key_len // block_size)
-    ntiles = num_past_tiles(pairs, groups=groups, q_tile=past_q_tile)
-    for kernel in ("moba_block_fwd", "moba_block_bwd"):
-        cuts = parts.tpu_past_slices(kernel, ntiles, past_q_tile)
-        out.append(CallTables(kernel, len(cuts), table_bytes(kernel, max(c.stop - c.start for c in cuts))))
-    return out
