@@ -35,8 +35,8 @@ def moba_tpu_tables(cfg: Config, mesh_sizes: dict[str, int]) -> list[CallTables]
     )
 
 
-# VMEM per TPU core by libtpu's device_kind (bytes), as libtpu reports its capacity when a kernel's
-# scratch overflows it, compiling ahead of time for each ("would exceed memory (size=...)")
+# VMEM per TPU core by libtpu's device_kind (bytes), as libtpu (0.0.50.1) reports its capacity when
+# a kernel's scratch overflows it, compiling ahead of time for each ("would exceed memory (size=...)")
 VMEM_BYTES = {"TPU v5 lite": 128 << 20, "TPU v5": 64 << 20, "TPU v6 lite": 128 << 20}
 KNOBS = {
     "SMEM": "mesh.context (fewer queries per chip), moba.block_size, or a smaller slice of the schedule "

@@ -7,13 +7,15 @@ block's (tpu_own.py) take 2 of [B * n], n the chunks. T grows with the queries p
 tokens on 8 context shards (131,072 queries per chip, 14 heads, top_k 12, block 4,096) one
 forward call over all 82,432 tiles needed 1.57 MiB, over the 1 MiB of a v5p core (libtpu: "Ran
 out of memory in memory space smem"). So the selected blocks' calls run in slices of the
-schedule (`tiles_per_call`), each under SMEM_BUDGET_BYTES, whatever the length.
+schedule (`tiles_per_call`, parts.tpu_past_slices) and the decode step's in slices of its rows
+(`rows_per_call`, tpu_decode.py), each under SMEM_BUDGET_BYTES, whatever the length.
 """
 
 from __future__ import annotations
 
-# SMEM per TPU core by libtpu's device_kind (bytes): v5e, v5p, v6e, as libtpu reports its capacity
-# when a program overflows it ("Used ... of 1.00M smem"), compiling ahead of time for each.
+# SMEM per TPU core by libtpu's device_kind (bytes): v5e, v5p, v6e, as libtpu (0.0.50.1) reports
+# its capacity when a kernel's tables overflow it ("would exceed memory (size=1048576)"), compiling
+# ahead of time for each.
 SMEM_BYTES = {"TPU v5 lite": 1 << 20, "TPU v5": 1 << 20, "TPU v6 lite": 1 << 20}
 # what one kernel call's tables may take: half the smallest core's, the rest left to Mosaic's own
 # scalars and to the other operands a kernel keeps there
@@ -58,7 +60,7 @@ def rows_per_call(kernel: str, rows: int, entries_per_row: int, budget: int | No
 
 def tile_slices(ntiles: int, most: int) -> list[slice]:
     """[0, ntiles) in as few calls as `most` tiles a call allows, the calls of equal size (the
-    last one shorter by less than a call's count of calls)."""
+    last one up to calls - 1 tiles shorter)."""
     calls = max(1, -(-ntiles // max(most, 1)))
     size = -(-ntiles // calls)
     return [slice(lo, min(lo + size, ntiles)) for lo in range(0, ntiles, size)]
