@@ -1,11 +1,14 @@
 """`train.dry_run`: the paper configs size themselves without allocating, and compile ahead of
 time for a TPU slice."""
 
+import jax
 import pytest
 from conftest import ROOT
 
 from effattn_jax.config import ConfigError, load_config
+from effattn_jax.train import tpu_memory
 from effattn_jax.train.dry_run import dry_run
+from pallas_kernels.moba import tpu_smem
 
 pytestmark = pytest.mark.slow  # paper-size models and TPU compiles
 
@@ -52,7 +55,7 @@ def test_compiles_for_a_tpu_slice(capsys):
     assert report["tpu_kernels"] >= 2 and "fits" in capsys.readouterr().out  # splash, forward and backward
 
 
-def test_moba_compiles_its_real_tpu_kernels():
+def test_moba_compiles_its_real_tpu_kernels(capsys):
     """On a CPU host, `pallas` means the interpreted kernel; compiled for a TPU slice it must be
     the Mosaic kernels (forward and backward of the own and selected blocks)."""
     pytest.importorskip("libtpu")
@@ -60,6 +63,27 @@ def test_moba_compiles_its_real_tpu_kernels():
     cfg = load_config(None, ["mesh.topology=v5e:2x2", "data.batch_size=4", "data.seq_len=512", *moba])
     report = dry_run(cfg)
     assert report["tpu_kernels"] >= 4 and report["fits"]
+    # SMEM and VMEM per kernel, from the compiled program, printed beside HBM
+    kernels = {k["kernel"]: k for k in report["kernel_memory"]}
+    assert {"moba_own_fwd", "moba_own_bwd", "moba_block_fwd", "moba_block_bwd"} <= set(kernels)
+    for name in ("moba_block_fwd", "moba_block_bwd"):
+        assert 0 < kernels[name]["smem_bytes"] < 2**20 and kernels[name]["vmem_bytes"] >= 16 * 2**20
+    out = capsys.readouterr().out
+    assert "TPU kernel moba_block_fwd" in out and "SMEM tables" in out and "scoped VMEM" in out
+
+
+def test_a_kernel_over_smem_is_refused_before_compiling(monkeypatch):
+    """A program whose kernel tables overflow a core's SMEM (here a 64-byte core) is refused in
+    one line naming the kernel, the memory and the knobs, before libtpu compiles anything."""
+    pytest.importorskip("libtpu")
+    monkeypatch.setattr(tpu_memory, "SMEM_BYTES", {"TPU v5 lite": 64})
+    monkeypatch.setattr(jax.stages.Lowered, "compile", lambda *_: pytest.fail("compiled"))
+    moba = ["attention.core=moba", "moba.block_size=128", "moba.top_k=2", "model.num_layers=1"]
+    cfg = load_config(None, ["mesh.topology=v5e:2x2", "data.batch_size=4", "data.seq_len=512", *moba])
+    with pytest.raises(
+        ConfigError, match=r"kernel moba_\w+ needs .* of SMEM .*mesh\.context.*moba\.block_size"
+    ):
+        dry_run(cfg)
 
 
 def test_unknown_topology_is_a_config_error():
@@ -74,3 +98,14 @@ def test_a_run_too_big_for_its_chips_is_reported_not_raised(capsys):
     report = dry_run(cfg)
     assert report["fits"] is False
     assert "DOES NOT FIT" in capsys.readouterr().out
+
+
+def test_moba_tpu_tables_without_a_topology(capsys):
+    """Without mesh.topology, a MoBA config's TPU kernel tables per chip come from the shapes alone:
+    the 1M config on 8 context shards, every call under the SMEM budget."""
+    cfg = load_config(ROOT / "configs/moba/paper/moba_545m_1m.yaml", ["mesh.topology=", "mesh.context=8"])
+    report = dry_run(cfg)
+    calls = {c["kernel"]: c for c in report["moba_tpu_tables"]}
+    assert calls["moba_block_fwd"]["calls"] == 4
+    assert all(c["table_bytes"] <= tpu_smem.SMEM_BUDGET_BYTES for c in calls.values())
+    assert "MoBA TPU kernel moba_block_fwd per layer and chip: 4 call(s)" in capsys.readouterr().out

@@ -185,6 +185,7 @@ def test_each_kernel_backend_stands_alone(graph):
         for b in ("tpu", "gpu")
     }  # fmt: skip
     by_backend["gpu"].add("pallas_kernels.gpu_memory")  # shared memory: the GPU kernels' estimates
+    by_backend["tpu"].add("pallas_kernels.moba.tpu_smem")  # scalar memory: the TPU kernels' tables
     for backend, names in by_backend.items():
         for name in names:
             assert name in graph, name

@@ -3,7 +3,9 @@
 The model is built abstractly (shapes only, nothing allocated); the parameter counts, FLOPs per
 token and the whole run's compute are printed. With `mesh.topology` (e.g. v5p:4x4x4) the train
 step is then compiled ahead of time for that TPU slice with libtpu (the `tpu` extra; no TPU
-needed) and the compiler's per-chip memory is printed against the chip's HBM.
+needed) and the compiler's per-chip memory is printed against the chip's HBM, with each Pallas
+kernel's SMEM tables and scoped VMEM from the program (effattn_jax/train/tpu_memory.py); a kernel
+that would overflow either is refused in one line before libtpu's compile.
 """
 
 from __future__ import annotations
@@ -27,8 +29,17 @@ from effattn_jax.flops import PFLOPS_DAY, pflops_days, train_flops_per_token
 from effattn_jax.memory import program_bytes
 from effattn_jax.model import Transformer, param_counts
 from effattn_jax.ops.platform import tracing_for
+from effattn_jax.ops.tpu_tables import SMEM_BUDGET_BYTES
 from effattn_jax.sharding import config_mesh
 from effattn_jax.train.gpu_tiles import check_moba_gpu_tiles
+from effattn_jax.train.tpu_memory import (
+    KNOBS,
+    KernelMemory,
+    check_kernel_memory,
+    kernel_memory,
+    memory_lines,
+    moba_tpu_tables,
+)
 
 # HBM per chip by libtpu's device_kind (GiB)
 HBM_GIB = {"TPU v4": 32, "TPU v5 lite": 16, "TPU v5": 95, "TPU v6 lite": 32}
@@ -62,7 +73,11 @@ def compile_for_topology(cfg: Config) -> dict:
     fit["hbm_bytes"] = HBM_GIB[kind] * 2**30 if kind in HBM_GIB else None
     with tracing_for("tpu"):  # `auto` and `pallas` pick the real TPU kernels, not their interpretation
         lowered = make_train_step(setup).lower(setup.abstract_state, setup.abstract_batch())
-    fit["tpu_kernels"] = lowered.as_text().count("tpu_custom_call")  # Pallas/Mosaic calls in the step
+    text = lowered.as_text()
+    fit["tpu_kernels"] = text.count("tpu_custom_call")  # Pallas/Mosaic calls in the step
+    kernels = kernel_memory(text)
+    check_kernel_memory(kernels, kind, cfg.mesh.topology)  # SMEM/VMEM overflow: refused before compiling
+    del text
     try:
         compiled = lowered.compile()
     except jax.errors.JaxRuntimeError as e:
@@ -74,14 +89,18 @@ def compile_for_topology(cfg: Config) -> dict:
             "bytes_per_chip": None,
             "fits": False,
             "refused": str(e),
+            "kernel_memory": [k._asdict() for k in kernels],
         }
+    compiled_text = compiled.as_text()
+    kernels = kernel_memory(compiled_text) or kernels
     used = program_bytes(compiled)
     fits = fit["hbm_bytes"] is None or used <= fit["hbm_bytes"]
     return fit | {
         "compile_seconds": time.perf_counter() - start,
         "bytes_per_chip": int(used),
         "fits": fits,
-        "collective_bytes": collective_bytes(compiled.as_text()),
+        "kernel_memory": [k._asdict() for k in kernels],
+        "collective_bytes": collective_bytes(compiled_text),
         "context_gather_bytes": context_gather_bytes(cfg, dict(mesh.shape)),
     }
 
@@ -134,6 +153,14 @@ def dry_run(cfg: Config, *, compile: bool = True) -> dict:
         if min(sizes.values()) > 0:
             check_batch_divides(cfg, sizes)
             check_context_split(cfg, sizes)
+            if moba_block_size(cfg) is not None:  # the TPU kernels' SMEM tables, from the shapes alone
+                report["moba_tpu_tables"] = [c._asdict() for c in moba_tpu_tables(cfg, sizes)]
+                budget = f"budget {SMEM_BUDGET_BYTES / 2**10:,.0f} KiB"
+                for c in report["moba_tpu_tables"]:
+                    print(
+                        f"MoBA TPU kernel {c['kernel']} per layer and chip: {c['calls']} call(s), "
+                        f"SMEM tables {c['table_bytes'] / 2**10:,.1f} KiB a call ({budget})"
+                    )
         print("no mesh.topology: the ahead-of-time compile was skipped (e.g. mesh.topology=v5p:4x4x4)")
         # the MoBA GPU kernels' tiles against this GPU's shared memory (an H100/H200's on a host
         # without one): ConfigError, one line, when they cannot fit
@@ -149,6 +176,9 @@ def dry_run(cfg: Config, *, compile: bool = True) -> dict:
         )
         if used is None:
             print(f"{where}: DOES NOT FIT, the compiler refused it: {fit['refused'].splitlines()[0]}")
+            space = next((m for m in ("SMEM", "VMEM") if f"space={m.lower()}" in fit["refused"]), None)
+            if space:
+                print(f"a kernel overflows {space}: change {KNOBS[space]}")
         else:
             of = f"{cap / 2**30:.0f} GiB" if cap else "unknown capacity"
             verdict = "" if cap is None else (" fits" if fit["fits"] else " DOES NOT FIT")
@@ -156,6 +186,8 @@ def dry_run(cfg: Config, *, compile: bool = True) -> dict:
                 f"{where} in {fit['compile_seconds']:.0f} s ({fit['tpu_kernels']} kernel calls): "
                 f"{used / 2**30:.2f} GiB per chip of {of}:{verdict}"
             )
+            for line in memory_lines([KernelMemory(**k) for k in fit["kernel_memory"]], fit["device_kind"]):
+                print(f"TPU kernel {line}")
             moved = ", ".join(f"{k} {v / 2**20:,.1f}" for k, v in sorted(fit["collective_bytes"].items()))
             print(f"collectives per step and chip (MiB): {moved or 'none'}")
             if fit["context_gather_bytes"]:

@@ -40,7 +40,7 @@ from effattn_jax.cli import positive_int, positive_int_list
 from effattn_jax.ops.routing import moba_routing
 from eval.bench import common
 from pallas_kernels.moba import gpu_own, tpu_blocks, tpu_own
-from pallas_kernels.moba.parts import padded_length, reads_in_place
+from pallas_kernels.moba.parts import padded_length, reads_in_place, tpu_past_slices
 from pallas_kernels.moba.schedule import BlockSizes, past_tiles
 
 GIB = 2**30
@@ -104,7 +104,8 @@ def own_counts(
 
 def past_counts(past, *, d: int, dv: int, item: int, block_size: int, seq_pad: int) -> dict:
     """The whole-block kernels (tpu_blocks.py): one step per tile, forward and fused backward,
-    padding tiles skipped (`pl.when`; the last real tile's K/V window and rows: no copy); dq
+    padding tiles skipped (`pl.when`; the last real tile's K/V window and rows: no copy), in
+    calls of the schedule's slices (parts.tpu_past_slices: each call copies its first window); dq
     per tile row in the input dtype; dK/dV accumulated in float32 VMEM per (batch, KV head,
     block) group and added, once per group, into the own part's dK/dV window in place (the
     window read and written, in the input dtype)."""
@@ -115,9 +116,13 @@ def past_counts(past, *, d: int, dv: int, item: int, block_size: int, seq_pad: i
     w = tpu_blocks.window(block_size, q.dtype)
     starts = tpu_blocks.window_starts(past.tiles.key_start, block_size, seq_pad, q.dtype)
     starts = np.asarray(starts).astype(np.int64)
-    kv_bytes = (
-        _copies(np.asarray(past.tiles.kv_row).astype(np.int64) * seq_pad + starts) * w * (d + dv) * item
-    )
+    window_index = np.asarray(past.tiles.kv_row).astype(np.int64) * seq_pad + starts
+
+    def kv_bytes_of(kernel):  # each call (a slice whose tables fit SMEM) copies its first window anew
+        cuts = tpu_past_slices(kernel, ntiles, qt)
+        return sum(_copies(window_index[c]) for c in cuts) * w * (d + dv) * item
+
+    kv_bytes, kv_bwd = kv_bytes_of("moba_block_fwd"), kv_bytes_of("moba_block_bwd")
     lane_rows = ntiles * qt * 4  # one lane-dense float32 [1, Qt] row per tile
     rows_in = ntiles * qt * (d + dv) * item  # q and dO tiles
     dq = ntiles * qt * d * item
@@ -128,7 +133,7 @@ def past_counts(past, *, d: int, dv: int, item: int, block_size: int, seq_pad: i
     fwd_bytes = (
         kv_bytes + 2 * ntiles * qt * d * item + real * qt * d * item + ntiles * qt * dv * 4 + lane_rows
     )
-    bwd_kernel = kv_bytes + read_rows + dq + group_grads
+    bwd_kernel = kv_bwd + read_rows + dq + group_grads
     bwd_glue = 2 * rows_in + 4 * lane_rows  # q, dO, lse, delta gathered into tiles (read + write)
     return {
         "fwd_steps": ntiles,

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from pallas_kernels import gpu_backend, gpu_memory
 from pallas_kernels.common import ALIGN
 from pallas_kernels.gpu_backend import GPU_BACKENDS
+from pallas_kernels.moba import tpu_smem
 from pallas_kernels.moba.schedule import BACKENDS, BlockSizes, past_tiles
 
 
@@ -362,6 +363,16 @@ def _key_grads(own_grad, group_grad, group, window_start):
 BWD_SLICE_ROWS = 1 << 21  # tile rows per call of the selected blocks' TPU backward (_tpu_past_bwd)
 
 
+def tpu_past_slices(kernel: str, ntiles: int, qt: int) -> list[slice]:
+    """The schedule's tiles [0, ntiles) in calls of the selected blocks' TPU `kernel`
+    ("moba_block_fwd" | "moba_block_bwd"), each call's scalar-prefetched tables under
+    tpu_smem.SMEM_BUDGET_BYTES and, for the backward, its rows under BWD_SLICE_ROWS."""
+    most = tpu_smem.tiles_per_call(kernel, ntiles)
+    if kernel == "moba_block_bwd":
+        most = min(most, max(1, BWD_SLICE_ROWS // qt))
+    return tpu_smem.tile_slices(ntiles, most)
+
+
 def _tile_rows(qf, do_f, lse_f, delta, rows):
     """q, dO, lse and delta [B*S*Hq, ...] gathered into tiles of `rows` (padding rows, -1: dO
     and delta 0, lse +inf, so they contribute nothing)."""
@@ -375,18 +386,17 @@ def _tile_rows(qf, do_f, lse_f, delta, rows):
 
 
 def _tpu_past_bwd(kern, flat, lay, past, dk, dv, **kw):
-    """The selected blocks' TPU backward over the schedule's tiles, BWD_SLICE_ROWS rows a call:
-    each call gathers only its tiles' rows of `flat` (q, dO, lse, delta; q and dO are 1.25 GiB
-    each for the whole schedule at 128K, 16 heads), writes its dq tiles into one [T, Qt, D]
-    buffer and adds its dK/dV into the own part's, both in place (aliased). A group cut by a
-    slice is added in two parts, so its dK/dV is rounded twice. Returns (dq tiles, dK, dV)."""
+    """The selected blocks' TPU backward over the schedule's tiles, at most BWD_SLICE_ROWS rows
+    and SMEM_BUDGET_BYTES of tables a call (tpu_past_slices): each call gathers only its tiles'
+    rows of `flat` (q, dO, lse, delta; q and dO are 1.25 GiB each for the whole schedule at 128K,
+    16 heads), writes its dq tiles into one [T, Qt, D] buffer and adds its dK/dV into the own
+    part's, both in place (aliased). A group cut by a slice is added in two parts, so its dK/dV
+    is rounded twice. Returns (dq tiles, dK, dV)."""
     t = past.tiles
     ntiles, qt = t.rows.shape
-    calls = -(-ntiles * qt // BWD_SLICE_ROWS)
-    size = -(-ntiles // calls)
     dq_t = None
-    for lo in range(0, ntiles, size):
-        cut = slice(lo, min(lo + size, ntiles))
+    for cut in tpu_past_slices("moba_block_bwd", ntiles, qt):
+        lo = cut.start
         q_r, do_r, lse_r, delta_r = _tile_rows(*flat, t.rows[cut])
         dq_t, dk, dv = kern.block_attention_bwd(
             q_r,
@@ -452,18 +462,38 @@ def past_forward(call: KernelCall, q_flat, lay: Layout, past):
     """The selected blocks' parts: (o_rows [T*Qt, Dv] float32, lse_rows [T*Qt]), one row per
     schedule tile row (q_flat [N, D]: the query rows the tiles gather)."""
     t = past.tiles
-    o, lse = call.kernels("_blocks").block_attention_fwd(
-        gather_rows(q_flat, t.rows),
-        lay.k,
-        lay.v,
-        t.kv_row,
-        t.key_start,
-        past.tile_group,
-        num_groups=past.group_tiles.shape[0],
-        **call.kernel_args,
-        **lay.kv_heads,
-    )
+    kw = dict(call.kernel_args, num_groups=past.group_tiles.shape[0], **lay.kv_heads)
+    kern = call.kernels("_blocks")
+    if call.backend == "tpu":
+        o, lse = _tpu_past_fwd(kern, q_flat, lay, past, **kw)
+    else:
+        o, lse = kern.block_attention_fwd(
+            gather_rows(q_flat, t.rows), lay.k, lay.v, t.kv_row, t.key_start, past.tile_group, **kw
+        )
     return o.reshape(-1, o.shape[-1]), lse.reshape(-1)
+
+
+def _tpu_past_fwd(kern, q_flat, lay, past, **kw):
+    """The selected blocks' TPU forward in slices of the schedule whose scalar-prefetched
+    tables each fit the SMEM budget (tpu_past_slices; one call up to 26,214 tiles, 6.7M rows at
+    the default tiles), every call writing its tiles of o and lse in place (aliased)."""
+    t = past.tiles
+    ntiles, qt = t.rows.shape
+    out = None
+    for cut in tpu_past_slices("moba_block_fwd", ntiles, qt):
+        out = kern.block_attention_fwd(
+            gather_rows(q_flat, t.rows[cut]),
+            lay.k,
+            lay.v,
+            t.kv_row[cut],
+            t.key_start[cut],
+            past.tile_group[cut],
+            into=out,
+            first_tile=cut.start,
+            num_tiles=ntiles,
+            **kw,
+        )
+    return out
 
 
 def past_backward(call: KernelCall, flat, lay: Layout, past, dk, dv, key_starts):

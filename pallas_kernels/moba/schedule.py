@@ -279,6 +279,12 @@ def _sort_pairs_by_block(pairs: _Pairs, *, seq_len: int, num_q_heads: int, num_k
     return _SortedPairs(order, key, group, rank, real)
 
 
+def num_past_tiles(num_pairs: int, *, groups: int, q_tile: int) -> int:
+    """T, the schedule's static count of tiles: the pairs' tiles plus one per (batch, KV head,
+    full block) group (each group's last tile may be partly empty)."""
+    return -(-num_pairs // q_tile) + max(groups, 1)
+
+
 def past_tiles(
     past_start: jax.Array, *, num_kv_heads: int, block_size: int, q_tile: int, key_len: int | None = None
 ) -> PastTiles:
@@ -295,7 +301,7 @@ def past_tiles(
     pairs = _flat_pairs(past_start)
     num_pairs = pairs.block_start.shape[0]
     max_groups = max(b * num_kv_heads * (keys // block_size), 1)  # (batch, KV head, full block) groups
-    num_tiles = -(-num_pairs // q_tile) + max_groups  # static bound: each group wastes < 1 tile
+    num_tiles = num_past_tiles(num_pairs, groups=max_groups, q_tile=q_tile)
     sp = _sort_pairs_by_block(pairs, seq_len=keys, num_q_heads=hq, num_kv_heads=num_kv_heads)
 
     # Groups: sizes, tiles, first tile, and (KV row, block start) from the group's first pair.

@@ -67,14 +67,13 @@ def _fwd_kernel(
     q_ref,
     k_ref,
     v_ref,
-    o_ref,
-    lse_ref,
-    *,
+    *refs,
     scale,
     block_size,
     num_groups,
     align,
 ):
+    o_ref, lse_ref = refs[-2:]  # before them: o_into, lse_into (aliased to them), if given
     t = pl.program_id(0)
     offset = _offset(win_ref, start_ref, t, align)
 
@@ -242,13 +241,25 @@ def block_attention_fwd(
     block_sizes,
     num_groups,
     kv_heads=None,
+    into=None,
+    first_tile=0,
+    num_tiles=None,
     interpret=False,
 ):
     """q_rows [T, Qt, D]; k/v [B*Hkv, S_pad, D|Dv] with S_pad >= S + ALIGN, or with kv_heads
     = Hkv the natural [B, S, Hkv*D|Dv] with S a multiple of ALIGN (`window_starts`); kv_row,
     block_start, tile_group [T] (tiles of group `num_groups` are padding, skipped). Returns
-    o [T, Qt, Dv] float32 (normalised) and lse [T, Qt]."""
+    o [T, Qt, Dv] float32 (normalised) and lse [T, Qt].
+
+    A schedule may run in slices, one call each (tiles first_tile.. of num_tiles, so that its
+    scalar-prefetched tables fit SMEM: tpu_smem.py): o and lse then come whole, [num_tiles, ...],
+    this call's tiles written into `into` (the previous call's (o, lse), aliased; None on the
+    first, whose other tiles are left unwritten)."""
     ntiles, qt, d = q_rows.shape
+    num_tiles = ntiles if num_tiles is None else num_tiles
+    if not 0 <= first_tile <= num_tiles - ntiles:
+        raise ValueError(f"tiles {first_tile}..{first_tile + ntiles} are not inside the {num_tiles} tiles")
+    into = [] if into is None else [into[0], into[1].reshape(num_tiles, 1, qt)]
     dv, w, align = v.shape[-1] // (kv_heads or 1), window(block_size, k.dtype), sublane_tile(k.dtype)
     kv_spec = lambda width: _kv_spec(w, width, kv_heads, align)
     o, lse = pl.pallas_call(
@@ -262,16 +273,18 @@ def block_attention_fwd(
                 pl.BlockSpec((None, qt, d), lambda t, *refs: (refs[-1][t], 0, 0)),
                 kv_spec(d),
                 kv_spec(dv),
-            ],
+            ]
+            + [pl.BlockSpec(memory_space=pl.ANY)] * len(into),
             out_specs=[
-                pl.BlockSpec((None, qt, dv), lambda t, *_: (t, 0, 0)),
-                pl.BlockSpec((None, 1, qt), lambda t, *_: (t, 0, 0)),
+                pl.BlockSpec((None, qt, dv), lambda t, *_: (t + first_tile, 0, 0)),
+                pl.BlockSpec((None, 1, qt), lambda t, *_: (t + first_tile, 0, 0)),
             ],
         ),
         out_shape=[
-            jax.ShapeDtypeStruct((ntiles, qt, dv), jnp.float32),
-            jax.ShapeDtypeStruct((ntiles, 1, qt), jnp.float32),
+            jax.ShapeDtypeStruct((num_tiles, qt, dv), jnp.float32),
+            jax.ShapeDtypeStruct((num_tiles, 1, qt), jnp.float32),
         ],
+        input_output_aliases={8: 0, 9: 1} if into else {},  # o, lse into (after 5 tables, q, k, v)
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel",), vmem_limit_bytes=_vmem_limit(q_rows, k.dtype, w, d, dv)
         ),
@@ -287,8 +300,9 @@ def block_attention_fwd(
         q_rows,
         k,
         v,
+        *into,
     )
-    return o, lse.reshape(ntiles, qt)
+    return o, lse.reshape(num_tiles, qt)
 
 
 def block_attention_bwd(

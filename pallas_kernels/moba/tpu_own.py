@@ -30,6 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.common import NT, TN, tpu_interpret, tpu_vmem_limit
+from pallas_kernels.moba.tpu_smem import check_own
 
 
 def own_tables(own_start: jax.Array, *, block_size: int, seq_pad: int):
@@ -287,6 +288,7 @@ def own_attention_fwd(q, k, v, own, needs, prev, *, scale, block_size, key_tile,
     float32."""
     b, hq, hkv, d, dv = _dims(q, k, v, own, heads)
     c, n, groups = block_size, needs.shape[0] // b, hq // hkv
+    check_own("moba_own_fwd", needs.shape[0])  # needs, prev: scalar-prefetched
     q_row, kv_cur, kv_prev, own_spec, lane_row = _specs(c, hkv, groups, n, heads is not None)
     tile = own_tile(c, key_tile)
     return pl.pallas_call(
@@ -317,6 +319,7 @@ def own_attention_bwd(
     next) laid out like q, k, v over n*C positions, in their dtypes."""
     b, hq, hkv, d, dv = _dims(q, k, v, own, heads)
     c, n, groups = block_size, needs.shape[0] // b, hq // hkv
+    check_own("moba_own_bwd", needs.shape[0])
     q_row, kv_cur, kv_prev, own_spec, lane_row = _specs(c, hkv, groups, n, heads is not None)
     grads = lambda x: jax.ShapeDtypeStruct((x.shape[0], n * c, x.shape[-1]), x.dtype)
     acc = lambda w: pltpu.VMEM((c, w), jnp.float32)
