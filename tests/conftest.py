@@ -199,3 +199,12 @@ def quick_or_slow(cases, quick):
     """pytest params of `cases` (values or tuples of values), marked slow unless in `quick`."""
     as_tuple = lambda c: c if isinstance(c, tuple) else (c,)
     return [pytest.param(*as_tuple(c), marks=() if c in quick else pytest.mark.slow) for c in cases]
+
+
+@pytest.fixture
+def mosaic_by_default(monkeypatch):
+    """pallas_gpu takes the Mosaic GPU kernels on a Hopper (what gpu_backend.MOSAIC_BY_DEFAULT turns
+    on once they have run on one): the dispatch as it will be then."""
+    from pallas_kernels import gpu_backend
+
+    monkeypatch.setattr(gpu_backend, "MOSAIC_BY_DEFAULT", True)

@@ -180,11 +180,11 @@ def test_training_over_context_shards_matches_and_resumes_across_degrees(tmp_pat
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kernel", ["gpu", "triton"])
+@pytest.mark.parametrize("kernel", ["mosaic", "triton"])
 def test_moba_gpu_kernels_over_a_shard_lower_for_cuda(kernel):
     """A context shard's MoBA through the GPU kernels lowers for CUDA (jax.export, no GPU), forward
     and backward: shard 0 of 2 (chunks 0 and 3 of 256 queries) against 1,024 gathered keys, block
-    128; `gpu` (a Hopper's: the Mosaic GPU kernels) and `triton` (the six Triton kernels, by
+    128; `mosaic` (the Mosaic GPU kernels) and `triton` (the six Triton kernels, by
     name). Catches: a window shape a lowering rejects (interpret mode accepts it), a kernel
     replaced by an XLA fallback."""
     firsts, c = (0, 768), 128

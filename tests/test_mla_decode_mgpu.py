@@ -165,7 +165,7 @@ def test_lowers_for_cuda(heads):
     assert _kernels(text) == {"mosaic"} and "mosaic_gpu" in text
 
 
-def test_dispatch_exports_mosaic_on_hopper_and_triton_where_it_refuses():
+def test_dispatch_exports_mosaic_on_hopper_and_triton_where_it_refuses(mosaic_by_default):
     """The op traced for a GPU (an H200: Mosaic GPU's backend) exports the Mosaic kernel for a bf16
     cache of 32K slots, and the Triton one for a cache length Mosaic refuses (4100, not a multiple of
     8); impl pallas_triton takes Triton, pallas_mosaic raises where Mosaic cannot run."""

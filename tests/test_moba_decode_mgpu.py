@@ -132,7 +132,7 @@ def test_lowers_for_cuda_within_its_smem_count(d):
         assert _export(kernel, d, 32768) == {"mosaic"}
 
 
-def test_dispatch_exports_mosaic_on_hopper_and_triton_where_it_refuses():
+def test_dispatch_exports_mosaic_on_hopper_and_triton_where_it_refuses(mosaic_by_default):
     """The decode op traced for a GPU (an H200) exports the Mosaic kernel for bf16 and the Triton one
     for float32 (Mosaic refuses) and under pallas_triton; pallas_mosaic raises where Mosaic cannot
     run."""

@@ -20,6 +20,7 @@ from effattn_jax.ops.routing import moba_routing
 from effattn_jax.sharding import make_mesh
 from effattn_jax.train.state import init_state, make_setup
 from effattn_jax.train.step import make_train_step
+from pallas_kernels import gpu_backend
 from pallas_kernels.common import ALIGN, gpu_lowering_target
 from pallas_kernels.moba import parts
 from pallas_kernels.moba.attention import forward, moba_pallas
@@ -315,11 +316,11 @@ def test_remat_keeps_the_schedule():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kernel", ["gpu", "triton"])
+@pytest.mark.parametrize("kernel", ["mosaic", "triton"])
 def test_gpu_kernels_lower_for_cuda(kernel):
     """Forward + backward lower for CUDA (jax.export, no GPU) with the shipped `auto` tiles, each kernel
-    once: `gpu` (the H200 answer, Mosaic GPU: three own-block and three selected-block kernel calls)
-    and `triton` (the six Triton kernels, by name). Catches: a shape or op a lowering rejects, a kernel
+    once: `mosaic` (three own-block and three selected-block kernel calls) and `triton` (the six
+    Triton kernels, by name). Catches: a shape or op a lowering rejects, a kernel
     replaced by an XLA fallback, auto tiles that the shared-memory check (against an H100/H200 here)
     refuses, pallas_gpu not taking the Mosaic kernels on Hopper."""
     x = jax.ShapeDtypeStruct((1, 1024, 2, 128), jnp.bfloat16)
@@ -338,7 +339,7 @@ def test_gpu_kernels_lower_for_cuda(kernel):
         assert len(re.findall(r"stablehlo.custom_call @mosaic_gpu", text)) == 6, text.count("mosaic_gpu")
 
 
-def test_gpu_kernel_choice():
+def test_gpu_kernel_choice(monkeypatch):
     """pallas_gpu takes the Mosaic GPU kernels where they run (compiled for a Hopper, bf16, tiles of 64
     rows), else Triton: float32, or interpreted (tests); pallas_mosaic refuses in one line what its
     kernels cannot run."""
@@ -348,6 +349,8 @@ def test_gpu_kernel_choice():
             BlockSizes(), x, x, block_size=512, scale=1.0, backend=backend, interpret=interpret
         ).gpu_kernels
     )
+    assert fit(bf16, "gpu") == "triton"  # until the Mosaic GPU kernels have run on a GPU
+    monkeypatch.setattr(gpu_backend, "MOSAIC_BY_DEFAULT", True)
     assert fit(bf16, "gpu") == "mosaic" and fit(bf16, "triton") == "triton"
     assert fit(f32, "gpu") == "triton" and fit(bf16, "gpu", interpret=True) == "triton"
     assert fit(bf16, "tpu") == ""

@@ -208,7 +208,7 @@ def test_mosaic_gpu_kernel_ties_and_context_shard():
     np.testing.assert_array_equal(got, want)
 
 
-def test_moba_attention_bf16_on_pallas_gpu_routes_with_mosaic_gpu():
+def test_moba_attention_bf16_on_pallas_gpu_routes_with_mosaic_gpu(mosaic_by_default):
     """moba_attention(impl="pallas_gpu") in bf16 with a head dim of 64, traced for a GPU (an H100/H200
     when none is at hand), gates with the Mosaic GPU kernel; pallas_triton, and pallas_gpu interpreted
     (tests), with the Triton one. Catches: the Hopper dispatch not reaching the kernel."""

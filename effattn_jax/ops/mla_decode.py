@@ -31,7 +31,7 @@ def gpu_kernel_for(kernel: str, interpret, q_lat, q_rope, lat, kr) -> str:
     (a ValueError where it cannot run)."""
     from pallas_kernels import gpu_backend
 
-    if kernel == "triton" or (kernel == "gpu" and (interpret or gpu_backend.device_backend() != "mosaic")):
+    if kernel == "triton" or (kernel == "gpu" and (interpret or gpu_backend.default_backend() != "mosaic")):
         return "triton"
     from pallas_kernels.mla_decode import mgpu
 

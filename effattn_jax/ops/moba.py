@@ -27,9 +27,18 @@ from pallas_kernels import gpu_memory
 from pallas_kernels.moba.schedule import SCHEDULE_NAME as SCHEDULE_NAME
 from pallas_kernels.moba.schedule import BlockSizes as BlockSizes
 
-# the routing kernel each attention kernel backend gates with (ops/routing.py, routing_kernel): the
-# Mosaic GPU attention kernels take the GPU's own choice (Mosaic GPU on Hopper where it fits)
-ROUTING_KERNELS = {"tpu": "tpu", "gpu": "gpu", "mosaic": "gpu", "triton": "gpu_triton"}
+# the routing kernel each attention kernel backend gates with (ops/routing.py, routing_kernel)
+ROUTING_KERNELS = {"tpu": "tpu", "gpu": "gpu", "triton": "gpu_triton"}
+
+
+def routing_kernel_for(kernel: str | None, q, k) -> str | None:
+    """The routing kernel of an attention kernel backend; the Mosaic GPU attention kernels gate
+    with the Mosaic GPU routing kernel where it takes the shapes, else with Triton's."""
+    if kernel != "mosaic":
+        return ROUTING_KERNELS.get(kernel)
+    from pallas_kernels.moba.routing_mgpu import fits
+
+    return "gpu_mosaic" if fits(q, k.dtype, k.shape[1]) else "gpu_triton"
 
 
 def gpu_tiles_fit(
@@ -122,7 +131,7 @@ def moba_attention(
             q_index = query_positions(firsts, q.shape[1] // len(firsts), q.shape[0])
             r = moba_routing(
                 q, k, block_size=block_size, top_k=top_k, segment_ids=k_seg,
-                query_chunk=routing_chunk, q_index=q_index, kernel=ROUTING_KERNELS.get(kernel),
+                query_chunk=routing_chunk, q_index=q_index, kernel=routing_kernel_for(kernel, q, k),
                 interpret=interpret,
             )  # fmt: skip
             if path == "pallas":
@@ -142,7 +151,7 @@ def moba_attention(
     path, kernel, interpret = resolve_impl(impl)
     route = lambda q, k, seg: moba_routing(
         q, k, block_size=block_size, top_k=top_k, segment_ids=seg, query_chunk=routing_chunk,
-        kernel=ROUTING_KERNELS.get(kernel), interpret=interpret,
+        kernel=routing_kernel_for(kernel, q, k), interpret=interpret,
     )  # fmt: skip
     if path == "pallas":
         from pallas_kernels.moba.attention import moba_pallas  # Pallas is imported only when used

@@ -118,7 +118,7 @@ def gpu_decode_backend(kernel: str, interpret, view: CacheView, size: int) -> st
     Triton, unless "mosaic" asks for it (a ValueError where it cannot run)."""
     from pallas_kernels import gpu_backend
 
-    if kernel == "triton" or (kernel == "gpu" and (interpret or gpu_backend.device_backend() != "mosaic")):
+    if kernel == "triton" or (kernel == "gpu" and (interpret or gpu_backend.default_backend() != "mosaic")):
         return "triton"
     from pallas_kernels.moba import mgpu_decode
 

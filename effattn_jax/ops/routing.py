@@ -108,11 +108,11 @@ GPU_ROUTING_KERNELS = ("gpu", "gpu_triton", "gpu_mosaic")  # the device's choice
 
 
 def routing_kernel(kernel: str | None):
-    """The Pallas selection for a MoBA kernel backend, or None: the gate selects in XLA. "gpu":
-    Mosaic GPU (pallas_kernels/moba/routing_mgpu.py) where gpu_backend.device_backend() says
-    "mosaic" (Hopper) and the shapes fit it, else Triton (routing_gpu.py); interpreted (tests on a
-    CPU) Triton, as the attention kernels (parts.gpu_kernels_for); "gpu_triton" / "gpu_mosaic":
-    that one; "tpu": routing_tpu.py."""
+    """The Pallas selection for a MoBA kernel backend, or None: the gate selects in XLA. "gpu": Mosaic GPU
+    (pallas_kernels/moba/routing_mgpu.py) where gpu_backend.default_backend() says "mosaic" (Hopper, once
+    enabled) and the shapes fit it, else Triton (routing_gpu.py); interpreted (tests on a CPU) Triton, as
+    the attention kernels (parts.gpu_kernels_for); "gpu_triton" / "gpu_mosaic": that one; "tpu":
+    routing_tpu.py."""
     if kernel in GPU_ROUTING_KERNELS:
         return functools.partial(_gpu_selection, backend=kernel.removeprefix("gpu").lstrip("_") or None)
     if kernel == "tpu":
@@ -127,7 +127,7 @@ def routing_kernel(kernel: str | None):
 
 
 def _gpu_selection(q, starts, means, lo, hi, picks, *, seq, key_dtype, interpret=False, backend=None):
-    from pallas_kernels.gpu_backend import device_backend
+    from pallas_kernels.gpu_backend import default_backend
     from pallas_kernels.moba import routing_gpu, routing_mgpu
 
     fits = routing_mgpu.fits(q, key_dtype, seq)
@@ -136,7 +136,7 @@ def _gpu_selection(q, starts, means, lo, hi, picks, *, seq, key_dtype, interpret
             f"the Mosaic GPU routing kernel takes bf16/f16 q and K, head dims of 64k and lengths of 64k; "
             f"got q {q.dtype}{q.shape}, K {key_dtype}"
         )
-    if (backend or ("triton" if interpret else device_backend())) == "mosaic" and fits:
+    if (backend or ("triton" if interpret else default_backend())) == "mosaic" and fits:
         select = routing_mgpu.routing_mgpu
     else:
         select = routing_gpu.routing_gpu

@@ -25,7 +25,7 @@ from effattn_jax.ops.routing import moba_routing
 from eval.bench.attention import structured_inputs
 from eval.decoding import copy_bandwidth
 from eval.timing import alternated, seconds
-from pallas_kernels.gpu_backend import device_backend
+from pallas_kernels.gpu_backend import default_backend, device_backend
 
 FULL = dict(seqs=[32768, 131072], heads=16, head_dim=128, block=512, top_k=3, impl="pallas_gpu",
             repeats=5, copy_gib=1.0)  # fmt: skip
@@ -58,7 +58,7 @@ def routing_rows(p: dict, time_left, add, error) -> None:
         if device_backend() == "mosaic":
             fns["routing_mosaic"] = gate("gpu_mosaic")
     copy = copy_bandwidth(p["copy_gib"])
-    gpu = "triton" if interpret else device_backend()  # routing_kernel's choice (interpreted: Triton)
+    gpu = "triton" if interpret else default_backend()  # routing_kernel's choice (interpreted: Triton)
     runs = "tpu" if kernel == "tpu" else gpu
     for seq in p["seqs"]:
         row = {

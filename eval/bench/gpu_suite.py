@@ -14,8 +14,8 @@ sum to the budget):
 - correctness: the compiled kernels against the references (eval/bench/gpu_checks.py): MoBA
   forward and gradients at 8K, bf16 (packed documents with GQA, top-k 1, top-k covering every
   block), and the MLA and MoBA decode kernels against XLA at 16 and 128 heads.
-- attention: MoBA (Pallas GPU kernels: `pallas_gpu`, which takes the Mosaic GPU kernels on Hopper,
-  and the Triton kernels beside them) against cuDNN flash attention, forward + backward, bf16,
+- attention: MoBA (Pallas GPU kernels: `pallas_gpu`, and beside it the Mosaic GPU kernels on Hopper
+  and the Triton kernels, whichever it is not) against cuDNN flash attention, forward + backward, bf16,
   head dim 128, block-local routing, alternated, for three shapes: batch 1 with 16 heads, block
   512, top_k 3 at 8K/32K/128K; the same with 16 query heads on 4 KV heads; FlashMoBA's benchmark
   configuration (batch 2, 16 heads, block 128, top_k 8). The loss and gradients against the XLA
@@ -110,9 +110,9 @@ SHARES = {
     "long_attention": 0.08,
     "transformers": 0.3,
 }
-# the GPU kernels the correctness and attention sections run: pallas_gpu is what users get (Mosaic
-# GPU on Hopper); pallas_triton is the pre-Hopper path, timed beside it
-MOBA_GPU_IMPLS = {"moba_pallas": GPU, "moba_triton": "pallas_triton"}
+# the GPU kernels the attention sections run: pallas_gpu is what users get (gpu_backend.py), timed
+# beside the Mosaic GPU kernels (Hopper) and the Triton ones (every GPU) where it is not one of them
+MOBA_GPU_IMPLS = {"moba_pallas": GPU, "moba_mosaic": "pallas_mosaic", "moba_triton": "pallas_triton"}
 MOBA_CHECKS = [dict(heads=16, kv_heads=4, top_k=3, docs=3), dict(heads=16, kv_heads=16, top_k=1, docs=1),
                dict(heads=16, kv_heads=16, top_k=None, docs=1)]  # top_k None: every block  # fmt: skip
 
@@ -267,8 +267,7 @@ def _attention_case(shape: dict, seq: int, p: dict, repeats: int, compare_xla: b
            "kv_heads": shape["kv_heads"], "head_dim": p["head_dim"], "block": shape["block"],
            "top_k": shape["top_k"], "moba_pallas_kernels": _gpu_kernels(x, shape, p["tiles"])}  # fmt: skip
     fns = {name: moba(impl) for name, impl in MOBA_GPU_IMPLS.items()}
-    if row["moba_pallas_kernels"] == "triton":  # pallas_gpu is the Triton kernels here: time them once
-        fns.pop("moba_triton")
+    fns.pop(f"moba_{row['moba_pallas_kernels']}")  # pallas_gpu is those kernels here: time them once
     fns["dense"] = _grad_fn(dense)
     try:
         for name in list(fns):

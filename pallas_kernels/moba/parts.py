@@ -88,11 +88,11 @@ MOSAIC_PARTS = ("_own", "_blocks")  # the Mosaic GPU kernel modules a MoBA call 
 
 
 def gpu_kernels_for(backend: str, sizes: BlockSizes, q, v, *, block_size: int, interpret) -> str:
-    """ "mosaic" or "triton": which GPU kernels run. `backend` "gpu" takes the device's Pallas GPU
-    backend (pallas_kernels/gpu_backend.py: Mosaic GPU on Hopper) when every Mosaic kernel supports
-    the shape, dtype and tiles, else Triton; interpreted (tests on a CPU) it takes Triton, whose
+    """ "mosaic" or "triton": which GPU kernels run. `backend` "gpu" takes the default Pallas GPU backend
+    (pallas_kernels/gpu_backend.py: Mosaic GPU on Hopper once enabled there) when every Mosaic kernel
+    supports the shape, dtype and tiles, else Triton; interpreted (tests on a CPU) it takes Triton, whose
     interpreter is the fast one: "mosaic" asks for the Mosaic kernels explicitly."""
-    if backend == "triton" or (backend == "gpu" and (interpret or gpu_backend.device_backend() != "mosaic")):
+    if backend == "triton" or (backend == "gpu" and (interpret or gpu_backend.default_backend() != "mosaic")):
         return "triton"
     shape = dict(head_dim=q.shape[-1], v_head_dim=v.shape[-1], dtype=q.dtype)
     for part in MOSAIC_PARTS:
