@@ -49,7 +49,11 @@ def _case(length, block, d=64, dtype=jnp.bfloat16):
 
 @pytest.mark.parametrize(
     "length, block, d",
-    [(512, 128, 64), (320, 128, 64), (512, 128, 128)],
+    [
+        (512, 128, 64),
+        pytest.param(320, 128, 64, marks=pytest.mark.slow),
+        pytest.param(512, 128, 128, marks=pytest.mark.slow),
+    ],
     ids=["aligned", "short_cache", "d128"],
 )
 def test_kernel_matches_xla_and_triton(length, block, d):

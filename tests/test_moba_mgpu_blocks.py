@@ -115,7 +115,10 @@ def _with_mgpu_blocks(monkeypatch):
     )
 
 
-@pytest.mark.parametrize("name", quick_or_slow(list(REFERENCE_CASES), QUICK))
+# through the whole op: the cases whose schedule differs (the kernel comparison covers the rest)
+@pytest.mark.parametrize(
+    "name", quick_or_slow(["ring_wraps", "packed_documents", "top_k_covers_all", "top_k_1"], QUICK)
+)
 def test_moba_with_them_matches_the_reference(name, monkeypatch):
     """The whole MoBA op with these kernels for the selected blocks (the own block by the Triton
     kernels), interpreted, against the dense reference with the same routing: output and dq/dK/dV
@@ -179,21 +182,6 @@ def test_kernels_lower_for_cuda(tiles):
         ).mlir_module()
     assert "mosaic_gpu" in text
     assert not re.search(r"triton", text)
-
-
-@pytest.mark.slow
-def test_suite_section_dry():
-    """The GPU suite's block_kernels section (eval/bench/block_kernels.py) on its dry plan: both
-    kernel sets interpreted on one tiny schedule, the results agreeing within bf16 rounding and
-    every time reported. Catches: a section that fails before a GPU is lent."""
-    from eval.bench import block_kernels
-
-    ((seq, tiles),) = block_kernels.DRY["cases"]
-    row = block_kernels.compare_and_time(seq, tiles, block_kernels.DRY, interpret=True)
-    assert "skipped" not in row, row
-    for part in ("o", "lse", "dq", "dk", "dv"):
-        assert row[f"{part}_rel_diff"] < 3e-2, (part, row)
-    assert all(row[f"{k}_{p}_ms"] > 0 for k in ("triton", "mosaic") for p in ("fwd", "bwd"))
 
 
 @pytest.mark.slow

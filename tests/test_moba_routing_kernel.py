@@ -47,7 +47,11 @@ QUICK = {(k, "packed_documents", "bfloat16") for k in KERNELS}
 
 @pytest.mark.parametrize(
     "kernel, name, dtype",
-    quick_or_slow([(k, n, d) for k in KERNELS for n in CASES for d in ("float32", "bfloat16")], QUICK),
+    quick_or_slow(
+        [(k, n, "float32") for k in KERNELS for n in CASES]
+        + [(k, n, "bfloat16") for k in KERNELS for n in ("packed_documents", "top_k_16")],
+        QUICK,
+    ),
 )
 def test_kernel_picks_equal_xla(kernel, name, dtype, monkeypatch):
     """Every slot equal to moba_routing's over packed documents, GQA (a query head reading its KV head's
