@@ -37,15 +37,7 @@ MOBA_IMPLS = (
     "pallas_triton",
 )  # effattn_jax.ops.moba
 DENSE_IMPLS = ("auto", "xla", "splash", "cudnn")  # effattn_jax.ops.dense
-MLA_DECODE_IMPLS = (
-    "auto",
-    "xla",
-    "pallas",
-    "pallas_tpu",
-    "pallas_gpu",
-    "pallas_mosaic",
-    "pallas_triton",
-)  # effattn_jax.ops.mla_decode
+MLA_DECODE_IMPLS = tuple(i for i in MOBA_IMPLS if i != "reference")  # effattn_jax.ops.mla_decode
 EG_MLA_GATE_AT = ("latent", "heads", "projected")
 
 

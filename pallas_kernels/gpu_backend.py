@@ -39,3 +39,11 @@ def default_backend(device=None) -> str:
     """The GPU backend `pallas_gpu` and `auto` take on `device`: `device_backend`'s answer once
     `MOSAIC_BY_DEFAULT` is set, else Triton (the kernels measured on a GPU so far)."""
     return device_backend(device) if MOSAIC_BY_DEFAULT else "triton"
+
+
+def asks_mosaic(kernel: str, interpret) -> bool:
+    """Whether a kernel backend name (resolve_impl's "gpu", "mosaic" or "triton") runs the Mosaic GPU
+    kernel, where it supports the step: "mosaic" always; "gpu" (pallas_gpu, auto) compiled, where
+    `default_backend` says so; interpreted (tests on a CPU) "gpu" takes Triton, the fast interpreter.
+    One rule for MoBA's kernels, its routing and the decode kernels."""
+    return kernel == "mosaic" or (kernel == "gpu" and not interpret and default_backend() == "mosaic")

@@ -25,13 +25,11 @@ def xla_faster_on_gpu(heads: int, batch: int, length: int, table=None) -> bool:
 
 def gpu_kernel_for(kernel: str, interpret, q_lat, q_rope, lat, kr) -> str:
     """ "mosaic" or "triton": which GPU kernel runs a step (kernel: resolve_impl's "gpu", "mosaic" or
-    "triton"). "gpu" takes the device's Pallas GPU backend (pallas_kernels/gpu_backend.py: Mosaic GPU
-    on Hopper) when the Mosaic kernel supports the shapes and dtypes, else Triton; interpreted (tests
-    on a CPU) it takes Triton, whose interpreter is the fast one: "mosaic" asks for Mosaic explicitly
-    (a ValueError where it cannot run)."""
+    "triton"): the Mosaic kernel where `gpu_backend.asks_mosaic` and the kernel supports the shapes
+    and dtypes, else Triton; "mosaic" gets a ValueError where it cannot run."""
     from pallas_kernels import gpu_backend
 
-    if kernel == "triton" or (kernel == "gpu" and (interpret or gpu_backend.default_backend() != "mosaic")):
+    if not gpu_backend.asks_mosaic(kernel, interpret):
         return "triton"
     from pallas_kernels.mla_decode import mgpu
 

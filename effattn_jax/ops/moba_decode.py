@@ -113,12 +113,11 @@ def decode_kernel(view: CacheView, size: int, impl: str):
 
 def gpu_decode_backend(kernel: str, interpret, view: CacheView, size: int) -> str:
     """ "mosaic" or "triton": which GPU decode kernel runs (kernel: resolve_impl's "gpu", "mosaic" or
-    "triton"). "gpu" takes the device's Pallas GPU backend (pallas_kernels/gpu_backend.py: Mosaic GPU
-    on Hopper) where the Mosaic kernel supports the step, else Triton; interpreted (tests on a CPU)
-    Triton, unless "mosaic" asks for it (a ValueError where it cannot run)."""
+    "triton"): the Mosaic kernel where `gpu_backend.asks_mosaic` and the kernel supports the step,
+    else Triton; "mosaic" gets a ValueError where it cannot run."""
     from pallas_kernels import gpu_backend
 
-    if kernel == "triton" or (kernel == "gpu" and (interpret or gpu_backend.default_backend() != "mosaic")):
+    if not gpu_backend.asks_mosaic(kernel, interpret):
         return "triton"
     from pallas_kernels.moba import mgpu_decode
 

@@ -127,7 +127,7 @@ def routing_kernel(kernel: str | None):
 
 
 def _gpu_selection(q, starts, means, lo, hi, picks, *, seq, key_dtype, interpret=False, backend=None):
-    from pallas_kernels.gpu_backend import default_backend
+    from pallas_kernels.gpu_backend import asks_mosaic
     from pallas_kernels.moba import routing_gpu, routing_mgpu
 
     fits = routing_mgpu.fits(q, key_dtype, seq)
@@ -136,7 +136,7 @@ def _gpu_selection(q, starts, means, lo, hi, picks, *, seq, key_dtype, interpret
             f"the Mosaic GPU routing kernel takes bf16/f16 q and K, head dims of 64k and lengths of 64k; "
             f"got q {q.dtype}{q.shape}, K {key_dtype}"
         )
-    if (backend or ("triton" if interpret else default_backend())) == "mosaic" and fits:
+    if asks_mosaic(backend or "gpu", interpret) and fits:
         select = routing_mgpu.routing_mgpu
     else:
         select = routing_gpu.routing_gpu

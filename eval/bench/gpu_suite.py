@@ -1,6 +1,7 @@
-"""Everything this project wants to know from a GPU, in one run of about 5 minutes on one H200,
-compiles included; it prints as it goes and rewrites `<out>/gpu_suite.json` after every case.
-Every kernel runs with the shipped defaults (tiles `auto`).
+"""Everything this project wants to know from a GPU, in one run within `--budget-s` on one H200,
+compiles included (300 s by default, where sections skip the cases past their share; every case
+takes about 1,800 s; `--sections` runs a part); it prints as it goes and rewrites
+`<out>/gpu_suite.json` after every case. Every kernel runs with the shipped defaults (tiles `auto`).
 
     python -m eval.bench.gpu_suite --out DIR [--budget-s 300] [--sections a,b] [--json]
     python -m eval.bench.gpu_suite --out DIR --dry     # on a CPU: tiny shapes, kernels interpreted

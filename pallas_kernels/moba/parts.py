@@ -92,7 +92,7 @@ def gpu_kernels_for(backend: str, sizes: BlockSizes, q, v, *, block_size: int, i
     (pallas_kernels/gpu_backend.py: Mosaic GPU on Hopper once enabled there) when every Mosaic kernel
     supports the shape, dtype and tiles, else Triton; interpreted (tests on a CPU) it takes Triton, whose
     interpreter is the fast one: "mosaic" asks for the Mosaic kernels explicitly."""
-    if backend == "triton" or (backend == "gpu" and (interpret or gpu_backend.default_backend() != "mosaic")):
+    if not gpu_backend.asks_mosaic(backend, interpret):
         return "triton"
     shape = dict(head_dim=q.shape[-1], v_head_dim=v.shape[-1], dtype=q.dtype)
     for part in MOSAIC_PARTS:
