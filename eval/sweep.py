@@ -31,10 +31,13 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from eval.lr_sweep import draw_lr_sweep, summarize_final_loss  # noqa: F401 (recipes name them)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -51,6 +54,8 @@ def _seeded(stems: list[str], seeds=(1, 2)) -> tuple[str, ...]:
     return tuple(f"{stem}.seed{k}" for stem in stems for k in seeds)
 
 
+# (peak lr, warm-up steps) tried on the 1K set's 53K model, full attention, 320 steps
+LR_SWEEP_SETTINGS = (("1e-3", 32), ("3e-3", 32), ("1e-2", 32), ("3e-2", 32))
 MOBA_SIZES = ("13k", "53k", "107k", "240k")
 EGMLA_WIDTHS = (16, 32, 64, 128)
 RECIPES = {
@@ -74,6 +79,16 @@ RECIPES = {
         + _seeded(["mla", "eg_mla_emb16", "eg_mla_proj_emb128"]),
         "summarize_report",
         "draw_egmla_report",
+    ),
+    "lr-sweep-1k": Recipe(
+        "configs/moba/cpu/scaling",
+        tuple(
+            f"full_53k.lr{lr}.warmup{warmup}.seed{seed}"
+            for lr, warmup in LR_SWEEP_SETTINGS
+            for seed in (0, 1, 2)
+        ),
+        "summarize_final_loss",
+        "draw_lr_sweep",
     ),
 }
 EGMLA_LIMIT = 50  # seeded questions per task at every kept checkpoint
@@ -207,10 +222,21 @@ def summarize_in_child(function: str, run_dir: Path) -> dict:
         return pool.submit(globals()[function], run_dir).result()
 
 
+RUN_SUFFIXES = {"lr": ("train.lr", float), "warmup": ("train.warmup_steps", int), "seed": ("train.seed", int)}
+_SUFFIX = re.compile(r"\.(lr|warmup|seed)([0-9][0-9e.+-]*?)(?=\.(?:lr|warmup|seed)|$)")
+
+
 def _config_and_seed(run: str) -> tuple[str, list[str]]:
-    """`<config>.seed<k>` -> (config stem, [train.seed=k]); a plain name is its own config."""
-    stem, _, seed = run.partition(".seed")
-    return stem, [f"train.seed={int(seed)}"] if seed else []
+    """`<config>[.lr<x>][.warmup<n>][.seed<k>]` -> (config stem, [train.lr=x, train.warmup_steps=n,
+    train.seed=k]); a plain name is its own config."""
+    stem = run.split(".")[0]
+    overrides = []
+    for name, value in _SUFFIX.findall(run[len(stem) :]):
+        key, kind = RUN_SUFFIXES[name]
+        overrides.append(f"{key}={kind(value)}")
+    if "".join(f".{n}{v}" for n, v in _SUFFIX.findall(run[len(stem) :])) != run[len(stem) :]:
+        raise ValueError(f"run name {run!r}: expected <config>[.lr<x>][.warmup<n>][.seed<k>]")
+    return stem, overrides
 
 
 def run_recipe(name: str, *, root: Path, results: Path, only=None, overrides=(), redraw=False) -> list[dict]:
