@@ -15,6 +15,7 @@ from pathlib import Path
 from effattn_jax import checkpoint
 from eval.curves import draw_chance
 from eval.processes import output_dir, writes
+from eval.stats import mean_and_stderr
 from eval.tasks import add_task_arguments
 
 
@@ -37,14 +38,6 @@ def by_label(runs: list[dict]) -> dict[str, list[dict]]:
     for r in runs:
         groups.setdefault(r["label"], []).append(r)
     return groups
-
-
-def mean_and_stderr(values: list[float]) -> tuple[float, float]:
-    """Mean and its standard error over seeds (nan for one run)."""
-    n = len(values)
-    mean = sum(values) / n
-    var = sum((v - mean) ** 2 for v in values) / (n - 1) if n > 1 else float("nan")
-    return mean, (var / n) ** 0.5
 
 
 def plot(runs: list[dict], path: Path, context: int, note: str) -> None:

@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 from eval.lr_sweep import draw_lr_sweep, summarize_final_loss  # noqa: F401 (recipes name them)
+from eval.stats import paired_gap
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -286,22 +287,6 @@ def lower_envelope(points: list[tuple[float, float]]) -> list[tuple[float, float
             out.append((c, loss))
             best = loss
     return out
-
-
-def paired_gap(a: dict[int, float], b: dict[int, float]) -> dict | None:
-    """seed -> value of two configurations: each one's mean ± s.e. over the seeds both have, and
-    the gap a - b as mean ± s.e. of the seed-paired differences; None below two shared seeds."""
-    from eval.report import mean_and_stderr
-
-    seeds = sorted(set(a) & set(b))
-    if len(seeds) < 2:
-        return None
-    return {
-        "seeds": seeds,
-        "a": mean_and_stderr([a[k] for k in seeds]),
-        "b": mean_and_stderr([b[k] for k in seeds]),
-        "gap": mean_and_stderr([a[k] - b[k] for k in seeds]),
-    }
 
 
 def seed_gaps(summaries: list[dict], value) -> list[dict]:
