@@ -1,6 +1,7 @@
 """Why a small model's downstream accuracy can sit below chance: the model, or the scoring?
 
     JAX_PLATFORMS=cpu python -m eval.bench.accuracy_check --run runs/cpu_default [--limit 50] [--json]
+        [--out results/<name>/accuracy_check.json]
 
 Per task (the questions `eval downstream --limit K` scores): chance, acc and acc_norm, and what
 two model-free rules score on the same questions, always the shortest or always the longest
@@ -14,11 +15,21 @@ choice for choice with the batched, prefix-shared scores.
 `--json` prints {run, step, tasks: [{task, questions, chance, acc, acc_norm, shortest_choice_acc,
 longest_choice_acc, acc_picks_shortest, acc_norm_picks_longest, gold_is_first, acc_picks_first}],
 cross_check: {task, requests, max_abs_diff, same_pick}}.
+
+`--out FILE` also writes that value to FILE, with what a reader needs to recompute and place it:
+command, commit (of this checkout, "+dirty" when its tracked files differ), date,
+questions_per_task, and average {metrics (task -> the metric the paper's average takes),
+accuracy, chance}: the file `results/` keeps for RESULTS.md's "Why small models score below
+chance".
 """
 
 from __future__ import annotations
 
+import datetime
+import json
+import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -95,12 +106,16 @@ def main(argv=None) -> int:
     p.add_argument("--run", required=True)
     p.add_argument("--limit", type=positive_int, default=50, help="seeded questions per task (as the sweeps)")
     p.add_argument("--cross-check", default="arc_easy", help="the task scored again request by request")
+    p.add_argument("--out", type=Path, default=None, help="also write the figures and their provenance here")
     args = p.parse_args(argv)
+    if args.out is not None and not args.out.parent.is_dir():
+        p.error(f"--out: the directory {args.out.parent} does not exist")
     with common.report(args, f"{args.limit} questions per task") as emit:
-        return check(args, emit)
+        return check(args, emit, argv if argv is not None else sys.argv[1:])
 
 
-def check(args, emit) -> int:
+def measure(args) -> dict:
+    """{run, step, tasks, cross_check} of the run's last kept checkpoint (what --json prints)."""
     from flax import nnx
 
     from effattn_jax import checkpoint
@@ -113,7 +128,57 @@ def check(args, emit) -> int:
     tokenizer, eos, _ = load_tokenizer(cfg.data.tokenizer, cfg.data.eos_ids)
     rows = [task_check(model, tokenizer, eos, t, args.limit, cfg.data.seq_len) for t in AVERAGE_TASKS]
     cross = scoring_cross_check(model, tokenizer, eos, args.cross_check, args.limit, cfg.data.seq_len)
-    emit({"run": args.run, "step": step, "tasks": rows, "cross_check": cross})
+    return {"run": args.run, "step": step, "tasks": rows, "cross_check": cross}
+
+
+def average(rows: list[dict]) -> dict:
+    """The paper's average over these rows as `eval downstream` takes it (each task's metric from
+    eval.tasks.TASKS), and its chance level."""
+    from eval.tasks import TASKS
+
+    metrics = {r["task"]: TASKS[r["task"]][1] for r in rows if TASKS[r["task"]][1]}
+    picked = [r for r in rows if r["task"] in metrics]
+    return {
+        "metrics": metrics,
+        "accuracy": float(np.mean([r[metrics[r["task"]]] for r in picked])) if picked else float("nan"),
+        "chance": float(np.mean([r["chance"] for r in picked])) if picked else float("nan"),
+    }
+
+
+def checkout_commit() -> str:
+    """HEAD of the checkout this script runs from, "+dirty" when tracked files differ from it;
+    "unknown" outside a git checkout."""
+    try:
+        git = lambda *a: subprocess.run(
+            ["git", *a], cwd=common.ROOT, capture_output=True, text=True, timeout=30
+        )
+        head = git("rev-parse", "HEAD")
+        if head.returncode:
+            return "unknown"
+        dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
+        return head.stdout.strip() + ("+dirty" if dirty else "")
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+
+
+def document(value: dict, limit: int, argv: list[str]) -> dict:
+    """What --out writes: the measured value with its command, commit, date and average."""
+    return {
+        "command": " ".join(["python -m eval.bench.accuracy_check", *argv]),
+        "commit": checkout_commit(),
+        "date": datetime.date.today().isoformat(),
+        "questions_per_task": limit,
+        **value,
+        "average": average(value["tasks"]),
+    }
+
+
+def check(args, emit, argv: list[str]) -> int:
+    value = measure(args)
+    emit(value)
+    if args.out is not None:
+        args.out.write_text(json.dumps(document(value, args.limit, argv), indent=1) + "\n")
+    step, rows, cross = value["step"], value["tasks"], value["cross_check"]
     cols = ["chance", "acc", "acc_norm", "shortest_choice_acc", "longest_choice_acc"]
     cols += ["acc_picks_shortest", "acc_norm_picks_longest", "gold_is_first", "acc_picks_first"]
     print(f"{args.run} step {step}, {args.limit} questions per task")
@@ -124,6 +189,8 @@ def check(args, emit) -> int:
         f"cross-check {cross['task']}: {cross['requests']} requests, batched vs plain max |diff| "
         f"{cross['max_abs_diff']:.2e} nats, same pick on {cross['same_pick']} questions"
     )
+    if args.out is not None:
+        print(f"wrote {args.out}")
     return 0
 
 
