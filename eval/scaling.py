@@ -117,7 +117,7 @@ def plot(points: list[dict], fits: dict, loss: str, path: Path) -> None:
                         *law_line(fit),
                         style,
                         color=color,
-                        label=f"{label}, {method}: {fit_label(fit, method)}",
+                        label=f"{label}, {method.replace('_', ' ')}: {fit_label(fit, method)}",
                     )
                     drawn = True
             if not drawn:

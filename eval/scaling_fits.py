@@ -194,10 +194,8 @@ def law_line(fit: dict, n: int = 50) -> tuple[np.ndarray, np.ndarray]:
 def fit_label(fit: dict, method: str) -> str:
     """b, its bootstrap interval and what was fitted, in a few words (a legend entry)."""
     ci = "no seeds to resample" if fit["b_ci95"] is None else "95 % [{:.3f}, {:.3f}]".format(*fit["b_ci95"])
-    if method == "envelope":
-        what = f"{fit['points']} points from {len(fit['runs'])} runs"
-    else:
-        what = f"{fit['points']} sizes, {len(fit['runs'])} runs"
+    runs = f"{len(fit['runs'])} run{'' if len(fit['runs']) == 1 else 's'}"
+    what = f"{fit['points']} points from {runs}" if method == "envelope" else f"{fit['points']} sizes, {runs}"
     return f"b = {fit['b']:.3f} ({ci}), {what}"
 
 
@@ -225,6 +223,6 @@ def fit_lines(fits: dict) -> list[str]:
                     )
                     lines.append(
                         f"{head} L = {fit['a']:.4g} * C^{fit['b']:.4f}, b 95 % bootstrap {ci}, s.e. {se}, "
-                        f"residual s.e. {res}; {fit['points']} points, {len(fit['runs'])} runs: {runs}"
+                        f"residual s.e. {res}; {fit['points']} points from {len(fit['runs'])} run(s): {runs}"
                     )
     return lines
