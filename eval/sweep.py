@@ -13,8 +13,9 @@ is that config with `train.seed=k` (the repeats that give gaps their standard er
 
 - moba-scaling-1k: 4 sizes x {full, MoBA} at 1,024-token rows (configs/moba/cpu/scaling/), each
   at >= 10 tokens per parameter, plus two more seeds of both at two sizes; the MoBA paper's
-  scaling figure: each run's loss at every kept checkpoint against training compute (every
-  matmul), power laws fitted over each kind's lower envelope, the paper's laws beside.
+  scaling figure (eval/scaling_figure.py): each run's loss at every kept checkpoint against
+  training compute, every matmul and 6ND, power laws per kind fitted to the lower envelope and
+  to per-size seed means, each with a bootstrap-over-seeds interval for b; the paper's laws.
 - moba-scaling-4k: 2 sizes x {full, MoBA} at 4,096-token rows, block 256, top-3 (the paper's
   geometry; configs/moba/cpu/scaling_4k/): the trailing loss over the last 1,024 positions.
 - egmla-cpu: MHA, MLA and EG-MLA with 4 gate-table widths (configs/egmla/cpu/), the projected
@@ -38,6 +39,7 @@ import time
 from pathlib import Path
 
 from eval.lr_sweep import draw_lr_sweep, summarize_final_loss  # noqa: F401 (recipes name them)
+from eval.scaling_figure import draw_moba_scaling, lower_envelope, seed_gaps  # noqa: F401 (recipes name them)
 from eval.stats import paired_gap
 
 REPO = Path(__file__).resolve().parent.parent
@@ -95,13 +97,6 @@ RECIPES = {
 EGMLA_LIMIT = 50  # seeded questions per task at every kept checkpoint
 EGMLA_DECODE_CONTEXT = 16384  # long enough that the cache, not dispatch, sets a step's time
 EGMLA_DECODE_ROUNDS = 30
-
-# The MoBA paper's fitted laws L = a * C^b (C in PFLOP/s-days), drawn beside ours for shape.
-PAPER_MOBA_LAWS = {
-    "LM loss @8K": {"moba": (2.625, -0.063), "full": (2.622, -0.063)},
-    "positions 0-2K": {"moba": (3.075, -0.078), "full": (3.068, -0.078)},
-    "trailing (last 2K of 32K)": {"moba": (1.546, -0.108), "full": (1.464, -0.097)},
-}
 
 
 def default_root() -> Path:
@@ -276,40 +271,6 @@ def run_recipe(name: str, *, root: Path, results: Path, only=None, overrides=(),
     return summaries
 
 
-KIND_NAMES = {"dense": "full attention", "moba": "MoBA"}
-
-
-def lower_envelope(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """The (compute, loss) points no point of less compute beats: the frontier a law is fitted to."""
-    out, best = [], float("inf")
-    for c, loss in sorted(points):
-        if loss < best:
-            out.append((c, loss))
-            best = loss
-    return out
-
-
-def seed_gaps(summaries: list[dict], value) -> list[dict]:
-    """Per size with several seeds: each kind's final value (mean ± s.e. over seeds) and the
-    MoBA - full gap (mean ± s.e. of the seed-paired differences)."""
-    by = {}
-    for s in summaries:
-        by.setdefault(s["non_embedding_params"], {}).setdefault(s["core"], {})[s["seed"]] = value(s)
-    rows = []
-    for n, cores in sorted(by.items()):
-        if pair := paired_gap(cores.get("moba", {}), cores.get("dense", {})):
-            rows.append(
-                {
-                    "non_embedding_params": n,
-                    "seeds": pair["seeds"],
-                    "full": pair["b"],
-                    "moba": pair["a"],
-                    "gap_moba_minus_full": pair["gap"],
-                }
-            )
-    return rows
-
-
 def gaps_to_mla(summaries: list[dict]) -> dict[str, dict]:
     """label -> its final validation loss minus MLA's, paired by seed, for every configuration
     that shares at least two seeds with MLA."""
@@ -319,128 +280,6 @@ def gaps_to_mla(summaries: list[dict]) -> dict[str, dict]:
     mla = next((s["label"] for s in summaries if s["kind"] == "mla"), None)
     pairs = {label: paired_gap(values, by[mla]) for label, values in by.items() if mla and label != mla}
     return {label: pair for label, pair in pairs.items() if pair}
-
-
-def draw_moba_scaling(summaries: list[dict], out: Path) -> None:
-    """scaling.png: every run's overall and trailing loss at each kept checkpoint against
-    training compute (every matmul), a power law per attention kind fitted over its lower
-    envelope, seed means ± s.e. at the final checkpoints, and the paper's laws for shape;
-    fits.json: the fits, the seed gaps and tokens per parameter."""
-    import matplotlib
-
-    from eval.scaling import fit_power_law
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    losses = {"overall": "loss", "trailing": "trailing_loss"}
-    colors = {"dense": "C3", "moba": "C0"}
-    fits, gaps = {}, {}
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
-    trailing = summaries[0]["trailing"]
-    for ax, (name, key) in zip(axes, losses.items(), strict=False):
-        fits[name] = {}
-        for core in ("dense", "moba"):
-            runs = [s for s in summaries if s["core"] == core]
-            for s in runs:
-                ax.plot(
-                    [p["pflops_days"] for p in s["points"]],
-                    [p[key] for p in s["points"]],
-                    "-",
-                    color=colors[core],
-                    alpha=0.35,
-                    linewidth=1,
-                )
-            frontier = lower_envelope([(p["pflops_days"], p[key]) for s in runs for p in s["points"]])
-            if len(frontier) >= 2:
-                fit = fit_power_law(*zip(*frontier, strict=True))
-                fits[name][KIND_NAMES[core]] = fit
-                cs = np.array([c for c, _ in frontier])
-                grid = np.geomspace(cs.min() / 2, cs.max() * 2, 50)
-                ax.scatter(*zip(*frontier, strict=True), color=colors[core], s=12)
-                ax.plot(
-                    grid,
-                    fit["a"] * grid ** fit["b"],
-                    "--",
-                    color=colors[core],
-                    label=f"{KIND_NAMES[core]}: {fit['a']:.3g}·C^{fit['b']:.3f} ({len(frontier)} points)",
-                )
-        gaps[name] = seed_gaps(summaries, lambda s, key=key: s["points"][-1][key])
-        for row in gaps[name]:
-            c = np.mean(
-                [
-                    s["pflops_days"]
-                    for s in summaries
-                    if s["non_embedding_params"] == row["non_embedding_params"]
-                ]
-            )
-            for core in ("dense", "moba"):
-                mean, se = row["full" if core == "dense" else "moba"]
-                ax.errorbar([c], [mean], yerr=[se], fmt="s", color=colors[core], capsize=3, markersize=4)
-        what = (
-            "every validation token"
-            if name == "overall"
-            else f"last {trailing['end'] - trailing['start']} positions, {trailing['documents']} documents "
-            f"of >= {trailing['end'] + 1} tokens"
-        )
-        ax.set(
-            xscale="log",
-            yscale="log",
-            xlabel="training compute, every matmul (PFLOP/s-days)",
-            ylabel=f"LM loss ({what})",
-            title=f"ours: {name} loss",
-        )
-        ax.legend(fontsize=7)
-    ax = axes[2]
-    grid = np.geomspace(0.1, 10, 50)
-    for (loss, laws), style in zip(PAPER_MOBA_LAWS.items(), ("-", ":", "-."), strict=True):
-        for core, (a, b) in laws.items():
-            color = colors["moba" if core == "moba" else "dense"]
-            ax.plot(
-                grid,
-                a * grid**b,
-                style,
-                color=color,
-                label=f"paper {KIND_NAMES['moba' if core == 'moba' else 'dense']}, {loss}: {a}·C^{b}",
-            )
-    ax.set(
-        xscale="log",
-        yscale="log",
-        xlabel="PFLOP/s-days (the paper's 6ND)",
-        ylabel="LM loss",
-        title="the paper's fitted laws (545M-2.1B, for shape)",
-    )
-    ax.legend(fontsize=7)
-    s0 = summaries[0]
-    n = [s["non_embedding_params"] for s in summaries]
-    tpp = [s["tokens_per_param"] for s in summaries]
-    fig.suptitle(
-        f"CPU scale: context {s0['context']:,}, MoBA block {s0['block_size']}, top-{s0['top_k']}; "
-        f"{min(n):,}-{max(n):,} non-embedding params, {min(tpp):.3g}-{max(tpp):.3g} tokens per parameter; "
-        f"{len(summaries)} runs",
-        fontsize=9,
-    )
-    fig.tight_layout()
-    fig.savefig(out / "scaling.png", dpi=100)
-    plt.close(fig)
-    record = {
-        "fits": fits,
-        "seed_gaps": gaps,
-        "tokens_per_param": {s["run"]: round(s["tokens_per_param"], 2) for s in summaries},
-    }
-    (out / "fits.json").write_text(json.dumps(record, indent=1) + "\n")
-    for name, per_kind in fits.items():
-        for kind, fit in per_kind.items():
-            print(f"{name} {kind}: L = {fit['a']:.4g} * C^{fit['b']:.4f} (±{fit['b_stderr']:.2g})")
-    for name, rows in gaps.items():
-        for row in rows:
-            mean, se = row["gap_moba_minus_full"]
-            print(
-                f"{name} {row['non_embedding_params']:,} params: MoBA - full = {mean:+.4f} ± {se:.4f} "
-                f"({len(row['seeds'])} seeds)"
-            )
-    print(f"wrote {out / 'scaling.png'} {out / 'fits.json'}")
 
 
 def draw_egmla_report(summaries: list[dict], out: Path) -> None:

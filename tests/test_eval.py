@@ -19,7 +19,7 @@ from effattn_jax.train.loop import run
 from eval.__main__ import main as eval_main
 from eval.downstream import average_accuracy, choice_chars, choice_metrics
 from eval.lm_loss import lm_loss, parse_mesh, position_report, token_nll
-from eval.scaling import fit_power_law
+from eval.scaling_fits import fit_power_law
 from eval.scoring import direct_loglikelihood, score_requests
 
 pytestmark = pytest.mark.slow  # trains runs to evaluate
@@ -239,7 +239,12 @@ def test_figure_commands_write_png_and_data(tmp_path, tiny_runs, capsys):
     assert {"acc", "acc_stderr", "chance"} <= set(point["tasks"]["piqa"])
     assert eval_main(["scaling", "--runs", f"{runs}/mha_*", "--out", str(out / "s")]) == 0
     scaling = json.loads((out / "s" / "scaling.json").read_text())
-    assert scaling["fits"]["mha dense"]["points"] == 2
+    assert set(scaling["fits"]) == {"full", "6nd"}  # both compute axes, both methods
+    for compute in ("full", "6nd"):
+        means = scaling["fits"][compute]["seed_means"]["mha dense"]  # two lengths: two configurations
+        assert means["points"] == 2 and means["b_ci95"] is None  # one seed each: nothing to resample
+        assert "mha dense" in scaling["fits"][compute]["envelope"]
+    assert scaling["points"][0]["pflops_days_6nd"] < scaling["points"][0]["pflops_days"]
     assert (
         eval_main(["report", "--runs", f"{runs}/*", *tasks, "--context", "64", "--out", str(out / "r")]) == 0
     )

@@ -48,6 +48,11 @@ def test_recipe_trains_summarizes_then_only_redraws(tmp_path, corpus_dir, monkey
     fits = json.loads((out / "fits.json").read_text())
     (gap,) = fits["seed_gaps"]["overall"]
     assert gap["seeds"] == [0, 1] and gap["gap_moba_minus_full"][1] >= 0
+    lo, hi = gap["gap_ci95"]
+    assert lo <= gap["gap_moba_minus_full"][0] <= hi
+    for compute in ("full", "6nd"):  # one size: no seed-mean law (one compute value)
+        fit = fits["fits"]["overall"][compute]
+        assert "MoBA" in fit["envelope"] and fit["seed_means"]["MoBA"] is None
     assert (out / "scaling.png").stat().st_size > 0
     # a fresh clone: the summaries without their run directories; nothing trains, the figure is redrawn
     shutil.rmtree(tmp_path / "runs")
