@@ -9,15 +9,18 @@ A run whose summary exists is skipped (even on a fresh clone, where its run dire
 so rerunning a finished recipe only redraws; `--only` runs a recipe in pieces. Run directories
 live under `--root` (default $EFFATTN_SWEEP_ROOT or ~/.cache/effattn_jax/sweeps), outside the
 checkout; an interrupted training resumes from its run directory. A run named `<config>.seed<k>`
-is that config with `train.seed=k` (the repeats that give gaps their standard errors). Recipes:
+is that config with `train.seed=k` (the repeats that give gaps their intervals); `.lr<x>` and
+`.warmup<n>` before it set `train.lr` and `train.warmup_steps`. Recipes:
 
 - moba-scaling-1k: 4 sizes x {full, MoBA} at 1,024-token rows (configs/moba/cpu/scaling/), each
-  at >= 10 tokens per parameter, plus two more seeds of both at two sizes; the MoBA paper's
+  at >= 10 tokens per parameter, plus four more seeds of both at two sizes; the MoBA paper's
   scaling figure (eval/scaling_figure.py): each run's loss at every kept checkpoint against
   training compute, every matmul and 6ND, power laws per kind fitted to the lower envelope and
   to per-size seed means, each with a bootstrap-over-seeds interval for b; the paper's laws.
 - moba-scaling-4k: 2 sizes x {full, MoBA} at 4,096-token rows, block 256, top-3 (the paper's
   geometry; configs/moba/cpu/scaling_4k/): the trailing loss over the last 1,024 positions.
+- lr-sweep-1k: the 1K set's 53K model (full attention) at a few (lr, warm-up) settings, 3 seeds
+  each (eval/lr_sweep.py): the schedule of the MoBA sets, chosen for seeds that agree.
 - egmla-cpu: MHA, MLA and EG-MLA with 4 gate-table widths (configs/egmla/cpu/), the projected
   gate at the same widths (docs/eg_mla.md), and two more seeds of MLA, EG-MLA emb16 and the
   projected emb128; the EG-MLA paper's four panels (`eval report`): accuracy vs tokens at every
@@ -58,14 +61,14 @@ def _seeded(stems: list[str], seeds=(1, 2)) -> tuple[str, ...]:
 
 
 # (peak lr, warm-up steps) tried on the 1K set's 53K model, full attention, 320 steps
-LR_SWEEP_SETTINGS = (("1e-3", 32), ("3e-3", 32), ("1e-2", 32), ("3e-2", 32))
+LR_SWEEP_SETTINGS = (("1e-3", 32), ("3e-3", 32), ("1e-2", 32), ("3e-2", 32), ("1e-2", 8), ("1e-2", 96), ("1e-2", 160), ("3e-3", 96))
 MOBA_SIZES = ("13k", "53k", "107k", "240k")
 EGMLA_WIDTHS = (16, 32, 64, 128)
 RECIPES = {
     "moba-scaling-1k": Recipe(
         "configs/moba/cpu/scaling",
         tuple(f"{core}_{size}" for size in MOBA_SIZES for core in ("full", "moba"))
-        + _seeded([f"{core}_{size}" for size in ("53k", "107k") for core in ("full", "moba")]),
+        + _seeded([f"{c}_{size}" for size in ("53k", "107k") for c in ("full", "moba")], seeds=(1, 2, 3, 4)),
         "summarize_losses",
         "draw_moba_scaling",
     ),
