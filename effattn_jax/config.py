@@ -237,7 +237,7 @@ class MeshConfig:
             "kv_heads": ["tensor"],
             "head_dim": [],
             "mlp": ["tensor"],
-            "gate": ["fsdp"],  # EG-MLA's per-layer token tables: [vocab, gate], sharded like embeddings
+            "gate": ["fsdp"],  # per-layer token tables (EG-MLA's gates, MLA's control): [vocab, gate], as embeddings
         }
     )
 

@@ -186,7 +186,7 @@ def plot(runs: list[dict], path: Path, context: int, note: str) -> None:
     ]
     fig.legend(handles=handles, loc="center right", fontsize=7, title="configuration", title_fontsize=8)
     fig.suptitle(note, fontsize=9)
-    fig.tight_layout(rect=(0, 0, 0.8, 0.97))
+    fig.tight_layout(rect=(0, 0, 0.83, 0.97))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
