@@ -237,7 +237,7 @@ class MeshConfig:
             "kv_heads": ["tensor"],
             "head_dim": [],
             "mlp": ["tensor"],
-            "gate": ["fsdp"],  # per-layer token tables (EG-MLA's gates, MLA's control): [vocab, gate], as embeddings
+            "gate": ["fsdp"],  # per-layer token tables (EG-MLA, its control): [vocab, gate], as embeddings
         }
     )
 

@@ -143,6 +143,11 @@ def test_token_table_is_counted_like_eg_mlas_gate_tables_plus_its_projection():
     assert table["total"] == sum(
         table[k] for k in ("embedding", "embedding_gate", "token_table", "non_embedding")
     )
+    from eval.decoding import kv_cache_report
+
+    kv = lambda extra: kv_cache_report(load_config(None, TINY + extra))
+    assert kv(TABLE)["kv_elements_per_token"] == kv(VARIANTS["mla"])["kv_elements_per_token"]  # MLA's cache
+    assert kv(TABLE)["params_token_table"] == table["token_table"]
 
 
 @pytest.mark.parametrize("scan", [False, True])
