@@ -178,20 +178,24 @@ def test_token_table_acts_only_through_the_residual(scan):
         np.testing.assert_allclose(block(x, pos, seg, tokens), want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("absorb", [True, False])
-def test_token_table_decode_step_is_the_full_forwards_last_position(absorb):
+@pytest.mark.parametrize(("absorb", "scan"), [(True, False), (False, False), (True, True)])
+def test_token_table_decode_step_is_the_full_forwards_last_position(absorb, scan):
     """Prefill all but the last token, then one decode step: its logits are the full forward's
-    at the last position (the table reads only the step's own token; the cache stays MLA's)."""
-    from effattn_jax.model import init_cache
+    at the last position (the table reads only the step's own token; the cache stays MLA's), also
+    for stacked layers readied for decoding as generation and the decode benchmarks do."""
+    from effattn_jax.model import init_cache, ready_for_decoding
 
-    model = Transformer(load_config(None, TINY + TABLE), rngs=nnx.Rngs(0))
+    cfg = load_config(None, TINY + TABLE + [f"model.scan_layers={str(scan).lower()}"])
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 128, (2, 9)))
     positions = jnp.broadcast_to(jnp.arange(9), (2, 9))
+    full = model(tokens)
+    ready_for_decoding(model)
     cache = init_cache(model, 2, 16)
     assert set(cache[0]) == {"c", "kr"}  # MLA's cache, nothing for the table
     _, cache = model.decode(tokens[:, :8], positions[:, :8], cache, prefill=True, absorb=absorb)
     step, _ = model.decode(tokens[:, 8:], positions[:, 8:], cache, absorb=absorb)
-    np.testing.assert_allclose(step[:, 0], model(tokens)[:, -1], atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(step[:, 0], full[:, -1], atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize(
@@ -203,3 +207,21 @@ def test_token_table_only_on_mla_layers(extra):
 
     with pytest.raises(ConfigError, match="mla.token_table_dim"):
         load_config(None, TINY + extra)
+
+
+def test_token_table_trains_the_rows_it_reads():
+    """The loss's gradient reaches W_l and exactly the table rows of the tokens whose positions
+    feed a prediction (the last token, 9, predicts nothing here and no later position sees it)."""
+    model = Transformer(load_config(None, TINY + TABLE), rngs=nnx.Rngs(0))
+    tokens = jnp.asarray([[3, 5, 7, 5, 9]])
+    graphdef, params = nnx.split(model, nnx.Param)
+
+    def loss(p):
+        logits = nnx.merge(graphdef, p)(tokens)
+        return -jax.nn.log_softmax(logits[:, :-1])[0, jnp.arange(4), tokens[0, 1:]].mean()
+
+    grads = jax.grad(loss)(params)
+    for block in grads["blocks"].values():
+        g = np.asarray(block["attn"]["token_table"]["token_table"][...])
+        assert sorted(np.flatnonzero(np.abs(g).sum(-1))) == [3, 5, 7]
+        assert np.abs(block["attn"]["token_table"]["proj"]["kernel"][...]).sum() > 0
