@@ -74,6 +74,7 @@ def measure_decode(
     out: Path,
     *,
     remeasure: bool = False,
+    require: tuple[str, ...] | None = None,
     context: int = EGMLA_DECODE_CONTEXT,
     rounds: int = EGMLA_DECODE_ROUNDS,
     repeats: int = EGMLA_DECODE_REPEATS,
@@ -82,9 +83,11 @@ def measure_decode(
     config only, so a configuration's seeds are measured once): {"median", "min", "max" over the
     repeats, "repeats": each repeat's figure}. A repeat steps every configuration in turn in one
     process (`decode_latency_alternated`, `rounds` rounds) so the ratios compare like with like.
-    Every repeat is kept in decode_latency.json with the date, the jax version and the git commit;
-    remeasured only when the set of configurations changes, or when asked (`remeasure`). Must run
-    alone on the machine: anything else running shifts the figures."""
+    Every repeat is kept in decode_latency.json with the date, the jax version and the git commit.
+    Measured again only when a configuration is not in the record, or when asked (`remeasure`),
+    and then only once every config stem of `require` (the recipe's, when drawing) has a summary:
+    a recipe trained in pieces (`--only`) is measured once, whole; until then configurations
+    without a figure get none. Must run alone on the machine: anything else shifts the figures."""
     import datetime
 
     import jax
@@ -93,10 +96,12 @@ def measure_decode(
 
     path = out / "decode_latency.json"
     names = {config_name(s): s for s in summaries}
-    if path.exists() and not remeasure:
-        record = json.loads(path.read_text())
-        if sorted(record.get("configs", {})) == sorted(names):
-            return record["configs"]
+    recorded = json.loads(path.read_text()).get("configs", {}) if path.exists() else {}
+    if not remeasure and set(names) <= set(recorded):
+        return {name: recorded[name] for name in names}
+    if missing := sorted(set(require or ()) - {name.split(" ")[0] for name in names}):
+        print(f"decode latency not measured: no summary yet for {', '.join(missing)}", flush=True)
+        return {name: recorded[name] for name in names if name in recorded}
     from effattn_jax.config import load_config
     from eval.decoding import decode_latency_alternated
 
@@ -186,16 +191,16 @@ def draw_egmla_report(summaries: list[dict], out: Path, *, remeasure_decode: boo
     from eval.curves import scale_note
     from eval.report import markdown, plot
 
-    ms = measure_decode(summaries, out, remeasure=remeasure_decode)
-    summaries = [
-        s
-        | {
-            "label": config_name(s),
-            "decode_ms_per_token": ms[config_name(s)]["median"],
-            "decode_ms_range": (ms[config_name(s)]["min"], ms[config_name(s)]["max"]),
-        }
-        for s in summaries
-    ]
+    stems = tuple(run for run in egmla_runs() if "." not in run)
+    ms = measure_decode(summaries, out, remeasure=remeasure_decode, require=stems)
+
+    def decode(s):  # the median of repeats and their range; nan and none before a measurement
+        figures = ms.get(config_name(s))
+        if figures is None:
+            return {"decode_ms_per_token": float("nan"), "decode_ms_range": None}
+        return {"decode_ms_per_token": figures["median"], "decode_ms_range": (figures["min"], figures["max"])}
+
+    summaries = [s | {"label": config_name(s)} | decode(s) for s in summaries]
     note = scale_note(summaries) + f", {EGMLA_LIMIT} questions/task (fixed budget, not compute-optimal)"
     table = markdown(summaries, EGMLA_DECODE_CONTEXT, note) + gaps_markdown(summaries)
     (out / "report.md").write_text(table)

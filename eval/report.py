@@ -158,15 +158,14 @@ def plot(runs: list[dict], path: Path, context: int, note: str) -> None:
     c.bar(x, [groups[lb][0]["kv_elements_per_token"] for lb in labels], color=[colour[lb] for lb in labels])
     c.set(ylabel="KV-cache elements / token", title="(c) KV cache")
     ms = [groups[lb][0]["decode_ms_per_token"] for lb in labels]
-    ranges = [groups[lb][0].get("decode_ms_range") for lb in labels]
-    yerr = None
-    if all(ranges):
-        yerr = [
-            [m - lo for m, (lo, _) in zip(ms, ranges, strict=True)],
-            [hi - m for m, (_, hi) in zip(ms, ranges, strict=True)],
-        ]
-    d.bar(x, ms, color=[colour[lb] for lb in labels], yerr=yerr, capsize=3)
-    what = "median of repeats, bars min-max" if yerr else "one measurement"
+    ranges = [groups[lb][0].get("decode_ms_range") or (m, m) for lb, m in zip(labels, ms, strict=True)]
+    repeated = any(groups[lb][0].get("decode_ms_range") for lb in labels)
+    yerr = [
+        [m - lo for m, (lo, _) in zip(ms, ranges, strict=True)],
+        [hi - m for m, (_, hi) in zip(ms, ranges, strict=True)],
+    ]
+    d.bar(x, ms, color=[colour[lb] for lb in labels], yerr=yerr if repeated else None, capsize=3)
+    what = "median of repeats, bars min-max" if repeated else "one measurement"
     d.set(ylabel="ms / token", title=f"(d) decode latency, context {context}, batch 1 ({what})")
     for ax in (c, d):
         ax.set_xticks(list(x), labels, rotation=35, ha="right", fontsize=6)
@@ -212,6 +211,8 @@ def markdown(runs: list[dict], context: int, note: str) -> str:
         decode = f"{r['decode_ms_per_token']:.2f}"
         if r.get("decode_ms_range"):  # the median of repeats, and their range
             decode += " ({:.2f}-{:.2f})".format(*r["decode_ms_range"])
+        if r["decode_ms_per_token"] != r["decode_ms_per_token"]:  # nan: a caller had no figure yet
+            decode = "not measured"
         lines.append(
             f"| {label} | {len(members)} | {r['params']['total']:,} | {r['params']['embedding_gate']:,} "
             f"| {r['params'].get('token_table', 0):,} | {last['tokens']:,} | {loss} | {acc}{chance} "
