@@ -116,7 +116,7 @@ def measure_decode(
         "context": context,
         "batch": 1,
         "rounds": rounds,
-        "date": datetime.date.today().isoformat(),
+        "date": datetime.datetime.now(datetime.UTC).date().isoformat(),
         "jax": jax.__version__,
         "backend": jax.default_backend(),
         "git_commit": git_commit(),
