@@ -120,6 +120,9 @@ class MlaConfig:
     v_head_dim: int = 32
     # absorbed decode step, one of MLA_DECODE_IMPLS: auto = the Pallas kernel on TPU and GPU, XLA on CPU
     decode_impl: str = "auto"
+    # d_e of a non-gating per-layer [vocab, d_e] token table added to each mla layer's input through a
+    # d_e -> d_model projection (EG-MLA's parameter-matched control, docs/eg_mla.md); 0 = off
+    token_table_dim: int = 0
 
 
 @dataclass
@@ -234,7 +237,7 @@ class MeshConfig:
             "kv_heads": ["tensor"],
             "head_dim": [],
             "mlp": ["tensor"],
-            "gate": ["fsdp"],  # EG-MLA's per-layer token tables: [vocab, gate], sharded like embeddings
+            "gate": ["fsdp"],  # per-layer token tables (EG-MLA, its control): [vocab, gate], as embeddings
         }
     )
 
@@ -622,6 +625,15 @@ def _validate_attention(cfg: Config) -> None:
         mla.qk_rope_head_dim,
         "must be even (RoPE rotates pairs)",
     )
+    _positive(mla, "mla", ["token_table_dim"], allow_zero=True)
+    if mla.token_table_dim:
+        kinds = {cfg.layer_spec(i)[0] for i in range(num_layers)}
+        _check(
+            "mla" in kinds and "eg_mla" not in kinds,
+            "mla.token_table_dim",
+            mla.token_table_dim,
+            "only for attention.kind=mla layers (EG-MLA's own tables gate the latent); 0 = off",
+        )
     _positive(cfg.eg_mla, "eg_mla", ["gate_dim"])
     _check(
         cfg.eg_mla.gate_at in EG_MLA_GATE_AT,

@@ -49,7 +49,14 @@ class Block(nnx.Module):
             dtype=dtype,
         )
 
+    def with_token_table(self, x, token_ids):
+        """h + W_l E_l[x] where the attention owns a non-gating token table (MLA's
+        `mla.token_table_dim`, EG-MLA's parameter-matched control), else h."""
+        table = getattr(self.attn, "token_table", None)
+        return x if table is None else x + table(token_ids).astype(x.dtype)
+
     def __call__(self, x, positions, segment_ids, token_ids):
+        x = self.with_token_table(x, token_ids)
         x = x + self.attn(
             self.attn_norm(x), positions=positions, segment_ids=segment_ids, token_ids=token_ids
         )
@@ -57,6 +64,7 @@ class Block(nnx.Module):
         return constrain(x, ("batch", "length", "embed"), self.rules)
 
     def decode(self, x, positions, token_ids, cache, **kw):
+        x = self.with_token_table(x, token_ids)
         h, cache = self.attn.decode(
             self.attn_norm(x), positions=positions, token_ids=token_ids, cache=cache, **kw
         )
@@ -257,12 +265,21 @@ def ready_for_decoding(model: Transformer) -> Transformer:
 
 def param_counts(model: Transformer) -> dict[str, int]:
     """Parameter counts: total; embedding (input table and untied output head); embedding_gate
-    (EG-MLA's per-layer token tables, the x-axis of the paper's figure); non_embedding (the rest)."""
+    (EG-MLA's per-layer token tables, the x-axis of the paper's figure); token_table (the
+    non-gating tables of `mla.token_table_dim`, EG-MLA's control; their projections are matmuls
+    and count as non-embedding); non_embedding (the rest: what a matmul reads)."""
     flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
     total = sum(v.size for _, v in flat)
     gate = sum(v.size for path, v in flat if path[-1] == "gate_table")
+    table = sum(v.size for path, v in flat if path[-1] == "token_table")
     emb = sum(v.size for path, v in flat if path in (("embed",), ("lm_head",)))
-    return {"total": total, "embedding": emb, "embedding_gate": gate, "non_embedding": total - emb - gate}
+    return {
+        "total": total,
+        "embedding": emb,
+        "embedding_gate": gate,
+        "token_table": table,
+        "non_embedding": total - emb - gate - table,
+    }
 
 
 # ---------------------------------------------------------------- parameters over a mesh

@@ -40,6 +40,7 @@ def kv_cache_report(cfg) -> dict:
         "params_total": counts["total"],
         "params_embedding": counts["embedding"],
         "params_embedding_gate": counts["embedding_gate"],
+        "params_token_table": counts["token_table"],
         "params_non_embedding": counts["non_embedding"],
     }
 

@@ -50,7 +50,8 @@ def expand_runs(spec: str) -> list[Path]:
 
 
 def attention_label(cfg: Config) -> str:
-    """The attention of a run in a few words: kind and core, hybrids and EG-MLA's table width."""
+    """The attention of a run in a few words: kind and core, hybrids, EG-MLA's table width and
+    MLA's non-gating token table (`mla.token_table_dim`)."""
     specs = [cfg.layer_spec(i) for i in range(cfg.model.num_layers)]
     kinds = sorted({k for k, _ in specs})
     cores = [c for _, c in specs]
@@ -61,6 +62,8 @@ def attention_label(cfg: Config) -> str:
             kind += f" {cfg.eg_mla.gate_at}" + (
                 f"{cfg.eg_mla.projected_dim}" if cfg.eg_mla.projected_dim else ""
             )
+    if cfg.mla.token_table_dim and "mla" in kinds:  # EG-MLA's control: MLA plus a non-gating table
+        kind += f" table{cfg.mla.token_table_dim}"
     if len(set(cores)) == 1:
         label = f"{kind} {cores[0]}"
     else:

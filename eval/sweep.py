@@ -4,6 +4,7 @@ summaries alone.
 
     python -m eval.sweep --recipe moba-scaling-1k [--root DIR] [--results results]
                          [--only full_53k,moba_53k] [--override train.steps=2 ...] [--redraw]
+                         [--remeasure-decode]
 
 A run whose summary exists is skipped (even on a fresh clone, where its run directory is gone),
 so rerunning a finished recipe only redraws; `--only` runs a recipe in pieces. Run directories
@@ -21,12 +22,16 @@ is that config with `train.seed=k` (the repeats that give gaps their intervals);
   geometry; configs/moba/cpu/scaling_4k/): the trailing loss over the last 1,024 positions.
 - lr-sweep-1k: the 1K set's 53K model (full attention) at a few (lr, warm-up) settings, 3 seeds
   each (eval/lr_sweep.py): the schedule of the MoBA sets, chosen for seeds that agree.
-- egmla-cpu: MHA, MLA and EG-MLA with 4 gate-table widths (configs/egmla/cpu/), the projected
-  gate at the same widths (docs/eg_mla.md), and two more seeds of MLA, EG-MLA emb16 and the
-  projected emb128; the EG-MLA paper's four panels (`eval report`): accuracy vs tokens at every
-  kept checkpoint (50 seeded questions per task, per-task figures and chance levels kept),
-  validation loss over every token vs gate-table size, KV cache, decode latency at 16K context;
-  report.md adds each seeded configuration's loss gap to MLA, paired by seed.
+- egmla-cpu (eval/egmla_report.py): MHA, MLA and EG-MLA with 4 gate-table widths
+  (configs/egmla/cpu/), the projected gate at the same widths (docs/eg_mla.md), the
+  parameter-matched controls (MLA plus a non-gating table matched to emb16 and to the projected
+  emb128; MLA at EG-MLA's latent width 16), and seeds 1-4 of MLA, EG-MLA emb16, the projected
+  emb128 and the three controls; the EG-MLA paper's four panels (`eval report`): accuracy vs
+  tokens at every kept checkpoint (50 seeded questions per task, per-task figures and chance
+  levels kept), validation loss over every token vs table size, KV cache, decode latency at 16K
+  context (3 repeats, each kept with its commit; `--remeasure-decode` measures again); report.md
+  adds the seed-paired loss gaps to MLA and what the gate buys over its controls, with t-based
+  95 % intervals.
 """
 
 from __future__ import annotations
@@ -41,9 +46,9 @@ import sys
 import time
 from pathlib import Path
 
+from eval.egmla_report import draw_egmla_report, egmla_runs, summarize_report  # noqa: F401 (recipes name them)
 from eval.lr_sweep import draw_lr_sweep, summarize_final_loss  # noqa: F401 (recipes name them)
 from eval.scaling_figure import draw_moba_scaling, lower_envelope, seed_gaps  # noqa: F401 (recipes name them)
-from eval.stats import paired_gap
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -61,9 +66,17 @@ def _seeded(stems: list[str], seeds=(1, 2)) -> tuple[str, ...]:
 
 
 # (peak lr, warm-up steps) tried on the 1K set's 53K model, full attention, 320 steps
-LR_SWEEP_SETTINGS = (("1e-3", 32), ("3e-3", 32), ("1e-2", 32), ("3e-2", 32), ("1e-2", 8), ("1e-2", 96), ("1e-2", 160), ("3e-3", 96))
+LR_SWEEP_SETTINGS = (
+    ("1e-3", 32),
+    ("3e-3", 32),
+    ("1e-2", 32),
+    ("3e-2", 32),
+    ("1e-2", 8),
+    ("1e-2", 96),
+    ("1e-2", 160),
+    ("3e-3", 96),
+)
 MOBA_SIZES = ("13k", "53k", "107k", "240k")
-EGMLA_WIDTHS = (16, 32, 64, 128)
 RECIPES = {
     "moba-scaling-1k": Recipe(
         "configs/moba/cpu/scaling",
@@ -80,9 +93,7 @@ RECIPES = {
     ),
     "egmla-cpu": Recipe(
         "configs/egmla/cpu",
-        ("mha", "mla", *(f"eg_mla_emb{w}" for w in EGMLA_WIDTHS))
-        + tuple(f"eg_mla_proj_emb{w}" for w in EGMLA_WIDTHS)
-        + _seeded(["mla", "eg_mla_emb16", "eg_mla_proj_emb128"]),
+        egmla_runs(),
         "summarize_report",
         "draw_egmla_report",
     ),
@@ -97,9 +108,6 @@ RECIPES = {
         "draw_lr_sweep",
     ),
 }
-EGMLA_LIMIT = 50  # seeded questions per task at every kept checkpoint
-EGMLA_DECODE_CONTEXT = 16384  # long enough that the cache, not dispatch, sets a step's time
-EGMLA_DECODE_ROUNDS = 30
 
 
 def default_root() -> Path:
@@ -160,56 +168,6 @@ def summarize_losses(run_dir: Path) -> dict:
     }
 
 
-def summarize_report(run_dir: Path) -> dict:
-    """`eval report`'s entry of one run: every kept checkpoint's accuracy (EGMLA_LIMIT questions per
-    task) and validation loss, parameter counts, KV-cache elements per token. Decode latency is
-    measured for all runs together when drawing (`measure_decode`)."""
-    from effattn_jax import checkpoint
-    from eval.curves import collect
-    from eval.decoding import kv_cache_report
-    from eval.tasks import parse_tasks
-
-    cfg = checkpoint.load_run_config(run_dir, checkpoint.kept_steps(run_dir)[-1])
-    return collect([run_dir], parse_tasks(None), EGMLA_LIMIT)[0] | {
-        "kv_elements_per_token": kv_cache_report(cfg)["kv_elements_per_token"],
-        "kind": cfg.attention.kind,
-        "gate_at": cfg.eg_mla.gate_at if cfg.attention.kind == "eg_mla" else None,
-        "seed": cfg.train.seed,
-    }
-
-
-def measure_decode(summaries: list[dict], out: Path) -> dict:
-    """run -> decode ms/token at EGMLA_DECODE_CONTEXT (batch 1, synthetic cache: it depends on the
-    config only, so a config's seeds are measured once), every config stepped in turn in one
-    process (`decode_latency_alternated`) so the ratios compare like with like; kept in
-    decode_latency.json and remeasured only when the set of runs changes."""
-    import datetime
-
-    import jax
-
-    path = out / "decode_latency.json"
-    runs = [s["run"] for s in summaries]
-    if path.exists() and sorted(json.loads(path.read_text())["ms_per_token"]) == sorted(runs):
-        return json.loads(path.read_text())["ms_per_token"]
-    from effattn_jax.config import load_config
-    from eval.decoding import decode_latency_alternated
-
-    key = lambda s: json.dumps([s["config"], s["overrides"]])  # a config's seeds decode alike
-    cfgs = {key(s): load_config(REPO / s["config"], s["overrides"]) for s in summaries}
-    by_config = decode_latency_alternated(cfgs, EGMLA_DECODE_CONTEXT, rounds=EGMLA_DECODE_ROUNDS)
-    record = {
-        "context": EGMLA_DECODE_CONTEXT,
-        "batch": 1,
-        "rounds": EGMLA_DECODE_ROUNDS,
-        "date": datetime.date.today().isoformat(),
-        "jax": jax.__version__,
-        "backend": jax.default_backend(),
-        "ms_per_token": {s["run"]: by_config[key(s)] for s in summaries},
-    }
-    path.write_text(json.dumps(record, indent=1) + "\n")
-    return record["ms_per_token"]
-
-
 def summarize_in_child(function: str, run_dir: Path) -> dict:
     """A run's summary computed in a fresh process, as its training is: evaluating every run of a
     recipe in one long-lived process piles up compiled programs until the JIT cannot map more
@@ -238,8 +196,11 @@ def _config_and_seed(run: str) -> tuple[str, list[str]]:
     return stem, overrides
 
 
-def run_recipe(name: str, *, root: Path, results: Path, only=None, overrides=(), redraw=False) -> list[dict]:
-    """Trains and summarizes every run of a recipe that has no summary yet; returns all summaries."""
+def run_recipe(
+    name: str, *, root: Path, results: Path, only=None, overrides=(), redraw=False, draw_options=None
+) -> list[dict]:
+    """Trains and summarizes every run of a recipe that has no summary yet; returns all summaries.
+    `draw_options`: keyword arguments of the recipe's draw function (egmla-cpu: remeasure_decode)."""
     from effattn_jax import storage
 
     recipe = RECIPES[name]
@@ -270,39 +231,8 @@ def run_recipe(name: str, *, root: Path, results: Path, only=None, overrides=(),
         print(f"{run}: summary written, {summary['train_seconds']} s training", flush=True)
     summaries = [json.loads((out / f"{r}.json").read_text()) for r in runs if (out / f"{r}.json").exists()]
     if summaries:
-        globals()[recipe.draw](summaries, out)
+        globals()[recipe.draw](summaries, out, **(draw_options or {}))
     return summaries
-
-
-def gaps_to_mla(summaries: list[dict]) -> dict[str, dict]:
-    """label -> its final validation loss minus MLA's, paired by seed, for every configuration
-    that shares at least two seeds with MLA."""
-    by: dict[str, dict[int, float]] = {}
-    for s in summaries:
-        by.setdefault(s["label"], {})[s["seed"]] = s["points"][-1]["val_loss"]
-    mla = next((s["label"] for s in summaries if s["kind"] == "mla"), None)
-    pairs = {label: paired_gap(values, by[mla]) for label, values in by.items() if mla and label != mla}
-    return {label: pair for label, pair in pairs.items() if pair}
-
-
-def draw_egmla_report(summaries: list[dict], out: Path) -> None:
-    """report.png (the four panels) and report.md (the table), as `eval report` draws them."""
-    from eval.curves import scale_note
-    from eval.report import markdown, plot
-
-    ms = measure_decode(summaries, out)
-    summaries = [s | {"decode_ms_per_token": ms[s["run"]]} for s in summaries]
-    note = scale_note(summaries) + f", {EGMLA_LIMIT} questions/task (fixed budget, not compute-optimal)"
-    table = markdown(summaries, EGMLA_DECODE_CONTEXT, note)
-    if gaps := gaps_to_mla(summaries):
-        table += "\nFinal validation loss minus MLA's, paired by seed (mean ± standard error):\n\n"
-        for label, pair in gaps.items():
-            mean, se = pair["gap"]
-            table += f"- {label}: {mean:+.4f} ± {se:.4f} ({len(pair['seeds'])} seeds)\n"
-    (out / "report.md").write_text(table)
-    plot(summaries, out / "report.png", EGMLA_DECODE_CONTEXT, note)
-    print(table, end="")
-    print(f"wrote {out / 'report.png'} {out / 'report.md'}")
 
 
 def main(argv=None) -> int:
@@ -315,8 +245,15 @@ def main(argv=None) -> int:
     p.add_argument("--only", default=None, help="comma-separated run names of the recipe")
     p.add_argument("--override", nargs="*", default=[], help="key=value added to every run's config")
     p.add_argument("--redraw", action="store_true", help="train nothing; draw from the summaries")
+    p.add_argument(
+        "--remeasure-decode",
+        action="store_true",
+        help="egmla-cpu: measure decode latency again (alone on the machine), configs unchanged or not",
+    )
     args = p.parse_args(argv)
     only = None if args.only is None else args.only.split(",")
+    if args.remeasure_decode and args.recipe != "egmla-cpu":
+        raise SystemExit(f"--remeasure-decode: only egmla-cpu measures decoding, not {args.recipe}")
     run_recipe(
         args.recipe,
         root=args.root or default_root(),
@@ -324,6 +261,7 @@ def main(argv=None) -> int:
         only=only,
         overrides=args.override,
         redraw=args.redraw,
+        draw_options={"remeasure_decode": True} if args.remeasure_decode else None,
     )
     return 0
 

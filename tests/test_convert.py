@@ -181,6 +181,19 @@ def test_runs_of_this_project_export_and_import_back(tmp_path, capsys):
     assert not (tmp_path / "eg_hf").exists()
 
 
+def test_mla_with_a_token_table_is_refused_in_one_line(tmp_path, capsys):
+    """EG-MLA's control (mla.token_table_dim) has no Hugging Face equivalent."""
+    from conftest import TINY_MLA
+
+    mla = [o for o in TINY_MLA if o.startswith("mla.")]
+    saved_fresh_run(tmp_path / "table", ["attention.kind=mla", "mla.token_table_dim=8", *mla])
+    capsys.readouterr()
+    assert main(["to-hf", "--run", str(tmp_path / "table"), "--out", str(tmp_path / "table_hf")]) == 2
+    err = capsys.readouterr().err
+    assert "mla.token_table_dim has no Hugging Face equivalent" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "table_hf").exists()
+
+
 def _broken(tmp_path, change, family="llama") -> Path:
     model = tmp_path / "model"
     shutil.copytree(FIXTURES / family, model)

@@ -125,3 +125,103 @@ def test_gate_tables_are_counted_apart():
     counts = param_counts(Transformer(cfg, rngs=nnx.Rngs(0)))
     assert counts["embedding_gate"] == 2 * 128 * 8  # layers x vocab x d_e
     assert counts["total"] == counts["embedding"] + counts["embedding_gate"] + counts["non_embedding"]
+
+
+TABLE = ["attention.kind=mla", "mla.token_table_dim=8"]  # matched to VARIANTS' EG-MLA tables (d_e 8)
+
+
+def test_token_table_is_counted_like_eg_mlas_gate_tables_plus_its_projection():
+    """mla.token_table_dim=d_e: the same [vocab, d_e] table per layer as EG-MLA's gate (counted
+    apart, as token_table), plus W_l [d_e, d_model] per layer among the non-embedding params."""
+    counts = lambda extra: param_counts(Transformer(load_config(None, TINY + extra), rngs=nnx.Rngs(0)))
+    table, mla, eg = counts(TABLE), counts(VARIANTS["mla"]), counts(VARIANTS["eg_mla_latent"])
+    cfg = load_config(None, TINY + TABLE)
+    projection = cfg.model.num_layers * 8 * cfg.model.d_model
+    assert table["token_table"] == eg["embedding_gate"] == cfg.model.num_layers * 128 * 8
+    assert table["total"] - mla["total"] == eg["embedding_gate"] + projection
+    assert table["non_embedding"] - mla["non_embedding"] == projection
+    assert table["total"] == sum(
+        table[k] for k in ("embedding", "embedding_gate", "token_table", "non_embedding")
+    )
+    from eval.decoding import kv_cache_report
+
+    kv = lambda extra: kv_cache_report(load_config(None, TINY + extra))
+    assert kv(TABLE)["kv_elements_per_token"] == kv(VARIANTS["mla"])["kv_elements_per_token"]  # MLA's cache
+    assert kv(TABLE)["params_token_table"] == table["token_table"]
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_token_table_acts_only_through_the_residual(scan):
+    """A zero table gives plain MLA bit for bit; a nonzero one is h + W_l E_l[x] at each layer's
+    input, written out here for one layer."""
+    extra = [f"model.scan_layers={str(scan).lower()}"]
+    plain = Transformer(load_config(None, TINY + VARIANTS["mla"] + extra), rngs=nnx.Rngs(0))
+    model = Transformer(load_config(None, TINY + TABLE + extra), rngs=nnx.Rngs(1))
+    nnx.update(model, nnx.state(plain, nnx.Param))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 128, (2, 9)))
+    tables = [block.attn.token_table.token_table for block in model.blocks]  # stacked: one
+    assert not np.allclose(model(tokens), plain(tokens), atol=1e-3)
+    for table in tables:
+        table[...] = jnp.zeros_like(table[...])
+    np.testing.assert_array_equal(model(tokens), plain(tokens))
+
+    if not scan:  # one layer by hand: block(h + W E[x]) with the table back
+        table = tables[0]
+        table[...] = jax.random.normal(jax.random.key(3), table[...].shape)
+        block = model.blocks[0]
+        x = jax.random.normal(jax.random.key(4), (2, 9, 32))
+        seg = jnp.ones((2, 9), jnp.int32)
+        pos = segment_positions(seg)
+        h = x + jnp.einsum("bse,ed->bsd", table[...][tokens], block.attn.token_table.proj.kernel[...])
+        h = h + block.attn(block.attn_norm(h), positions=pos, segment_ids=seg, token_ids=tokens)
+        want = h + block.mlp(block.mlp_norm(h))
+        np.testing.assert_allclose(block(x, pos, seg, tokens), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("absorb", "scan"), [(True, False), (False, False), (True, True)])
+def test_token_table_decode_step_is_the_full_forwards_last_position(absorb, scan):
+    """Prefill all but the last token, then one decode step: its logits are the full forward's
+    at the last position (the table reads only the step's own token; the cache stays MLA's), also
+    for stacked layers readied for decoding as generation and the decode benchmarks do."""
+    from effattn_jax.model import init_cache, ready_for_decoding
+
+    cfg = load_config(None, TINY + TABLE + [f"model.scan_layers={str(scan).lower()}"])
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 128, (2, 9)))
+    positions = jnp.broadcast_to(jnp.arange(9), (2, 9))
+    full = model(tokens)
+    ready_for_decoding(model)
+    cache = init_cache(model, 2, 16)
+    assert set(cache[0]) == {"c", "kr"}  # MLA's cache, nothing for the table
+    _, cache = model.decode(tokens[:, :8], positions[:, :8], cache, prefill=True, absorb=absorb)
+    step, _ = model.decode(tokens[:, 8:], positions[:, 8:], cache, absorb=absorb)
+    np.testing.assert_allclose(step[:, 0], full[:, -1], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [["attention.kind=eg_mla", "mla.token_table_dim=8"], ["attention.kind=mha", "mla.token_table_dim=8"]],
+)
+def test_token_table_only_on_mla_layers(extra):
+    from effattn_jax.config import ConfigError
+
+    with pytest.raises(ConfigError, match="mla.token_table_dim"):
+        load_config(None, TINY + extra)
+
+
+def test_token_table_trains_the_rows_it_reads():
+    """The loss's gradient reaches W_l and exactly the table rows of the tokens whose positions
+    feed a prediction (the last token, 9, predicts nothing here and no later position sees it)."""
+    model = Transformer(load_config(None, TINY + TABLE), rngs=nnx.Rngs(0))
+    tokens = jnp.asarray([[3, 5, 7, 5, 9]])
+    graphdef, params = nnx.split(model, nnx.Param)
+
+    def loss(p):
+        logits = nnx.merge(graphdef, p)(tokens)
+        return -jax.nn.log_softmax(logits[:, :-1])[0, jnp.arange(4), tokens[0, 1:]].mean()
+
+    grads = jax.grad(loss)(params)
+    for block in grads["blocks"].values():
+        g = np.asarray(block["attn"]["token_table"]["token_table"][...])
+        assert sorted(np.flatnonzero(np.abs(g).sum(-1))) == [3, 5, 7]
+        assert np.abs(block["attn"]["token_table"]["proj"]["kernel"][...]).sum() > 0

@@ -75,26 +75,3 @@ def test_small_bpe_is_deterministic():
     assert first == second
     vocab = json.loads(first)["model"]["vocab"]
     assert vocab["<|endoftext|>"] == 0 and len(vocab) <= 300
-
-
-def test_gaps_to_mla_pair_by_seed_and_need_two_shared_seeds():
-    def run(label, kind, seed, loss):
-        return {"label": label, "kind": kind, "seed": seed, "points": [{"val_loss": loss}]}
-
-    summaries = [
-        run("mla dense", "mla", 0, 5.0),
-        run("mla dense", "mla", 1, 5.4),
-        run("mla dense", "mla", 2, 4.9),
-        run("eg_mla emb16 dense", "eg_mla", 0, 4.8),
-        run("eg_mla emb16 dense", "eg_mla", 1, 5.1),
-        run("eg_mla emb16 dense", "eg_mla", 2, 4.8),
-        run("eg_mla emb32 dense", "eg_mla", 0, 4.7),  # one seed: no gap
-        run("mha dense", "mha", 3, 4.0),  # no seed shared with MLA
-    ]
-    gaps = sweep.gaps_to_mla(summaries)
-    assert list(gaps) == ["eg_mla emb16 dense"]
-    pair = gaps["eg_mla emb16 dense"]
-    assert pair["seeds"] == [0, 1, 2]
-    mean, se = pair["gap"]  # differences -0.2, -0.3, -0.1
-    assert mean == pytest.approx(-0.2) and se == pytest.approx(0.1 / 3**0.5)
-    assert pair["b"][0] == pytest.approx(5.1)

@@ -6,6 +6,8 @@ v_i = W_UV,i c; q_i = [W_UQ,i c' ; RoPE(W_QR,i c')] with c' = RMSNorm(W_DQ h)
 when q_lora_rank > 0, else a plain projection of h. Softmax scale
 1/sqrt(qk_nope + qk_rope). Subclasses change only how per-head K/V come from
 the latent (`kv_heads`), so the cache (c, k^R) and the query path are shared.
+With `mla.token_table_dim` the layer also owns a non-gating token table (`token_table`,
+attention/token_table.py) that its block adds to the hidden state at the layer's input.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import math
 import jax.numpy as jnp
 from flax import nnx
 
+from effattn_jax.attention.token_table import TokenTable
 from effattn_jax.layers import Dense, RMSNorm, apply_rope, rope_of
 from effattn_jax.ops.cache import CacheView, kv_view, take_slots
 from effattn_jax.ops.mla_decode import absorbed_attention
@@ -68,6 +71,9 @@ class MLA(nnx.Module):
         self.q_lora = bool(a.q_lora_rank)
         self.decode_impl = a.decode_impl
         self.rules = sharding_rules(cfg)
+        # EG-MLA's parameter-matched control (mla.token_table_dim): a table the block adds at its
+        # input (Block.with_token_table), made last so the other parameters draw as without it
+        self.token_table = TokenTable(cfg, rngs=rngs) if a.token_table_dim else None
 
     def init_kv_up(self, cfg, rngs):
         """The per-head up-projections W_UK, W_UV from the cached latent c."""

@@ -138,6 +138,10 @@ def to_hf(run_dir: str | Path, out: str | Path, step: str = "latest") -> list[st
         raise ConvertError(f"{run_dir}: EG-MLA has no Hugging Face equivalent; it is not exported")
     if len(kinds) > 1:
         raise ConvertError(f"{run_dir}: layers of two attention kinds: not exported yet")
+    if cfg.mla.token_table_dim and "mla" in kinds:
+        raise ConvertError(
+            f"{run_dir}: mla.token_table_dim has no Hugging Face equivalent; it is not exported"
+        )
     source = storage.path(run_dir) / HF_CONFIG
     converted = json.loads(storage.read_text(source)) if source.exists() else None
     hf = hf_config_of(cfg, base_config(cfg, converted, mla=kinds == {"mla"}))

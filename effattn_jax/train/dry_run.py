@@ -139,7 +139,9 @@ def dry_run(cfg: Config, *, compile: bool = True) -> dict:
     }
     print(
         f"parameters: {counts['non_embedding']:,} non-embedding, {counts['embedding']:,} embedding, "
-        f"{counts['embedding_gate']:,} gate tables ({counts['total']:,} in all)"
+        f"{counts['embedding_gate']:,} gate tables"
+        + (f", {counts['token_table']:,} token tables" if counts["token_table"] else "")
+        + f" ({counts['total']:,} in all)"
     )
     print(
         f"train FLOPs/token: {flops_token / 1e9:.2f} GFLOP (6·N incl. the output head, + attention); "

@@ -30,7 +30,8 @@ PACKAGES = (
 )
 
 
-def _git_commit() -> str:
+def git_commit() -> str:
+    """The checkout's HEAD commit, or "unknown" outside a git checkout."""
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"],
@@ -61,7 +62,7 @@ def record_provenance(run_dir: AnyPath, cfg: Config) -> None:
     entry = {
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "argv": sys.argv,
-        "git_commit": _git_commit(),
+        "git_commit": git_commit(),
         "packages": _versions(),
         "devices": [str(d) for d in jax.devices()],
         "process_count": jax.process_count(),

@@ -13,7 +13,7 @@ Floating-point entries are the KV-cache figure; integer entries (EG-MLA's
 token ids) are reported on their own line. Also reports the parameter split,
 with EG-MLA's gate tables apart. --json prints {attention_kind, layers, cache_dtype,
 kv_elements_per_token, kv_bytes_per_token, integer_entries_per_token, params_total,
-params_embedding, params_embedding_gate, params_non_embedding}.
+params_embedding, params_embedding_gate, params_token_table, params_non_embedding}.
 
 decode-latency: ms per generated token, batch 1, greedy, at each context length:
 the decode step (compiled once per model, cache donated as generation donates it) runs at
@@ -180,7 +180,9 @@ def _print_kv_cache(args, emit) -> int:
     print(f"integer cache entries (token ids): {r['integer_entries_per_token']:,}/token")
     print(
         f"params: {r['params_total']:,} total, {r['params_embedding']:,} embedding, "
-        f"{r['params_embedding_gate']:,} embedding-gate, {r['params_non_embedding']:,} other"
+        f"{r['params_embedding_gate']:,} embedding-gate, "
+        + (f"{r['params_token_table']:,} token-table, " if r["params_token_table"] else "")
+        + f"{r['params_non_embedding']:,} other"
     )
     return 0
 
