@@ -179,20 +179,22 @@ def summarize_in_child(function: str, run_dir: Path) -> dict:
         return pool.submit(globals()[function], run_dir).result()
 
 
-RUN_SUFFIXES = {"lr": ("train.lr", float), "warmup": ("train.warmup_steps", int), "seed": ("train.seed", int)}
-_SUFFIX = re.compile(r"\.(lr|warmup|seed)([0-9][0-9e.+-]*?)(?=\.(?:lr|warmup|seed)|$)")
+RUN_SUFFIXES = {"lr": "train.lr", "warmup": "train.warmup_steps", "seed": "train.seed"}
+_RUN_NAME = re.compile(r"([^.]+)((?:\.lr[0-9.e+-]+?)?)((?:\.warmup[0-9]+)?)((?:\.seed[0-9]+)?)")
 
 
 def _config_and_seed(run: str) -> tuple[str, list[str]]:
     """`<config>[.lr<x>][.warmup<n>][.seed<k>]` -> (config stem, [train.lr=x, train.warmup_steps=n,
     train.seed=k]); a plain name is its own config."""
-    stem = run.split(".")[0]
-    overrides = []
-    for name, value in _SUFFIX.findall(run[len(stem) :]):
-        key, kind = RUN_SUFFIXES[name]
-        overrides.append(f"{key}={kind(value)}")
-    if "".join(f".{n}{v}" for n, v in _SUFFIX.findall(run[len(stem) :])) != run[len(stem) :]:
+    match = _RUN_NAME.fullmatch(run)
+    if match is None:
         raise ValueError(f"run name {run!r}: expected <config>[.lr<x>][.warmup<n>][.seed<k>]")
+    stem, *suffixes = match.groups()
+    overrides = []
+    for suffix, (name, key) in zip(suffixes, RUN_SUFFIXES.items(), strict=True):
+        if suffix:
+            value = suffix[len(name) + 1 :]
+            overrides.append(f"{key}={float(value) if name == 'lr' else int(value)}")
     return stem, overrides
 
 

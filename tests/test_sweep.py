@@ -75,3 +75,27 @@ def test_small_bpe_is_deterministic():
     assert first == second
     vocab = json.loads(first)["model"]["vocab"]
     assert vocab["<|endoftext|>"] == 0 and len(vocab) <= 300
+
+
+def test_run_names_carry_lr_warmup_and_seed_overrides():
+    assert sweep._config_and_seed("full_53k") == ("full_53k", [])
+    assert sweep._config_and_seed("mla.seed3") == ("mla", ["train.seed=3"])
+    assert sweep._config_and_seed("full_53k.lr1e-2.warmup32.seed2") == (
+        "full_53k",
+        ["train.lr=0.01", "train.warmup_steps=32", "train.seed=2"],
+    )
+    assert sweep._config_and_seed("full_53k.lr3e-3") == ("full_53k", ["train.lr=0.003"])
+    for bad in ("full_53k.foo", "full_53k.seed1.lr1e-2", "full_53k.seedx"):
+        with pytest.raises(ValueError, match="expected <config>"):
+            sweep._config_and_seed(bad)
+
+
+def test_lr_sweep_table_gives_each_settings_seeds_mean_and_spread():
+    from eval.lr_sweep import settings_table
+
+    runs = [(3e-3, 96, 0, 5.2), (3e-3, 96, 1, 5.0), (1e-2, 8, 0, 5.6), (3e-3, 96, 2, 5.3)]
+    rows = settings_table([{"lr": a, "warmup_steps": w, "seed": k, "loss": v} for a, w, k, v in runs])
+    assert [(r["lr"], r["warmup_steps"], r["seeds"]) for r in rows] == [(3e-3, 96, [0, 1, 2]), (1e-2, 8, [0])]
+    assert rows[0]["losses"] == [5.2, 5.0, 5.3] and rows[0]["mean"] == pytest.approx(5.1666667)
+    assert rows[0]["sd"] == pytest.approx(0.1527525) and rows[0]["range"] == pytest.approx(0.3)
+    assert rows[1]["sd"] != rows[1]["sd"]  # nan for one seed
