@@ -19,7 +19,8 @@ is that config with `train.seed=k` (the repeats that give gaps their intervals);
   training compute, every matmul and 6ND, power laws per kind fitted to the lower envelope and
   to per-size seed means, each with a bootstrap-over-seeds interval for b; the paper's laws.
 - moba-scaling-4k: 2 sizes x {full, MoBA} at 4,096-token rows, block 256, top-3 (the paper's
-  geometry; configs/moba/cpu/scaling_4k/): the trailing loss over the last 1,024 positions.
+  geometry; configs/moba/cpu/scaling_4k/), seeds 0-4 of each: the trailing loss over the last
+  1,024 positions.
 - lr-sweep-1k: the 1K set's 53K model (full attention) at a few (lr, warm-up) settings, 3 seeds
   each (eval/lr_sweep.py): the schedule of the MoBA sets, chosen for seeds that agree.
 - egmla-cpu (eval/egmla_report.py): MHA, MLA and EG-MLA with 4 gate-table widths
@@ -87,7 +88,8 @@ RECIPES = {
     ),
     "moba-scaling-4k": Recipe(
         "configs/moba/cpu/scaling_4k",
-        tuple(f"{core}_{size}" for size in ("53k", "107k") for core in ("full", "moba")),
+        tuple(f"{core}_{size}" for size in ("53k", "107k") for core in ("full", "moba"))
+        + _seeded([f"{c}_{size}" for size in ("53k", "107k") for c in ("full", "moba")], seeds=(1, 2, 3, 4)),
         "summarize_losses",
         "draw_moba_scaling",
     ),
