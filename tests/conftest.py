@@ -202,9 +202,21 @@ def quick_or_slow(cases, quick):
 
 
 @pytest.fixture
-def mosaic_by_default(monkeypatch):
-    """pallas_gpu takes the Mosaic GPU kernels on a Hopper (what gpu_backend.MOSAIC_BY_DEFAULT turns
-    on once they have run on one): the dispatch as it will be then."""
-    from pallas_kernels import gpu_backend
+def verified(monkeypatch):
+    """verified(*pairs) lists (family, backend) pairs in gpu_dispatch.VERIFIED as if a GPU suite run
+    had passed on them, and nothing else: the dispatch as it will be once they have."""
+    from pallas_kernels import gpu_dispatch
 
-    monkeypatch.setattr(gpu_backend, "MOSAIC_BY_DEFAULT", True)
+    def use(*pairs, **entry):
+        run = gpu_dispatch.Verified(**({"device": "test", "date": "-", "commit": "-"} | entry))
+        monkeypatch.setattr(gpu_dispatch, "VERIFIED", {pair: run for pair in pairs})
+
+    return use
+
+
+@pytest.fixture
+def mosaic_by_default(verified):
+    """Every Mosaic GPU kernel family listed as verified (pallas_gpu takes them on a Hopper)."""
+    from pallas_kernels import gpu_dispatch
+
+    verified(*((family, "mosaic") for family in gpu_dispatch.FAMILIES))

@@ -157,15 +157,3 @@ def test_config_takes_auto_or_an_int_for_the_tiles():
                      ("moba.num_warps=0", "> 0 or auto")]:  # fmt: skip
         with pytest.raises(ConfigError, match=why):
             load_config(None, [bad])
-
-
-def test_gpu_backend_follows_the_compute_capability(monkeypatch):
-    from pallas_kernels import gpu_backend
-    from pallas_kernels.gpu_backend import backend_for, default_backend, device_backend
-
-    assert backend_for("9.0") == "mosaic"
-    assert [backend_for(c) for c in ("8.0", "8.6", "8.9", "10.0")] == ["triton"] * 4
-    assert device_backend() == "mosaic"  # no GPU here: an H100/H200's answer (an AOT export)
-    assert default_backend() == "triton"  # until the Mosaic GPU kernels have run on a GPU
-    monkeypatch.setattr(gpu_backend, "MOSAIC_BY_DEFAULT", True)
-    assert default_backend() == "mosaic"

@@ -12,7 +12,6 @@ from flax import nnx
 
 from effattn_jax.config import load_config
 from effattn_jax.model import Transformer, init_cache
-from effattn_jax.ops import mla_decode
 from effattn_jax.ops.mla_decode import absorbed_attention
 from effattn_jax.ops.platform import tracing_for
 from pallas_kernels.common import gpu_lowering_target
@@ -23,7 +22,7 @@ from pallas_kernels.mla_decode.tpu import mla_decode_tpu
 
 @pytest.mark.parametrize(
     "kind, impl",
-    [("mla", "pallas_tpu"), ("eg_mla", "pallas_tpu"), ("mla", "pallas_gpu"), ("eg_mla", "pallas_gpu")],
+    [("mla", "pallas_tpu"), ("eg_mla", "pallas_tpu"), ("mla", "pallas_triton"), ("eg_mla", "pallas_triton")],
 )
 def test_kernel_decode_equals_xla_decode(kind, impl, monkeypatch):
     """Prefill 11 tokens (XLA), then single-token steps (the kernel's case) over a 40-slot
@@ -139,9 +138,11 @@ def test_gpu_kernel_lowers_for_cuda(heads, d):
     assert re.findall(r'name = "(mla_\w+_gpu)"', exported.mlir_module()) == ["mla_decode_gpu"]
 
 
-def test_auto_takes_xla_where_the_table_says_it_is_faster(monkeypatch):
-    """impl="auto" traced for a GPU runs the kernel, unless GPU_XLA_FASTER lists the step's heads with
-    a batch and length at least its own; an explicit "pallas_gpu" runs the kernel regardless."""
+def test_gpu_dispatch_follows_the_verified_table(verified):
+    """Traced for a GPU, float32 (the Triton kernel's case): "auto" and "pallas_gpu" take XLA until the
+    table lists the Triton MLA decode kernel, then the kernel, except under "auto" where the entry's
+    `xla_faster` covers the step's heads (equal), batch and length (at most); "pallas_triton" runs the
+    kernel regardless."""
     keys = jax.random.split(jax.random.key(0), 4)
     q_lat, q_rope = jax.random.normal(keys[0], (2, 1, 4, 16)), jax.random.normal(keys[1], (2, 1, 4, 8))
     lat, kr = jax.random.normal(keys[2], (2, 40, 16)), jax.random.normal(keys[3], (2, 40, 8))
@@ -151,14 +152,16 @@ def test_auto_takes_xla_where_the_table_says_it_is_faster(monkeypatch):
         in str(jax.make_jaxpr(lambda: absorbed_attention(q_lat, q_rope, lat, kr, pos, 0.3, impl))())
     )
     with tracing_for("gpu"):
-        assert kernel_ran("auto")
-        for table, xla in [
-            ([(4, 2, 40)], True),
-            ([(4, 1, 40)], False),
-            ([(8, 2, 40)], False),
-            ([(4, 2, 39)], False),
+        verified()
+        assert not kernel_ran("auto") and not kernel_ran("pallas_gpu") and kernel_ran("pallas_triton")
+        verified(("mla_decode", "triton"))
+        assert kernel_ran("auto") and kernel_ran("pallas_gpu")
+        for bound, xla in [
+            (dict(heads=4, batch=2, length=40), True),
+            (dict(heads=4, batch=1, length=40), False),
+            (dict(heads=8, batch=2, length=40), False),
+            (dict(heads=4, batch=2, length=39), False),
         ]:
-            monkeypatch.setattr(mla_decode, "GPU_XLA_FASTER", table)
-            assert kernel_ran("auto") != xla, table
-        monkeypatch.setattr(mla_decode, "GPU_XLA_FASTER", [(4, 2, 40)])
-        assert kernel_ran("pallas_gpu")
+            verified(("mla_decode", "triton"), xla_faster=(bound,))
+            assert kernel_ran("auto") != xla, bound
+            assert kernel_ran("pallas_gpu")

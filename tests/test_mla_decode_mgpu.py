@@ -165,10 +165,11 @@ def test_lowers_for_cuda(heads):
     assert _kernels(text) == {"mosaic"} and "mosaic_gpu" in text
 
 
-def test_dispatch_exports_mosaic_on_hopper_and_triton_where_it_refuses(mosaic_by_default):
-    """The op traced for a GPU (an H200: Mosaic GPU's backend) exports the Mosaic kernel for a bf16
-    cache of 32K slots, and the Triton one for a cache length Mosaic refuses (4100, not a multiple of
-    8); impl pallas_triton takes Triton, pallas_mosaic raises where Mosaic cannot run."""
+def test_dispatch_exports_mosaic_on_hopper_and_triton_where_it_refuses(verified):
+    """The op traced for a GPU (an H200), both decode kernels listed as verified: the Mosaic kernel for
+    a bf16 cache of 32K slots, the Triton one for a cache length Mosaic refuses (4100, not a multiple
+    of 8), XLA there when only Mosaic's is listed; pallas_triton takes Triton, pallas_mosaic raises
+    where Mosaic cannot run."""
 
     def op(impl):
         def step(ql, qr, lat, kr, lens):
@@ -177,25 +178,30 @@ def test_dispatch_exports_mosaic_on_hopper_and_triton_where_it_refuses(mosaic_by
         return step
 
     with tracing_for("cuda"):
-        for impl, length, mosaic in [
-            ("auto", 32768, True),
-            ("pallas_gpu", 4100, False),
-            ("pallas_triton", 32768, False),
+        verified(("mla_decode", "mosaic"), ("mla_decode", "triton"))
+        for impl, length, kernels in [
+            ("auto", 32768, {"mosaic"}),
+            ("pallas_gpu", 4100, {"triton"}),
+            ("pallas_triton", 32768, {"triton"}),
         ]:
-            text = _export(16, 512, length, op(impl))
-            assert _kernels(text) == ({"mosaic"} if mosaic else {"triton"}), (impl, length)
-        with pytest.raises(ValueError, match="pallas_mosaic cannot run here: .*cache length"):
+            assert _kernels(_export(16, 512, length, op(impl))) == kernels, (impl, length)
+        verified(("mla_decode", "mosaic"))
+        assert _kernels(_export(16, 512, 4100, op("pallas_gpu"))) == set()
+        with pytest.raises(ValueError, match="pallas_mosaic cannot run MLA decode here: .*cache length"):
             _export(16, 512, 4100, op("pallas_mosaic"))
 
 
-def test_interpreted_dispatch_takes_triton_unless_asked():
-    """On a CPU, pallas_gpu interprets the Triton kernel (the fast interpreter); pallas_mosaic the
-    Mosaic one."""
+def test_interpreted_dispatch_follows_the_table_and_the_names(verified):
+    """On a CPU, pallas_gpu interprets what the table lists (XLA when nothing is), pallas_mosaic and
+    pallas_triton the kernel they name."""
     q_lat, q_rope, lat, kr = _inputs(16, 64, 64, 64, batch=1)
     pos = jnp.array([[40]])
     jaxpr = lambda impl: str(
         jax.make_jaxpr(lambda: absorbed_attention(q_lat, q_rope, lat, kr, pos, 0.3, impl))()
     )
+    verified()
+    assert "mla_decode_gpu" not in jaxpr("pallas_gpu") and "mla_decode_mgpu" not in jaxpr("pallas_gpu")
+    verified(("mla_decode", "triton"))
     assert "mla_decode_gpu" in jaxpr("pallas_gpu") and "mla_decode_mgpu" not in jaxpr("pallas_gpu")
     assert "mla_decode_mgpu" in jaxpr("pallas_mosaic")
     assert "mla_decode_gpu" in jaxpr("pallas_triton")

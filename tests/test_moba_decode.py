@@ -13,7 +13,6 @@ from flax import nnx
 
 from effattn_jax.config import load_config
 from effattn_jax.model import Transformer, init_cache
-from effattn_jax.ops import moba_decode
 from effattn_jax.ops.cache import kv_view
 from effattn_jax.ops.moba_decode import empty_block_means, moba_decode_attention, prefill_block_means
 from effattn_jax.ops.platform import tracing_for
@@ -190,8 +189,8 @@ def test_gpu_decode_kernel_matches_xla_and_lowers_for_cuda(min_piece, monkeypatc
     monkeypatch.setattr(gpu_decode, "MIN_PIECE", min_piece)
     assert gpu_decode.pieces(2 * 4 * 4, 8, 132) == (4 if min_piece == 2 else 1)
     step = _kernel_case(70, 8)
-    assert "moba_decode_gpu" in str(jax.make_jaxpr(lambda: step("pallas_gpu"))())  # the kernel ran
-    np.testing.assert_allclose(step("pallas_gpu"), step("xla"), atol=1e-5, rtol=1e-5)
+    assert "moba_decode_gpu" in str(jax.make_jaxpr(lambda: step("pallas_triton"))())  # the kernel ran
+    np.testing.assert_allclose(step("pallas_triton"), step("xla"), atol=1e-5, rtol=1e-5)
     triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
     tables = [jax.ShapeDtypeStruct((2, 8, 3), jnp.int32)] * 3
     cache = jax.ShapeDtypeStruct((2, 2, 4096, 64), jnp.bfloat16)
@@ -203,14 +202,19 @@ def test_gpu_decode_kernel_matches_xla_and_lowers_for_cuda(min_piece, monkeypatc
     assert re.findall(r'name = "(moba_\w+_gpu)"', exported.mlir_module()) == ["moba_decode_gpu"]
 
 
-def test_auto_takes_xla_where_the_gpu_table_says_it_is_faster(monkeypatch):
-    """impl="auto" traced for a GPU runs the decode kernel, unless GPU_XLA_FASTER lists a batch and a
-    cache length at least the step's; an explicit "pallas_gpu" runs it regardless."""
+def test_gpu_dispatch_follows_the_verified_table(verified):
+    """Traced for a GPU: "auto" and "pallas_gpu" take XLA until the table lists the Triton decode kernel
+    (float32: Mosaic's refuses), then the kernel, except under "auto" where the entry's `xla_faster`
+    covers the step's batch and cache length (at most); "pallas_triton" runs it regardless."""
     step = _kernel_case(64, 8)
     kernel_ran = lambda impl: "moba_decode_gpu" in str(jax.make_jaxpr(lambda: step(impl))())
     with tracing_for("gpu"):
+        verified()
+        assert not kernel_ran("auto") and not kernel_ran("pallas_gpu") and kernel_ran("pallas_triton")
+        verified(("moba_decode", "triton"))
         assert kernel_ran("auto")
-        for table, xla in [([(2, 64)], True), ([(1, 64)], False), ([(2, 63)], False)]:
-            monkeypatch.setattr(moba_decode, "GPU_XLA_FASTER", table)
-            assert kernel_ran("auto") != xla, table
-        assert kernel_ran("pallas_gpu")
+        for bound, xla in [(dict(batch=2, length=64), True), (dict(batch=1, length=64), False),
+                           (dict(batch=2, length=63), False)]:  # fmt: skip
+            verified(("moba_decode", "triton"), xla_faster=(bound,))
+            assert kernel_ran("auto") != xla, bound
+            assert kernel_ran("pallas_gpu")

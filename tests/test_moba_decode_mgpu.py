@@ -136,10 +136,10 @@ def test_lowers_for_cuda_within_its_smem_count(d):
         assert _export(kernel, d, 32768) == {"mosaic"}
 
 
-def test_dispatch_exports_mosaic_on_hopper_and_triton_where_it_refuses(mosaic_by_default):
-    """The decode op traced for a GPU (an H200) exports the Mosaic kernel for bf16 and the Triton one
-    for float32 (Mosaic refuses) and under pallas_triton; pallas_mosaic raises where Mosaic cannot
-    run."""
+def test_dispatch_exports_mosaic_on_hopper_and_triton_where_it_refuses(verified):
+    """The decode op traced for a GPU (an H200), both decode kernels listed as verified, exports the
+    Mosaic kernel for bf16 and the Triton one for float32 (Mosaic refuses) and under pallas_triton;
+    nothing listed, XLA; pallas_mosaic raises where Mosaic cannot run."""
     from effattn_jax.ops import moba_decode
 
     def op(impl):
@@ -150,9 +150,13 @@ def test_dispatch_exports_mosaic_on_hopper_and_triton_where_it_refuses(mosaic_by
         return step
 
     with tracing_for("cuda"):
+        verified(("moba_decode", "mosaic"), ("moba_decode", "triton"))
         assert _export(op("pallas_gpu"), 128, 4096) == {"mosaic"}
         assert _export(op("auto"), 128, 4096) == {"mosaic"}
         assert _export(op("pallas_gpu"), 128, 4096, jnp.float32) == {"triton"}
         assert _export(op("pallas_triton"), 128, 4096) == {"triton"}
-        with pytest.raises(ValueError, match="pallas_mosaic cannot run this decode step: .*float32"):
+        verified()
+        q, cache = jnp.zeros((2, 1, 8, 128), jnp.bfloat16), jnp.zeros((2, 2, 4096, 128), jnp.bfloat16)
+        assert moba_decode.decode_kernel(kv_view(q, cache, cache), 512, "auto") is None
+        with pytest.raises(ValueError, match="pallas_mosaic cannot run MoBA decode here: .*float32"):
             _export(op("pallas_mosaic"), 128, 4096, jnp.float32)

@@ -20,7 +20,6 @@ from effattn_jax.ops.routing import moba_routing
 from effattn_jax.sharding import make_mesh
 from effattn_jax.train.state import init_state, make_setup
 from effattn_jax.train.step import make_train_step
-from pallas_kernels import gpu_backend
 from pallas_kernels.common import ALIGN, gpu_lowering_target
 from pallas_kernels.moba import parts
 from pallas_kernels.moba.attention import forward, moba_pallas
@@ -339,9 +338,10 @@ def test_gpu_kernels_lower_for_cuda(kernel):
         assert len(re.findall(r"stablehlo.custom_call @mosaic_gpu", text)) == 6, text.count("mosaic_gpu")
 
 
-def test_gpu_kernel_choice(monkeypatch):
-    """pallas_gpu takes the Mosaic GPU kernels where they run (compiled for a Hopper, bf16, tiles of 64
-    rows), else Triton: float32, or interpreted (tests); pallas_mosaic refuses in one line what its
+def test_gpu_kernel_choice(verified):
+    """pallas_gpu takes the Triton kernels (verified on a GPU) and the Mosaic GPU ones once the table
+    lists them, where they run (compiled for a Hopper, bf16, tiles of 64 rows), else Triton (float32);
+    with neither listed, Triton (the measured kernels); pallas_mosaic refuses in one line what its
     kernels cannot run."""
     bf16, f32 = (jnp.zeros((1, 128, 2, 128), t) for t in (jnp.bfloat16, jnp.float32))
     fit = lambda x, backend, interpret=False: (
@@ -349,12 +349,16 @@ def test_gpu_kernel_choice(monkeypatch):
             BlockSizes(), x, x, block_size=512, scale=1.0, backend=backend, interpret=interpret
         ).gpu_kernels
     )
-    assert fit(bf16, "gpu") == "triton"  # until the Mosaic GPU kernels have run on a GPU
-    monkeypatch.setattr(gpu_backend, "MOSAIC_BY_DEFAULT", True)
+    assert fit(bf16, "gpu") == "triton" and fit(bf16, "mosaic") == "mosaic"
+    verified(("moba_attention", "mosaic"))
     assert fit(bf16, "gpu") == "mosaic" and fit(bf16, "triton") == "triton"
-    assert fit(f32, "gpu") == "triton" and fit(bf16, "gpu", interpret=True) == "triton"
+    assert fit(f32, "gpu") == "triton" and fit(bf16, "gpu", interpret=True) == "mosaic"
+    verified()
+    assert fit(bf16, "gpu") == "triton"
     assert fit(bf16, "tpu") == ""
-    with pytest.raises(ValueError, match="pallas_mosaic cannot run here: .*float32.*use pallas_triton"):
+    with pytest.raises(
+        ValueError, match="pallas_mosaic cannot run MoBA attention here: .*float32.*use pallas_triton"
+    ):
         fit(f32, "mosaic")
     assert resolve_impl("pallas_mosaic", "cpu") == ("pallas", "mosaic", True)
     assert resolve_impl("pallas_triton", "gpu") == ("pallas", "triton", False)

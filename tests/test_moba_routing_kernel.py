@@ -31,14 +31,15 @@ CASES = {
 }
 
 
-KERNELS = ("gpu", "tpu")
+KERNELS = ("gpu_triton", "tpu")
+NAMES = {"gpu_triton": "moba_routing_gpu", "gpu_mosaic": "moba_routing_mgpu", "tpu": "moba_routing_tpu"}
 
 
-def both(q, k, kernel="gpu", interpret=True, uses=None, **kw):
+def both(q, k, kernel="gpu_triton", interpret=True, uses=None, **kw):
     """(XLA's past_start, the kernel's), each jitted; `interpret`: True, or "tpu" (TPU interpreter);
     `uses`: the kernel expected to run (default: the Triton or TPU one)."""
     route = lambda kernel: jax.jit(lambda q, k: moba_routing(q, k, kernel=kernel, interpret=interpret, **kw))
-    assert (uses or f"moba_routing_{kernel}") in str(jax.make_jaxpr(route(kernel))(q, k))
+    assert (uses or NAMES[kernel]) in str(jax.make_jaxpr(route(kernel))(q, k))
     return route(None)(q, k).past_start, route(kernel)(q, k).past_start
 
 
@@ -111,9 +112,9 @@ def test_kernel_picks_for_a_context_shard(kernel):
     np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("kernel", ["triton", "tpu"])
 def test_moba_attention_on_pallas_routes_with_the_kernel(kernel):
-    """moba_attention(impl="pallas_gpu" / "pallas_tpu"), interpreted, gates with that backend's kernel
+    """moba_attention(impl="pallas_triton" / "pallas_tpu"), interpreted, gates with that backend's kernel
     and still matches the reference (output and gradients). Catches: the kernel routing not reaching
     the Pallas path, or picks that change the attention."""
     q, k, v = rand_qkv(6, 1, 40, 2, 1, 8)
@@ -121,7 +122,7 @@ def test_moba_attention_on_pallas_routes_with_the_kernel(kernel):
     attend = lambda impl: (
         lambda q, k, v: moba_attention(q, k, v, block_size=8, top_k=3, segment_ids=seg, impl=impl)
     )
-    assert f"moba_routing_{kernel}" in str(jax.make_jaxpr(attend(f"pallas_{kernel}"))(q, k, v))
+    assert NAMES.get(kernel, "moba_routing_gpu") in str(jax.make_jaxpr(attend(f"pallas_{kernel}"))(q, k, v))
     assert "moba_routing" not in str(jax.make_jaxpr(attend("xla"))(q, k, v))
     w = jnp.asarray(np.random.default_rng(1).standard_normal(q.shape), jnp.float32)
     loss = lambda impl: jax.jit(
@@ -212,19 +213,24 @@ def test_mosaic_gpu_kernel_ties_and_context_shard():
     np.testing.assert_array_equal(got, want)
 
 
-def test_moba_attention_bf16_on_pallas_gpu_routes_with_mosaic_gpu(mosaic_by_default):
-    """moba_attention(impl="pallas_gpu") in bf16 with a head dim of 64, traced for a GPU (an H100/H200
-    when none is at hand), gates with the Mosaic GPU kernel; pallas_triton, and pallas_gpu interpreted
-    (tests), with the Triton one. Catches: the Hopper dispatch not reaching the kernel."""
+def test_moba_attention_routing_follows_the_verified_table(verified):
+    """moba_attention traced for a GPU (an H100/H200 when none is at hand), bf16, head dim 64: pallas_gpu
+    and auto gate in XLA while no routing kernel is verified, with the Mosaic GPU kernel once it is
+    (Triton's when only Triton's is); pallas_triton and pallas_mosaic gate with the kernel they name.
+    Catches: an unverified kernel on the default path, the table not reaching the routing."""
     q, k, v = rand_qkv(6, 1, 128, 2, 1, 64, dtype=jnp.bfloat16)
-    attend = lambda impl: jax.jit(lambda q, k, v: moba_attention(q, k, v, block_size=16, top_k=3, impl=impl))
+    attend = lambda impl: jax.jit(lambda q, k, v: moba_attention(q, k, v, block_size=64, top_k=3, impl=impl))
     jaxpr = lambda impl: str(jax.make_jaxpr(attend(impl))(q, k, v))
+    kernels = lambda impl: {n for n in ("moba_routing_gpu", "moba_routing_mgpu") if n in jaxpr(impl)}
     with tracing_for("gpu"):
-        assert "moba_routing_mgpu" in jaxpr("pallas_gpu")
-        assert "moba_routing_gpu" in jaxpr("pallas_triton") and "moba_routing_mgpu" not in jaxpr(
-            "pallas_triton"
-        )
-    assert "moba_routing_gpu" in jaxpr("pallas_gpu") and "moba_routing_mgpu" not in jaxpr("pallas_gpu")
+        verified()
+        assert kernels("pallas_gpu") == kernels("auto") == set()
+        assert kernels("pallas_triton") == {"moba_routing_gpu"}
+        assert kernels("pallas_mosaic") == {"moba_routing_mgpu"}
+        verified(("moba_routing", "triton"))
+        assert kernels("pallas_gpu") == {"moba_routing_gpu"}
+        verified(("moba_routing", "triton"), ("moba_routing", "mosaic"))
+        assert kernels("auto") == {"moba_routing_mgpu"}
 
 
 def test_mosaic_gpu_kernel_lowers_for_cuda():

@@ -27,18 +27,19 @@ from pallas_kernels import gpu_memory
 from pallas_kernels.moba.schedule import SCHEDULE_NAME as SCHEDULE_NAME
 from pallas_kernels.moba.schedule import BlockSizes as BlockSizes
 
-# the routing kernel each attention kernel backend gates with (ops/routing.py, routing_kernel)
-ROUTING_KERNELS = {"tpu": "tpu", "gpu": "gpu", "triton": "gpu_triton"}
 
+def routing_kernel_for(impl: str, kernel: str | None, q, k) -> str | None:
+    """The routing kernel (ops/routing.py, routing_kernel) a MoBA `impl` gates with, resolve_impl's
+    `kernel` being its attention kernel backend: TPU's on TPU; on a GPU what gpu_dispatch.choose
+    answers for the "moba_routing" family (None: XLA)."""
+    if kernel not in ("gpu", "mosaic", "triton"):
+        return kernel  # None (XLA, the reference) or "tpu"
+    from pallas_kernels import gpu_dispatch
+    from pallas_kernels.moba.routing_mgpu import supports
 
-def routing_kernel_for(kernel: str | None, q, k) -> str | None:
-    """The routing kernel of an attention kernel backend; the Mosaic GPU attention kernels gate
-    with the Mosaic GPU routing kernel where it takes the shapes, else with Triton's."""
-    if kernel != "mosaic":
-        return ROUTING_KERNELS.get(kernel)
-    from pallas_kernels.moba.routing_mgpu import fits
-
-    return "gpu_mosaic" if fits(q, k.dtype, k.shape[1]) else "gpu_triton"
+    checks = {"mosaic": lambda: supports(q, k.dtype, k.shape[1]), "triton": lambda: None}
+    choice = gpu_dispatch.choose("moba_routing", impl, checks)
+    return None if choice.kernel is None else f"gpu_{choice.kernel}"
 
 
 def gpu_tiles_fit(
@@ -110,8 +111,9 @@ def moba_attention(
 
     `scale` defaults to 1/sqrt(D). impl: "reference" (dense mask), "xla"
     (sub-quadratic), "pallas" / "pallas_tpu" / "pallas_gpu" (kernels; see
-    `resolve_impl`; on a GPU, Mosaic GPU kernels on Hopper where they support the shape, Triton
-    kernels elsewhere), "pallas_mosaic" / "pallas_triton" (those GPU kernels), "auto".
+    `resolve_impl`; on a GPU the kernels pallas_kernels/gpu_dispatch.py chooses: those a GPU has
+    verified, else the Triton attention kernels and XLA's routing), "pallas_mosaic" /
+    "pallas_triton" (those GPU kernels, or one line on why not), "auto".
     `block_sizes`: tile sizes of the kernels (all fields) and of the XLA path (past_q_tile);
     `auto` fields are chosen per backend, head dim, dtype and device (BlockSizes.resolve).
     `routing_chunk`: queries per chunk of gate scores. `rules`: logical sharding rules; under a
@@ -131,7 +133,7 @@ def moba_attention(
             q_index = query_positions(firsts, q.shape[1] // len(firsts), q.shape[0])
             r = moba_routing(
                 q, k, block_size=block_size, top_k=top_k, segment_ids=k_seg,
-                query_chunk=routing_chunk, q_index=q_index, kernel=routing_kernel_for(kernel, q, k),
+                query_chunk=routing_chunk, q_index=q_index, kernel=routing_kernel_for(impl, kernel, q, k),
                 interpret=interpret,
             )  # fmt: skip
             if path == "pallas":
@@ -151,7 +153,7 @@ def moba_attention(
     path, kernel, interpret = resolve_impl(impl)
     route = lambda q, k, seg: moba_routing(
         q, k, block_size=block_size, top_k=top_k, segment_ids=seg, query_chunk=routing_chunk,
-        kernel=routing_kernel_for(kernel, q, k), interpret=interpret,
+        kernel=routing_kernel_for(impl, kernel, q, k), interpret=interpret,
     )  # fmt: skip
     if path == "pallas":
         from pallas_kernels.moba.attention import moba_pallas  # Pallas is imported only when used

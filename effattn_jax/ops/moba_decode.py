@@ -72,8 +72,8 @@ def moba_decode_attention(
     causally. Only those blocks are fetched from the cache. `impl` (as `moba.impl`): where it
     resolves to a kernel, a single-token step over a plain K/V cache runs
     `pallas_kernels/moba/{tpu,gpu,mgpu}_decode.py` where the kernel takes the shape (TPU: cache
-    length and block multiples of 32; GPU: Mosaic GPU on Hopper where `gpu_decode_backend` says so,
-    else Triton with a power-of-two block); everything else runs XLA."""
+    length and block multiples of 32; GPU: what `gpu_decode_choice` answers); everything else runs
+    XLA."""
     starts, lo, hi, size = select_blocks(view, means, positions, block_size=block_size, top_k=top_k)
     kernel = decode_kernel(view, size, impl)
     if kernel is not None:
@@ -82,56 +82,54 @@ def moba_decode_attention(
     return attend_blocks(view, starts, lo, hi, size, scale)
 
 
-# Where XLA's step beats the GPU decode kernel, from the GPU suite's moba_decode section
-# (BENCHMARKS.md): each entry (most rows, most cache slots) sends an "auto" single-token step of at
-# most that batch and cache length to XLA. Empty until the split kernel is measured: "auto" runs
-# the kernel at every GPU shape it takes (an explicit "pallas_gpu" always does).
-GPU_XLA_FASTER: tuple[tuple[int, int], ...] = ()
-
-
 def decode_kernel(view: CacheView, size: int, impl: str):
     """The Pallas decode step `impl` resolves to for this view and block, or None (XLA)."""
     _, kernel, interpret = resolve_impl(impl)
     if kernel is None or view.caches is None or view.q.shape[1] != 1:
-        return None
-    batch = view.q.shape[0]
-    if impl == "auto" and kernel == "gpu" and any(batch <= b and view.length <= n for b, n in GPU_XLA_FASTER):
         return None
     if kernel == "tpu":
         from pallas_kernels.moba import tpu_decode
 
         ok = tpu_decode.fits(view.length, size)
         return functools.partial(tpu_decode.moba_decode_tpu, interpret=interpret) if ok else None
-    if gpu_decode_backend(kernel, interpret, view, size) == "mosaic":
+    gpu = gpu_decode_choice(impl, view, size).kernel
+    if gpu == "mosaic":
         from pallas_kernels.moba.mgpu_decode import moba_decode_mgpu
 
         return functools.partial(moba_decode_mgpu, interpret=interpret)
-    from pallas_kernels.moba.gpu_decode import moba_decode_gpu
+    if gpu == "triton":
+        from pallas_kernels.moba.gpu_decode import moba_decode_gpu
 
-    return functools.partial(moba_decode_gpu, interpret=interpret) if size & (size - 1) == 0 else None
+        return functools.partial(moba_decode_gpu, interpret=interpret)
+    return None
 
 
-def gpu_decode_backend(kernel: str, interpret, view: CacheView, size: int) -> str:
-    """ "mosaic" or "triton": which GPU decode kernel runs (kernel: resolve_impl's "gpu", "mosaic" or
-    "triton"): the Mosaic kernel where `gpu_backend.asks_mosaic` and the kernel supports the step,
-    else Triton; "mosaic" gets a ValueError where it cannot run."""
-    from pallas_kernels import gpu_backend
-
-    if not gpu_backend.asks_mosaic(kernel, interpret):
-        return "triton"
+def gpu_decode_choice(impl: str, view: CacheView, size: int):
+    """gpu_dispatch.choose for a single-token step over a K/V cache in blocks of `size` slots: the
+    Mosaic GPU kernel (mgpu_decode.supports, q in the caches' dtype), the Triton one (a power-of-two
+    block), or XLA."""
+    from pallas_kernels import gpu_dispatch
     from pallas_kernels.moba import mgpu_decode
 
     k, v = view.caches
-    reason = mgpu_decode.supports(
-        head_dim=k.shape[-1], v_head_dim=v.shape[-1], size=size, length=k.shape[2], dtype=k.dtype
-    )
-    if reason is None and not view.q.dtype == k.dtype == v.dtype:
-        reason = f"q and the K/V caches must share a dtype, got {view.q.dtype}, {k.dtype}, {v.dtype}"
-    if reason is None:
-        return "mosaic"
-    if kernel == "mosaic":
-        raise ValueError(f"moba.impl=pallas_mosaic cannot run this decode step: {reason}; use pallas_triton")
-    return "triton"
+
+    def mosaic():
+        reason = mgpu_decode.supports(
+            head_dim=k.shape[-1], v_head_dim=v.shape[-1], size=size, length=k.shape[2], dtype=k.dtype
+        )
+        if reason is None and not view.q.dtype == k.dtype == v.dtype:
+            reason = f"q and the K/V caches must share a dtype, got {view.q.dtype}, {k.dtype}, {v.dtype}"
+        return reason
+
+    def triton():
+        return (
+            None
+            if size & (size - 1) == 0
+            else f"the Triton decode kernel needs a power-of-two block, got {size}"
+        )
+
+    shape = dict(batch=view.q.shape[0], length=view.length)
+    return gpu_dispatch.choose("moba_decode", impl, {"mosaic": mosaic, "triton": triton}, shape=shape)
 
 
 def select_blocks(view: CacheView, means, positions, *, block_size: int, top_k: int):

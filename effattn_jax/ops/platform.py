@@ -10,7 +10,7 @@ import contextvars
 
 import jax
 
-from pallas_kernels.gpu_backend import GPU_BACKENDS
+from pallas_kernels.gpu_dispatch import GPU_BACKENDS
 
 _TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("effattn_target_platform", default=None)
 
@@ -36,7 +36,7 @@ def resolve_impl(impl: str, backend: str | None = None) -> tuple[str, str | None
     for this backend, interpreted on CPU (TPU kernel). pallas_tpu/pallas_gpu:
     that kernel, interpreted unless running on its own hardware. pallas_mosaic/pallas_triton:
     the GPU kernels written for that Pallas GPU backend (pallas_gpu picks one per device:
-    pallas_kernels/gpu_backend.py); the kernel backend is then "mosaic" or "triton"."""
+    pallas_kernels/gpu_dispatch.py); the kernel backend is then "mosaic" or "triton"."""
     backend = backend or target_backend()
     on = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}.get(backend)
     if impl == "auto":

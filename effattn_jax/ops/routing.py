@@ -46,8 +46,8 @@ def moba_routing(
     Cost: T * blocks * D per head (the gate): block means computed once (S * D), then each
     query chunk against all of them as one matmul, masked and reduced to its top k' within the
     chunk; no [T, S] array, no per-query copy of the means, no [T, blocks] scores at once.
-    `kernel`: None selects in XLA (here); "gpu" or "tpu" in that backend's Pallas kernel
-    (`routing_kernel`, which also names "gpu_triton" and "gpu_mosaic"), which keeps each query
+    `kernel`: None selects in XLA (here); "tpu", "gpu_triton" or "gpu_mosaic" in that Pallas kernel
+    (`routing_kernel`), which keeps each query
     tile's scores on chip, from the same candidates, scores and tie rule; `interpret` runs it
     interpreted (CPU).
     """
@@ -104,17 +104,15 @@ def moba_routing(
     return Routing(own_start, jnp.moveaxis(chosen, 0, 1).reshape(b, -1, hq, kk)[:, :t])
 
 
-GPU_ROUTING_KERNELS = ("gpu", "gpu_triton", "gpu_mosaic")  # the device's choice, or one named
+GPU_ROUTING_KERNELS = ("gpu_triton", "gpu_mosaic")  # the GPU kernels by name (ops/moba.py chooses one)
 
 
 def routing_kernel(kernel: str | None):
-    """The Pallas selection for a MoBA kernel backend, or None: the gate selects in XLA. "gpu": Mosaic GPU
-    (pallas_kernels/moba/routing_mgpu.py) where gpu_backend.default_backend() says "mosaic" (Hopper, once
-    enabled) and the shapes fit it, else Triton (routing_gpu.py); interpreted (tests on a CPU) Triton, as
-    the attention kernels (parts.gpu_kernels_for); "gpu_triton" / "gpu_mosaic": that one; "tpu":
-    routing_tpu.py."""
+    """The Pallas selection for a routing kernel name, or None: the gate selects in XLA. "gpu_triton":
+    pallas_kernels/moba/routing_gpu.py; "gpu_mosaic": routing_mgpu.py (Mosaic GPU, bf16/f16); "tpu":
+    routing_tpu.py. Which one a MoBA impl runs: ops/moba.py, routing_kernel_for."""
     if kernel in GPU_ROUTING_KERNELS:
-        return functools.partial(_gpu_selection, backend=kernel.removeprefix("gpu").lstrip("_") or None)
+        return functools.partial(_gpu_selection, backend=kernel.removeprefix("gpu_"))
     if kernel == "tpu":
         from pallas_kernels.moba.routing_tpu import routing_tpu  # Pallas is imported only when used
 
@@ -126,20 +124,12 @@ def routing_kernel(kernel: str | None):
     return None
 
 
-def _gpu_selection(q, starts, means, lo, hi, picks, *, seq, key_dtype, interpret=False, backend=None):
-    from pallas_kernels.gpu_backend import asks_mosaic
+def _gpu_selection(q, starts, means, lo, hi, picks, *, seq, key_dtype, interpret=False, backend):
     from pallas_kernels.moba import routing_gpu, routing_mgpu
 
-    fits = routing_mgpu.fits(q, key_dtype, seq)
-    if backend == "mosaic" and not fits:
-        raise ValueError(
-            f"the Mosaic GPU routing kernel takes bf16/f16 q and K, head dims of 64k and lengths of 64k; "
-            f"got q {q.dtype}{q.shape}, K {key_dtype}"
-        )
-    if asks_mosaic(backend or "gpu", interpret) and fits:
-        select = routing_mgpu.routing_mgpu
-    else:
-        select = routing_gpu.routing_gpu
+    if backend == "mosaic" and (reason := routing_mgpu.supports(q, key_dtype, seq)):
+        raise ValueError(reason)
+    select = routing_mgpu.routing_mgpu if backend == "mosaic" else routing_gpu.routing_gpu
     return select(q, starts, means, lo, hi, picks, seq=seq, key_dtype=key_dtype, interpret=interpret)
 
 

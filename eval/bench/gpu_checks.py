@@ -78,7 +78,7 @@ def mla_decode_case(*, heads, context, batch, latent, rope, dtype, impl) -> dict
         lambda impl, *x: absorbed_attention(*x, positions, (latent + rope) ** -0.5, impl), static_argnums=0
     )
     got, want = (step(i, q_lat, q_rope, lat, kr) for i in (impl, "xla"))
-    return {"check": "mla_decode", "heads": heads, "context": context, "batch": batch,
+    return {"check": "mla_decode", "impl": impl, "heads": heads, "context": context, "batch": batch,
             "dtype": jnp.dtype(dtype).name, "max_rel_diff": relative_difference(got, want)}  # fmt: skip
 
 
@@ -103,5 +103,5 @@ def moba_decode_case(*, heads, context, block, head_dim, dtype, impl, group=4, t
         static_argnums=0,
     )
     diff = relative_difference(step(impl), step("xla"))
-    return {"check": "moba_decode", "heads": heads, "kv_heads": kv_heads, "context": context, "block": block,
-            "dtype": jnp.dtype(dtype).name, "max_rel_diff": diff}  # fmt: skip
+    return {"check": "moba_decode", "impl": impl, "heads": heads, "kv_heads": kv_heads, "context": context,
+            "block": block, "dtype": jnp.dtype(dtype).name, "max_rel_diff": diff}  # fmt: skip

@@ -3,8 +3,8 @@ against the XLA gate, its floor and the MoBA forward it is part of.
 
 At each length (bf16, batch 1, 16 heads of 128, block 512, top_k 3, block-local inputs as in the
 attention section), alternated (eval/timing.py): `moba_routing` with the kernel the Pallas forward
-runs on this GPU (block means, tables and the kernel: what the forward pays), with the Triton kernel
-and (where gpu_backend says "mosaic") the Mosaic GPU one by name, `moba_routing` in XLA, and the
+runs on this GPU once verified (block means, tables and the kernel: what the forward pays; on Hopper
+the Mosaic GPU one, with the Triton one by name beside it), `moba_routing` in XLA, and the
 MoBA forward with the Pallas kernels (its routing included). The floor is not timed: it is the
 bytes the gate must move (q and the block means read once, the picks written once) at the rate of
 a device-to-device copy (eval/decoding.py `copy_bandwidth`, bytes read + written per second). A
@@ -25,7 +25,7 @@ from effattn_jax.ops.routing import moba_routing
 from eval.bench.attention import structured_inputs
 from eval.decoding import copy_bandwidth
 from eval.timing import alternated, seconds
-from pallas_kernels.gpu_backend import default_backend, device_backend
+from pallas_kernels.gpu_dispatch import capability
 
 FULL = dict(seqs=[32768, 131072], heads=16, head_dim=128, block=512, top_k=3, impl="pallas_gpu",
             repeats=5, copy_gib=1.0)  # fmt: skip
@@ -52,14 +52,13 @@ def routing_rows(p: dict, time_left, add, error) -> None:
     forward = jax.jit(
         lambda q, k, v: moba_attention(q, k, v, block_size=p["block"], top_k=p["top_k"], impl=p["impl"])
     )
-    fns = {"routing_kernel": gate(kernel), "routing_xla": gate(None)}
-    if kernel == "gpu":  # each GPU kernel by name too (the first is one of them)
+    # the kernel the dispatch takes once verified (gpu_dispatch.py): Mosaic GPU on Hopper, else Triton;
+    # each GPU kernel is timed by name whether the table lists it yet or not
+    runs = "tpu" if kernel == "tpu" else ("mosaic" if capability().startswith("9.") else "triton")
+    fns = {"routing_kernel": gate("tpu" if runs == "tpu" else f"gpu_{runs}"), "routing_xla": gate(None)}
+    if runs == "mosaic":
         fns["routing_triton"] = gate("gpu_triton")
-        if device_backend() == "mosaic":
-            fns["routing_mosaic"] = gate("gpu_mosaic")
     copy = copy_bandwidth(p["copy_gib"])
-    gpu = "triton" if interpret else default_backend()  # routing_kernel's choice (interpreted: Triton)
-    runs = "tpu" if kernel == "tpu" else gpu
     for seq in p["seqs"]:
         row = {
             "seq": seq,

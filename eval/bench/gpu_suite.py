@@ -111,7 +111,7 @@ SHARES = {
     "long_attention": 0.08,
     "transformers": 0.3,
 }
-# the GPU kernels the attention sections run: pallas_gpu is what users get (gpu_backend.py), timed
+# the GPU kernels the attention sections run: pallas_gpu is what users get (gpu_dispatch.py), timed
 # beside the Mosaic GPU kernels (Hopper) and the Triton ones (every GPU) where it is not one of them
 MOBA_GPU_IMPLS = {"moba_pallas": GPU, "moba_mosaic": "pallas_mosaic", "moba_triton": "pallas_triton"}
 MOBA_CHECKS = [dict(heads=16, kv_heads=4, top_k=3, docs=3), dict(heads=16, kv_heads=16, top_k=1, docs=1),
@@ -121,8 +121,9 @@ FULL = {
     "correctness": dict(
         moba=dict(seq=8192, head_dim=128, block=512, dtype=jnp.bfloat16, tiles=BlockSizes()),
         moba_impls=["pallas_mosaic", "pallas_triton"],
-        mla=dict(context=4096, batch=2, latent=512, rope=64, dtype=jnp.bfloat16, impl=GPU),
-        moba_decode=dict(context=8192, block=512, head_dim=128, dtype=jnp.bfloat16, impl=GPU),
+        decode_impls=["pallas_mosaic", "pallas_triton"],
+        mla=dict(context=4096, batch=2, latent=512, rope=64, dtype=jnp.bfloat16),
+        moba_decode=dict(context=8192, block=512, head_dim=128, dtype=jnp.bfloat16),
         heads=[16, 128],
         tol=3e-2,
     ),
@@ -155,8 +156,9 @@ DRY = {
     "correctness": dict(
         moba=dict(seq=256, head_dim=16, block=32, dtype=jnp.float32, tiles=BlockSizes(16, 16, 16)),
         moba_impls=[GPU],  # interpreted: the Triton kernels (Mosaic's interpreter is tested in tests/)
-        mla=dict(context=64, batch=2, latent=16, rope=8, dtype=jnp.float32, impl=GPU),
-        moba_decode=dict(context=128, block=32, head_dim=16, dtype=jnp.float32, impl=GPU),
+        decode_impls=["pallas_triton"],
+        mla=dict(context=64, batch=2, latent=16, rope=8, dtype=jnp.float32),
+        moba_decode=dict(context=128, block=32, head_dim=16, dtype=jnp.float32),
         heads=[4, 8],
         tol=1e-4,
     ),
@@ -362,9 +364,11 @@ def correctness(suite: Suite, rows: list, p: dict) -> None:
     every = m["seq"] // m["block"]
     cases = [("moba", gpu_checks.moba_case, m | c | {"top_k": c["top_k"] or every, "impl": impl})
              for impl in p["moba_impls"] for c in MOBA_CHECKS]  # fmt: skip
-    for heads in p["heads"]:
-        cases.append(("mla_decode", gpu_checks.mla_decode_case, dict(p["mla"], heads=heads)))
-        cases.append(("moba_decode", gpu_checks.moba_decode_case, dict(p["moba_decode"], heads=heads)))
+    for impl in p["decode_impls"]:  # each GPU kernel by name: pallas_gpu runs only verified ones
+        for heads in p["heads"]:
+            cases.append(("mla_decode", gpu_checks.mla_decode_case, dict(p["mla"], heads=heads, impl=impl)))
+            kw = dict(p["moba_decode"], heads=heads, impl=impl)
+            cases.append(("moba_decode", gpu_checks.moba_decode_case, kw))
     for name, check, kw in cases:
         if not suite.time_left():
             suite.add(rows, {"check": name, "skipped": "time budget"})

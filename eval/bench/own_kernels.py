@@ -4,7 +4,7 @@ the attention section's shape (16 heads of 128, bf16, MoBA block 512, block-loca
 how far apart their outputs and gradients are (o, lse, dq, dK, dV, each relative to its largest
 entry) and the ms of each one's forward and backward (dq + dK/dV) kernels, at 8K and 128K.
 
-A GPU whose backend is not Mosaic GPU (pallas_kernels/gpu_backend.py: before Hopper) or a
+A GPU before Hopper (Mosaic GPU's wgmma and TMA need sm_90a) or a
 configuration `mgpu_own.supports` refuses gets a row saying so. The dry plan runs both interpreted
 on a CPU at tiny shapes. Alone (one short device check, no suite around it):
 
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from eval.bench import common
 from eval.bench.gpu_checks import relative_difference
 from eval.timing import alternated, seconds
-from pallas_kernels import gpu_backend
+from pallas_kernels import gpu_dispatch
 from pallas_kernels.moba import gpu_own, mgpu_own
 from pallas_kernels.moba.schedule import BlockSizes
 
@@ -56,8 +56,8 @@ def own_case(*, seq, heads, kv_heads, head_dim, block, tiles, repeats, interpret
         "tiles": tiles.tiles_text(),
         "stages": tiles.num_stages,
     }
-    if not interpret and (backend := gpu_backend.device_backend()) != "mosaic":
-        return row | {"skipped": f"this GPU's Pallas backend is {backend}, not Mosaic GPU"}
+    if not interpret and not (cap := gpu_dispatch.capability()).startswith("9."):
+        return row | {"skipped": f"Mosaic GPU kernels need a Hopper GPU, not compute capability {cap}"}
     reason = mgpu_own.supports(
         head_dim=head_dim, v_head_dim=head_dim, dtype=jnp.bfloat16, block_sizes=tiles, block_size=block
     )

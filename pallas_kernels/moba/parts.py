@@ -22,9 +22,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import gpu_backend, gpu_memory
+from pallas_kernels import gpu_dispatch, gpu_memory
 from pallas_kernels.common import ALIGN
-from pallas_kernels.gpu_backend import GPU_BACKENDS
+from pallas_kernels.gpu_dispatch import GPU_BACKENDS
 from pallas_kernels.moba import tpu_smem
 from pallas_kernels.moba.schedule import BACKENDS, BlockSizes, past_tiles
 
@@ -60,7 +60,7 @@ class KernelCall:
         )
         kernels = ""
         if hardware == "gpu":
-            kernels = gpu_kernels_for(backend, sizes, q, v, block_size=block_size, interpret=interpret)
+            kernels = gpu_kernels_for(backend, sizes, q, v, block_size=block_size)
         if kernels != "mosaic":  # the Triton and TPU compilers' limits (Mosaic's: its `supports`)
             sizes.check_backend(
                 hardware, block_size, compiler=not interpret, smem_limit=limit, device=device, **shape
@@ -87,22 +87,21 @@ class KernelCall:
 MOSAIC_PARTS = ("_own", "_blocks")  # the Mosaic GPU kernel modules a MoBA call runs
 
 
-def gpu_kernels_for(backend: str, sizes: BlockSizes, q, v, *, block_size: int, interpret) -> str:
-    """ "mosaic" or "triton": which GPU kernels run. `backend` "gpu" takes the default Pallas GPU backend
-    (pallas_kernels/gpu_backend.py: Mosaic GPU on Hopper once enabled there) when every Mosaic kernel
-    supports the shape, dtype and tiles, else Triton; interpreted (tests on a CPU) it takes Triton, whose
-    interpreter is the fast one: "mosaic" asks for the Mosaic kernels explicitly."""
-    if not gpu_backend.asks_mosaic(backend, interpret):
-        return "triton"
+def gpu_kernels_for(backend: str, sizes: BlockSizes, q, v, *, block_size: int) -> str:
+    """ "mosaic" or "triton": which GPU kernels run, as gpu_dispatch.choose answers for `backend` "gpu"
+    (pallas_gpu, auto: the verified kernels) or "mosaic" / "triton" (those, or a ValueError saying
+    why they cannot run)."""
     shape = dict(head_dim=q.shape[-1], v_head_dim=v.shape[-1], dtype=q.dtype)
-    for part in MOSAIC_PARTS:
-        module = importlib.import_module(f"pallas_kernels.moba.mgpu{part}")
-        reason = module.supports(block_sizes=sizes, block_size=block_size, **shape)
-        if reason is not None:
-            if backend == "mosaic":
-                raise ValueError(f"moba.impl=pallas_mosaic cannot run here: {reason}; use pallas_triton")
-            return "triton"
-    return "mosaic"
+
+    def mosaic():
+        for part in MOSAIC_PARTS:
+            module = importlib.import_module(f"pallas_kernels.moba.mgpu{part}")
+            if reason := module.supports(block_sizes=sizes, block_size=block_size, **shape):
+                return reason
+        return None
+
+    supports = {"mosaic": mosaic, "triton": lambda: None}  # Triton's limits: check_backend, below
+    return gpu_dispatch.choose("moba_attention", f"pallas_{backend}", supports).kernel
 
 
 def _heads(x, seq_pad):

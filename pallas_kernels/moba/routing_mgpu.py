@@ -24,15 +24,20 @@ from pallas_kernels.moba.routing_common import insert, routing_tables, scores_in
 TILE = 64  # queries per warpgroup and block means per step (a wgmma's rows; 128-byte swizzle of bf16)
 
 
-def fits(q, key_dtype, seq: int) -> bool:
-    """Whether the Mosaic GPU kernel takes these queries [B, T, Hq, D], keys' dtype and key length
-    (else the Triton kernel does)."""
+def supports(q, key_dtype, seq: int) -> str | None:
+    """None when this kernel takes these queries [B, T, Hq, D], keys' dtype and key length, else one
+    line saying why not."""
     t, d = q.shape[1], q.shape[3]
-    return not scores_in_full_f32(q.dtype, key_dtype) and d % 64 == 0 and t % TILE == 0 and seq < 2**24
+    if scores_in_full_f32(q.dtype, key_dtype) or d % 64 or t % TILE or seq >= 2**24:
+        return (
+            f"the Mosaic GPU routing kernel takes bf16/f16 q and K of one dtype, head dims and query counts "
+            f"of multiples of 64 and keys under 2**24; got q {q.dtype}{tuple(q.shape)}, K {key_dtype}"
+        )
+    return None
 
 
 def routing_mgpu(q, starts, means, lo, hi, picks: int, *, seq: int, key_dtype, interpret=False):
-    """routing_gpu's contract (past_start [B, T, Hq, picks]) for shapes `fits` accepts.
+    """routing_gpu's contract (past_start [B, T, Hq, picks]) for shapes `supports` accepts.
     `interpret`: run in Mosaic GPU's interpreter (CPU)."""
     b, t, hq, d = q.shape
     n, hkv = means.shape[1], means.shape[2]
