@@ -13,7 +13,7 @@ from conftest import ROOT
 
 from effattn_jax.config import ConfigError, load_config
 from effattn_jax.ops.mla_decode import absorbed_attention
-from effattn_jax.train.gpu_tiles import check_moba_gpu_tiles
+from effattn_jax.train.gpu_kernels import check_gpu_kernels
 from pallas_kernels import gpu_memory
 from pallas_kernels.mla_decode import gpu as mla_gpu
 from pallas_kernels.moba.schedule import BlockSizes
@@ -128,26 +128,64 @@ def test_over_the_limit_is_refused_in_one_line_with_a_set_that_fits():
     with pytest.raises(
         ConfigError, match=r"moba.q_tile/kv_block/past_q_tile.*NVIDIA A10 \(compute capability 8.6"
     ):
-        check_moba_gpu_tiles(cfg, a10)
-    (line,) = check_moba_gpu_tiles(load_config(ROOT / "configs/gpu/moba_545m_8k.yaml"), a10)
-    assert "mha layers: moba.q_tile=" in line and "of 101,376 bytes on NVIDIA A10" in line
+        check_gpu_kernels(cfg, a10)
+    (line,) = check_gpu_kernels(load_config(ROOT / "configs/gpu/moba_545m_8k.yaml"), a10)
+    assert "mha layers: triton attention kernels, xla routing; moba.q_tile=" in line
+    assert "of 101,376 bytes on NVIDIA A10" in line
 
 
 @pytest.mark.slow
-def test_dry_run_refuses_tiles_over_the_limit(tmp_path):
-    """train.py's dry run checks the tiles against an H100/H200 on a host without a GPU: exit 2, one
-    line naming the keys, nothing written."""
+@pytest.mark.parametrize(
+    "overrides, starts",
+    [
+        (["moba.q_tile=128", "moba.kv_block=128", "moba.past_q_tile=256"],
+         "config error: moba.q_tile/kv_block/past_q_tile='128/128/256'"),
+        (["moba.impl=pallas_mosaic", "model.dtype=float32"], "config error: moba.impl='pallas_mosaic'"),
+    ],
+)  # fmt: skip
+def test_dry_run_refuses_what_the_gpu_kernels_cannot_take(tmp_path, overrides, starts):
+    """train.py's dry run checks the kernels and tiles against an H100/H200 on a host without a GPU:
+    exit 2, one line naming the keys, nothing written."""
     run_dir = tmp_path / "run"
     out = subprocess.run(
         [sys.executable, "train.py", "--config", "configs/gpu/moba_545m_8k.yaml", "train.dry_run=true",
-         f"train.run_dir={run_dir}", "moba.q_tile=128", "moba.kv_block=128", "moba.past_q_tile=256"],
+         f"train.run_dir={run_dir}", *overrides],
         cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"},
     )  # fmt: skip
     assert out.returncode == 2, out.stderr[-2000:]
     (line,) = out.stderr.strip().splitlines()
-    assert line.startswith("config error: moba.q_tile/kv_block/past_q_tile='128/128/256'")
-    assert "a set that fits: moba.q_tile=64 moba.kv_block=64 moba.past_q_tile=64" in line
+    assert line.startswith(starts)
+    if "moba.q_tile" in starts:
+        assert "a set that fits: moba.q_tile=64 moba.kv_block=64 moba.past_q_tile=64" in line
+    else:
+        assert "bfloat16 or float16 inputs, got float32; use pallas_triton" in line
     assert not run_dir.exists()
+
+
+def test_named_kernels_are_checked_against_the_config():
+    """A named GPU kernel that cannot take the config is refused in one line naming moba.impl (dtype,
+    head dim) or the tile keys (tiles the kernels reject: compiled, and interpreted where results
+    would be wrong); what can run is said in a line per layer kind."""
+    cfg = lambda *o: load_config(
+        ROOT / "configs/cpu/default.yaml", ["attention.core=moba", "moba.block_size=64", *o]
+    )
+    for overrides, key, why in [
+        (["moba.impl=pallas_mosaic"], "moba.impl", "got float32; use pallas_triton"),
+        (["moba.impl=pallas_mosaic", "model.dtype=bfloat16"], "moba.impl", "head dim a multiple of 64"),
+        (["moba.impl=pallas_gpu", "moba.kv_block=24"], "moba.q_tile", "multiple of moba.kv_block 24"),
+        (
+            ["moba.impl=pallas_triton", "moba.block_size=48", "moba.kv_block=24"],
+            "moba.q_tile",
+            "power of two",
+        ),
+    ]:
+        with pytest.raises(ConfigError, match=f"{key}.*{why}"):
+            check_gpu_kernels(cfg(*overrides))
+    interpreted = cfg("moba.impl=pallas_triton", "moba.block_size=48", "moba.kv_block=24")
+    (line,) = check_gpu_kernels(interpreted, interpret=True)
+    assert line.startswith("mha layers: triton attention kernels, gpu_triton routing".replace("gpu_", ""))
+    (line,) = check_gpu_kernels(cfg("moba.impl=pallas_mosaic", "model.dtype=bfloat16", "model.head_dim=64"))
+    assert line.startswith("mha layers: mosaic attention kernels, mosaic routing; moba.q_tile=64")
 
 
 def test_config_takes_auto_or_an_int_for_the_tiles():

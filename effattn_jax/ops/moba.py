@@ -42,6 +42,19 @@ def routing_kernel_for(impl: str, kernel: str | None, q, k) -> str | None:
     return None if choice.kernel is None else f"gpu_{choice.kernel}"
 
 
+def gpu_kernels(impl: str, block_sizes: BlockSizes, q, v, *, block_size: int) -> tuple[str, str | None]:
+    """(attention kernels, routing kernel or None: XLA) that `impl` runs on a GPU for q [B, S, Hq, D]
+    and v [B, S, Hkv, Dv] (arrays or ShapeDtypeStructs): ValueError, one line, where a named kernel
+    cannot take them (pallas_kernels/gpu_dispatch.py)."""
+    from pallas_kernels.moba.parts import gpu_kernels_for
+
+    kernel = resolve_impl(impl, "gpu")[1]
+    shape = dict(head_dim=q.shape[-1], v_head_dim=v.shape[-1], itemsize=q.dtype.itemsize)
+    sizes = block_sizes.resolve("gpu", block_size=block_size, **shape)
+    attention = gpu_kernels_for(kernel, sizes, q, v, block_size=block_size)
+    return attention, routing_kernel_for(impl, kernel, q, q)
+
+
 def gpu_tiles_fit(
     block_sizes: BlockSizes, *, block_size: int, head_dim: int, v_head_dim: int, itemsize: int, device=None
 ) -> str:

@@ -31,7 +31,7 @@ from effattn_jax.model import Transformer, param_counts
 from effattn_jax.ops.platform import tracing_for
 from effattn_jax.ops.tpu_tables import SMEM_BUDGET_BYTES
 from effattn_jax.sharding import config_mesh
-from effattn_jax.train.gpu_tiles import check_moba_gpu_tiles
+from effattn_jax.train.gpu_kernels import check_gpu_kernels, runs_gpu_kernels
 from effattn_jax.train.tpu_memory import (
     KNOBS,
     KernelMemory,
@@ -164,11 +164,11 @@ def dry_run(cfg: Config, *, compile: bool = True) -> dict:
                         f"SMEM tables {c['table_bytes'] / 2**10:,.1f} KiB a call ({budget})"
                     )
         print("no mesh.topology: the ahead-of-time compile was skipped (e.g. mesh.topology=v5p:4x4x4)")
-        # the MoBA GPU kernels' tiles against this GPU's shared memory (an H100/H200's on a host
-        # without one): ConfigError, one line, when they cannot fit
-        if moba_block_size(cfg) is not None:
-            for line in check_moba_gpu_tiles(cfg):
-                print(f"MoBA GPU tiles, {line}")
+        # the MoBA GPU kernels moba.impl runs and their tiles against this GPU's shared memory (an
+        # H100/H200's on a host without one): ConfigError, one line, when they cannot run or fit
+        if moba_block_size(cfg) is not None and runs_gpu_kernels(cfg.moba.impl, "gpu"):
+            for line in check_gpu_kernels(cfg):
+                print(f"MoBA GPU kernels, {line}")
     elif compile:
         fit = compile_for_topology(cfg)
         used, cap = fit["bytes_per_chip"], fit["hbm_bytes"]

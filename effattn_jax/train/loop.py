@@ -24,11 +24,10 @@ from effattn_jax.data.pipeline import build_corpus, train_iterator, unigram_loss
 from effattn_jax.flops import peak_flops, train_flops_per_token
 from effattn_jax.memory import DoesNotFit, check_fits
 from effattn_jax.model import param_counts
-from effattn_jax.ops.platform import resolve_impl
 from effattn_jax.sharding import config_mesh
 from effattn_jax.storage import AnyPath
 from effattn_jax.train import run_dir as run_guard
-from effattn_jax.train.gpu_tiles import check_moba_gpu_tiles
+from effattn_jax.train.gpu_kernels import check_gpu_kernels, runs_gpu_kernels
 from effattn_jax.train.metrics import ScalarWriter
 from effattn_jax.train.nonfinite import FiniteCheck, NonFiniteError
 from effattn_jax.train.preemption import Preempted, StopFlag, exit_preempted
@@ -100,8 +99,8 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict:
     except ValueError as e:
         sizes = "x".join(str(getattr(cfg.mesh, axis)) for axis in MESH_AXES)
         raise ConfigError(f"mesh ({'x'.join(MESH_AXES)})", sizes, str(e)) from None
-    if jax.default_backend() == "gpu" and resolve_impl(cfg.moba.impl)[1:] == ("gpu", False):
-        check_moba_gpu_tiles(cfg, jax.devices()[0])  # before anything compiles: one line if over
+    if runs_gpu_kernels(cfg.moba.impl):  # before anything compiles: one line if they cannot run
+        check_gpu_kernels(cfg, jax.devices()[0], interpret=jax.default_backend() != "gpu")
     setup = make_setup(cfg, mesh)
     init = _init_source(cfg, setup)
     train_step = compile_train_step(setup)  # DoesNotFit before the run directory is touched
