@@ -11,7 +11,18 @@ import pytest
 from conftest import ROOT
 
 PACKAGES = ("effattn_jax", "pallas_kernels", "eval")
-SKIP_DIRS = {".venv", ".git", "runs", "__pycache__", ".pytest_cache", ".hypothesis", "build", "dist"}
+SKIP_DIRS = {
+    ".venv",
+    ".venv-lower",
+    ".cache",
+    ".git",
+    "runs",
+    "__pycache__",
+    ".pytest_cache",
+    ".hypothesis",
+    "build",
+    "dist",
+}
 
 
 def module_files() -> dict[str, Path]:
