@@ -3,6 +3,7 @@ reference library's (fixtures made once by tests/fixtures/hf/make_fixtures.py), 
 directories are refused in one line, exit 2, nothing written."""
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -238,7 +239,10 @@ def _eos_token(token):
         (lambda m: (m / "config.json").unlink(), "no config.json"),
         (lambda m: (m / "model.safetensors").unlink(), "no \\*.safetensors weights"),
         (_edit_config(architectures=["GPT2LMHeadModel"]), "architecture 'GPT2LMHeadModel' is not one"),
-        (_edit_config(intermediate_size=96), "does not match its config"),
+        (
+            _edit_config(intermediate_size=96),
+            "mlp.down_proj.weight is stored as \\(32, 64\\), but config.json implies \\(32, 96\\)",
+        ),
         (_edit_config(vocab_size=256), "more than the model's 256 vocabulary rows"),
         (_edit_config(rope_parameters={"rope_type": "longrope", "factor": 8.0}), "rope scaling 'longrope'"),
         (_edit_config(first_k_dense_replace=1), "layers 1-1 are mixture-of-experts layers \\(1 of 2\\)"),
@@ -278,6 +282,43 @@ def test_bad_model_directories_are_refused_in_one_line(tmp_path, capsys, change,
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("error: ")
     assert pytest.importorskip("re").search(says, err), err
+    assert not out.exists()
+
+
+def _plant(kind: str):
+    """Rewrites layer 0's first non-square attention weight transposed, flattened or reshaped: the
+    same elements in another shape, which a layout's transpose and reshape would quietly accept."""
+    from safetensors.numpy import load_file, save_file
+
+    def change(model):
+        tensors = load_file(model / "model.safetensors")
+        name = next(
+            k for k, w in sorted(tensors.items())
+            if ".layers.0.self_attn." in k and w.ndim == 2 and w.shape[0] != w.shape[1]
+        )  # fmt: skip
+        w = tensors[name]
+        tensors[name] = {"transposed": w.T, "flattened": w.reshape(-1), "reshaped": w.reshape(2, -1)}[kind]
+        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, model / "model.safetensors")
+
+    return change
+
+
+@pytest.mark.parametrize("kind", ["transposed", "flattened", "reshaped"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "deepseek_v2", "deepseek_v3"])
+def test_attention_weights_in_another_shape_are_refused(tmp_path, capsys, family, kind):
+    """A weight with the right number of elements in the wrong shape is refused before any transpose
+    or reshape, in one line naming the tensor, both shapes and the file; nothing written. Catches:
+    the shape compared only after the layout (a wrong model converted with exit 0)."""
+    out = tmp_path / "out"
+    model = _broken(tmp_path, _plant(kind), family)
+    assert main(["from-hf", "--model", str(model), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert re.search(
+        r"model.safetensors: tensor model.layers.0.self_attn.\S+ is stored as \(.*\), "
+        r"but config.json implies \(",
+        err,
+    ), err
     assert not out.exists()
 
 

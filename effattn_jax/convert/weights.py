@@ -35,8 +35,8 @@ def _weight_files(model_dir: Path) -> list[Path]:
     return paths
 
 
-def _tensors(model_dir: Path) -> Iterator[tuple[str, np.ndarray]]:
-    """(name, float32 array) of every tensor, one at a time (bf16 and fp16 widened). The files are
+def _tensors(model_dir: Path) -> Iterator[tuple[Path, str, np.ndarray]]:
+    """(file, name, float32 array) of every tensor, one at a time (bf16 and fp16 widened). The files are
     read, not memory-mapped: a mapping's pages would stay resident until the whole file is done.
     The format: a little-endian u64 header length, the JSON header, the tensors' bytes."""
     import ml_dtypes
@@ -58,6 +58,7 @@ def _tensors(model_dir: Path) -> Iterator[tuple[str, np.ndarray]]:
                         "truncated or corrupt (download it again)"
                     )
                 yield (
+                    path,
                     name,
                     np.frombuffer(data, dtypes[entry["dtype"]]).reshape(entry["shape"]).astype(np.float32),
                 )
@@ -81,6 +82,68 @@ def _header(path: Path, f) -> tuple[dict, int]:
     if not all(entry_ok(e) for e in header.values()):
         raise ConvertError(f"{bad}: a header entry lacks dtype, shape or data_offsets")
     return header, size
+
+
+def file_shapes(hf: dict) -> dict[str, tuple[int, ...]]:
+    """Hugging Face tensor name -> its shape as stored in the file ([out, in] for a linear layer),
+    from config.json alone: what each tensor is checked against before any transpose or reshape
+    (after them, any tensor with the right number of elements would fit)."""
+    d, heads, vocab, mlp = (
+        hf["hidden_size"],
+        hf["num_attention_heads"],
+        hf["vocab_size"],
+        hf["intermediate_size"],
+    )
+    head_dim = hf.get("head_dim") or d // heads
+    kv = hf.get("num_key_value_heads") or heads
+    attn = {
+        "q_proj.weight": (heads * head_dim, d),
+        "k_proj.weight": (kv * head_dim, d),
+        "v_proj.weight": (kv * head_dim, d),
+        "o_proj.weight": (d, heads * head_dim),
+    }
+    if family(hf) == "qwen2":
+        attn |= {
+            "q_proj.bias": (heads * head_dim,),
+            "k_proj.bias": (kv * head_dim,),
+            "v_proj.bias": (kv * head_dim,),
+        }
+    if family(hf) == "qwen3":
+        attn |= {"q_norm.weight": (head_dim,), "k_norm.weight": (head_dim,)}
+    if family(hf) == "deepseek":
+        n, r, v, c = (hf[k] for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_lora_rank"))
+        q_in = hf.get("q_lora_rank") or d
+        attn = {
+            "kv_a_proj_with_mqa.weight": (c + r, d),
+            "kv_a_layernorm.weight": (c,),
+            "kv_b_proj.weight": (heads * (n + v), c),
+            "o_proj.weight": (d, heads * v),
+            "q_b_proj.weight" if hf.get("q_lora_rank") else "q_proj.weight": (heads * (n + r), q_in),
+        }
+        if hf.get("q_lora_rank"):
+            attn |= {"q_a_proj.weight": (q_in, d), "q_a_layernorm.weight": (q_in,)}
+    per_layer = {f"self_attn.{k}": shape for k, shape in attn.items()} | {
+        "mlp.gate_proj.weight": (mlp, d),
+        "mlp.up_proj.weight": (mlp, d),
+        "mlp.down_proj.weight": (d, mlp),
+        "input_layernorm.weight": (d,),
+        "post_attention_layernorm.weight": (d,),
+    }
+    out = {"model.embed_tokens.weight": (vocab, d), "model.norm.weight": (d,), "lm_head.weight": (vocab, d)}
+    for i in range(hf["num_hidden_layers"]):
+        out |= {f"model.layers.{i}.{name}": shape for name, shape in per_layer.items()}
+    return out
+
+
+def check_file_shape(path: Path, name: str, array: np.ndarray, shapes: dict) -> None:
+    """ConvertError, one line naming the tensor, both shapes and the file, where a tensor is not
+    stored in the shape config.json implies (a transposed, flattened or reshaped weight)."""
+    want = shapes.get(name)
+    if want is not None and tuple(array.shape) != want:
+        raise ConvertError(
+            f"{path}: tensor {name} is stored as {tuple(array.shape)}, but config.json implies {want} "
+            "([out, in] for a linear layer)"
+        )
 
 
 def layouts(hf: dict) -> dict[str, tuple[tuple[str, ...], Callable, Callable]]:
@@ -219,20 +282,18 @@ def write_safetensors(path: Path, tensors: Iterator[tuple[str, np.ndarray]], met
         side.unlink()
 
 
-def _split(tensors: Iterator[tuple[str, np.ndarray]], hf: dict, model_dir: Path):
-    """DeepSeek's fused tensors as the two parameters each holds (others unchanged)."""
-    for name, array in tensors:
+def _split(tensors: Iterator[tuple[Path, str, np.ndarray]], hf: dict):
+    """Every tensor checked against its stored shape (`file_shapes`), then DeepSeek's fused tensors
+    as the two parameters each holds (others unchanged)."""
+    shapes = file_shapes(hf)
+    for path, name, array in tensors:
+        check_file_shape(path, name, array, shapes)
         if name.endswith("kv_a_proj_with_mqa.weight"):
             c = hf["kv_lora_rank"]
             yield f"{name}:latent", array[:c]
             yield f"{name}:rope", array[c:]
         elif name.endswith("kv_b_proj.weight"):
             h, n, v = hf["num_attention_heads"], hf["qk_nope_head_dim"], hf["v_head_dim"]
-            if array.shape[0] != h * (n + v):
-                raise ConvertError(
-                    f"{model_dir}: tensor {name} of shape {array.shape} does not match its config "
-                    f"({h} heads of {n} + {v} rows)"
-                )
             heads = array.reshape(h, n + v, -1)
             yield f"{name}:k", heads[:, :n]
             yield f"{name}:v", heads[:, n:]
@@ -280,7 +341,7 @@ def load_weights(model_dir: Path, hf: dict, abstract: dict, stacks: dict | None 
     for the config. `stacks`: `stacked_layers` of a model of stacked layers."""
     flat = leaves_by_path(abstract)
     where, done, filled = layouts(hf), {}, {}
-    for name, array in _split(_tensors(model_dir), hf, model_dir):
+    for name, array in _split(_tensors(model_dir), hf):
         if name.endswith(IGNORED):
             continue
         key, j = in_stack(where[name][0], stacks) if name in where else (None, None)
