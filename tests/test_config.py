@@ -151,3 +151,10 @@ def test_continual_configs_start_from_the_base_models_shapes():
         cfg = load_config(path, [])
         assert cfg.train.init_from == base.train.run_dir and cfg.data.seq_len == 4 * base.data.seq_len
         assert shapes(cfg) == shapes(base), path.name
+
+
+def test_the_cpu_config_takes_moba_as_the_readme_says():
+    """README's first next step, `attention.core=moba` on configs/cpu/default.yaml: its MoBA block fits
+    the config's rows. Catches: the default block of 512 on 256-token rows, refused at start-up."""
+    cfg = load_config(ROOT / "configs/cpu/default.yaml", ["attention.core=moba"])
+    assert cfg.moba.block_size < cfg.data.seq_len
