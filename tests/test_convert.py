@@ -210,6 +210,15 @@ def _edit_config(**keys):
     return change
 
 
+def _without(key):
+    def change(model):
+        cfg = json.loads((model / "config.json").read_text())
+        del cfg[key]
+        (model / "config.json").write_text(json.dumps(cfg))
+
+    return change
+
+
 def _cut(path: Path, size: int) -> None:
     path.write_bytes(path.read_bytes()[:size])
 
@@ -258,6 +267,16 @@ def _eos_token(token):
         ),
         (_eos_token("<nope>"), "eos_token '<nope>' is not in tokenizer.json's vocabulary"),
         (_eos_token(None), "no end-of-text token among .*; nor does the model declare one"),
+        (_without("hidden_size"), "config.json: no 'hidden_size'; a LlamaForCausalLM config needs it"),
+        (_edit_config(hidden_size="32"), "config.json: hidden_size is '32'; a positive integer is wanted"),
+        (
+            lambda m: (m / "model.safetensors.index.json").write_text('{"weight_map": {'),
+            "model.safetensors.index.json: not JSON; the download was cut short",
+        ),
+        (
+            lambda m: (m / "model.safetensors.index.json").write_text('{"metadata": {}}'),
+            "model.safetensors.index.json: no weight_map of tensor names to files",
+        ),
     ],
     ids=[
         "no-config",
@@ -273,6 +292,10 @@ def _eos_token(token):
         "eos-id-not-in-vocabulary",
         "eos-token-not-in-vocabulary",
         "no-eos-at-all",
+        "config-without-a-size",
+        "config-size-a-string",
+        "index-cut-short",
+        "index-without-weight-map",
     ],
 )
 def test_bad_model_directories_are_refused_in_one_line(tmp_path, capsys, change, says):
@@ -301,6 +324,14 @@ def _plant(kind: str):
         save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, model / "model.safetensors")
 
     return change
+
+
+def test_a_model_path_at_a_file_is_refused_in_one_line(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["from-hf", "--model", str(FIXTURES / "llama" / "config.json"), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "config.json: a file; --model takes the model's directory" in err
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("kind", ["transposed", "flattened", "reshaped"])

@@ -24,7 +24,16 @@ class ConvertError(ValueError):
     """A model directory this cannot convert; the message is one line."""
 
 
+# config.json's sizes this reads: every family's, then DeepSeek's (q_lora_rank may be null)
+SIZE_KEYS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "intermediate_size",
+             "max_position_embeddings")  # fmt: skip
+MLA_SIZE_KEYS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+OPTIONAL_SIZE_KEYS = ("num_key_value_heads", "head_dim", "q_lora_rank")
+
+
 def read_hf_config(model_dir: Path) -> dict:
+    if model_dir.exists() and not model_dir.is_dir():
+        raise ConvertError(f"{model_dir}: a file; --model takes the model's directory (config.json, weights)")
     try:
         hf = json.loads((model_dir / "config.json").read_text())
     except FileNotFoundError:
@@ -38,7 +47,26 @@ def read_hf_config(model_dir: Path) -> dict:
         raise ConvertError(
             f"{model_dir}: architecture {arch!r} is not one this converts ({', '.join(ARCHITECTURES)})"
         )
+    _check_sizes(hf, model_dir / "config.json")
     return hf
+
+
+def _check_sizes(hf: dict, path: Path) -> None:
+    """ConvertError, one line naming the key, where a size config.json must give is missing or not a
+    positive integer (an interrupted download or a hand edit)."""
+    required = SIZE_KEYS + (MLA_SIZE_KEYS if family(hf) == "deepseek" else ())
+    for key in required + OPTIONAL_SIZE_KEYS:
+        value = hf.get(key)
+        if value is None and key in OPTIONAL_SIZE_KEYS:
+            continue
+        if value is None:
+            raise ConvertError(f"{path}: no {key!r}; a {hf['architectures'][0]} config needs it (an integer)")
+        if (
+            not isinstance(value, int)
+            or isinstance(value, bool)
+            or value < (0 if key in OPTIONAL_SIZE_KEYS else 1)
+        ):
+            raise ConvertError(f"{path}: {key} is {value!r}; a positive integer is wanted")
 
 
 def config_overrides(hf: dict, model_dir: Path) -> dict:

@@ -24,7 +24,15 @@ IGNORED = (".rotary_emb.inv_freq",)  # buffers some checkpoints carry; recompute
 def _weight_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        except ValueError:
+            raise ConvertError(f"{index}: not JSON; the download was cut short (download it again)") from None
+        except (KeyError, TypeError, AttributeError):
+            raise ConvertError(
+                f"{index}: no weight_map of tensor names to files (download it again)"
+            ) from None
         paths = [model_dir / f for f in files]
     else:
         paths = sorted(model_dir.glob("*.safetensors"))
