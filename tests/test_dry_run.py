@@ -92,6 +92,14 @@ def test_unknown_topology_is_a_config_error():
         dry_run(load_config(None, ["mesh.topology=v9z:1x1"]))
 
 
+def test_a_slice_too_small_for_the_mesh_is_a_config_error():
+    """The 1M paper config fixes fsdp 2: a one-chip slice is refused in one line naming the mesh and
+    the slice. Catches: config_mesh's ValueError escaping as a traceback."""
+    cfg = load_config(ROOT / "configs/moba/paper/moba_545m_1m.yaml", ["mesh.topology=v5p:1x1x1"])
+    with pytest.raises(ConfigError, match=r"mesh \(dataxfsdpxcontextxtensor\)=.*v5p:1x1x1 has 1 chips"):
+        dry_run(cfg)
+
+
 def test_a_run_too_big_for_its_chips_is_reported_not_raised(capsys):
     pytest.importorskip("libtpu")
     cfg = load_config(None, ["mesh.topology=v5e:2x2", "data.batch_size=2048", "data.seq_len=2048"])

@@ -65,7 +65,12 @@ def compile_for_topology(cfg: Config) -> dict:
     from effattn_jax.train.step import make_train_step
 
     devices = _topology_devices(cfg.mesh.topology)
-    mesh = config_mesh(cfg.mesh, devices)
+    try:
+        mesh = config_mesh(cfg.mesh, devices)
+    except ValueError as e:  # the slice is too small, or does not divide, for the fixed mesh axes
+        sizes = "x".join(str(getattr(cfg.mesh, axis)) for axis in MESH_AXES)
+        why = f"{cfg.mesh.topology} has {len(devices)} chips: {str(e).removeprefix('mesh: ')}"
+        raise ConfigError(f"mesh ({'x'.join(MESH_AXES)})", sizes, why) from None
     setup = make_setup(cfg, mesh)
     start = time.perf_counter()
     kind = devices[0].device_kind
