@@ -34,6 +34,15 @@ def positive_int(text: str) -> int:
     return _checked(int, text, lambda v: v > 0, "a positive integer")
 
 
+def positive_float(text: str) -> float:
+    """A finite number > 0 (nan, inf and 0 refused)."""
+    return _checked(float, text, lambda v: 0 < v < float("inf"), "a positive number")
+
+
+def nonnegative_float(text: str) -> float:
+    return _checked(float, text, lambda v: 0 <= v < float("inf"), "a finite number >= 0")
+
+
 def positive_int_list(text: str) -> list[int]:
     """'1024,4096' -> [1024, 4096]."""
     try:

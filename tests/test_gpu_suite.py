@@ -75,3 +75,33 @@ def test_dry_run_writes_every_section_without_the_data_stack(tmp_path):
     assert list((tmp_path / "traces").rglob("*.xplane.pb"))  # the profiler trace of our generation
     assert theirs["side"] == "transformers" and ("skipped" in theirs or "decode_tokens_per_s" in theirs)
     assert sections["train"][-1]["losses_agree"] and sections["train"][-1]["max_loss_difference"] < 1e-4
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--budget-s", "-1"], "--budget-s: '-1': must be a positive number"),
+        (["--budget-s", "0"], "--budget-s: '0': must be a positive number"),
+        (["--budget-s", "nan"], "--budget-s: 'nan': must be a positive number"),
+        (["--loss-tol", "-1"], "--loss-tol: '-1': must be a finite number >= 0"),
+    ],
+)
+def test_bad_arguments_end_in_one_line_before_a_gpu_is_used(tmp_path, capsys, args, says):
+    """A budget that would skip every case, or a tolerance that nothing meets, wastes a GPU loan: one
+    line, exit 2, nothing written."""
+    from eval.bench import gpu_suite
+
+    with pytest.raises(SystemExit) as e:
+        gpu_suite.main(["--out", str(tmp_path / "out"), "--dry", *args])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and says in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_out_at_a_file_ends_in_one_line(tmp_path, capsys):
+    from eval.bench import gpu_suite
+
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit) as e:
+        gpu_suite.main(["--out", str(tmp_path / "file"), "--dry"])
+    assert e.value.code == 2 and "a file; it takes a directory" in capsys.readouterr().err

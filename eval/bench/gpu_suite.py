@@ -74,6 +74,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from effattn_jax.cli import nonnegative_float, positive_float
 from effattn_jax.config import load_config
 from effattn_jax.ops.moba import BlockSizes, moba_attention
 from effattn_jax.ops.platform import resolve_impl
@@ -446,9 +447,13 @@ def _error(e: Exception) -> str:
 def main(argv=None) -> int:
     p = common.parser(__doc__, __file__)
     p.add_argument("--out", type=Path, required=True, help="directory for gpu_suite.json")
-    p.add_argument("--budget-s", type=float, default=300.0, help="seconds for everything, compiles included")
+    p.add_argument(
+        "--budget-s", type=positive_float, default=300.0, help="seconds for everything, compiles included"
+    )
     p.add_argument("--dry", action="store_true", help="tiny shapes with interpreted kernels (a CPU check)")
-    p.add_argument("--loss-tol", type=float, default=2e-3, help="largest loss difference pallas vs xla")
+    p.add_argument(
+        "--loss-tol", type=nonnegative_float, default=2e-3, help="largest loss difference pallas vs xla"
+    )
     p.add_argument(
         "--sections", default=",".join(SHARES), help=f"comma-separated, of: {', '.join(SHARES)} (default all)"
     )
@@ -456,6 +461,8 @@ def main(argv=None) -> int:
     args.sections = args.sections.split(",")
     if unknown := [name for name in args.sections if name not in SHARES]:
         p.error(f"--sections: unknown {', '.join(unknown)}; allowed: {', '.join(SHARES)}")
+    if args.out.exists() and not args.out.is_dir():
+        p.error(f"--out {args.out}: a file; it takes a directory (for gpu_suite.json)")
     args.out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # before JAX first opens the GPU
     with common.report(args, f"budget {args.budget_s:.0f} s" + (", dry" if args.dry else "")) as emit:
