@@ -61,6 +61,11 @@ def test_bad_model_args_are_one_line_and_exit_2(harness_inputs, capsys, monkeypa
             f"run={run},mesh=3x3",
             "mesh=3x3: expected DxFxT[xC] sizes (data, fsdp, tensor, context), e.g. 1x1x1",
         ),
+        (f"run={run},mesh=0x1x1", "mesh=0x1x1: expected DxFxT[xC] sizes"),
+        (f"run={run},step=abc", "--model_args step='abc': expected a step number or latest"),
+        (f"run={run},step=all", "--model_args step='all': expected a step number or latest"),
+        (f"run={run},run={run}", "run given twice"),
+        (f"run={run},batch_size=-1", "batch_size=-1: must be a positive number of prompts"),
     ):
         assert main([*base, "--model_args", model_args]) == 2
         last = capsys.readouterr().err.strip().splitlines()[-1]

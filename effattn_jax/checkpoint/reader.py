@@ -48,17 +48,21 @@ def kept_steps(run_dir: str | Path) -> list[int]:
     return steps
 
 
-def select_steps(run_dir: str | Path, which: str | int = "latest") -> list[int]:
-    """`--step` value (N, 'latest' or 'all') -> kept steps, or a clear error naming the kept ones."""
+def select_steps(
+    run_dir: str | Path, which: str | int = "latest", *, option: str = "--step", allow_all: bool = True
+) -> list[int]:
+    """A step choice (N, 'latest', or 'all' where `allow_all`) -> kept steps, or a clear error naming
+    the kept ones; `option`: how the caller's user gave it (a flag, a --model_args key)."""
     steps = kept_steps(run_dir)
-    if which == "all":
+    if which == "all" and allow_all:
         return steps
     if which == "latest":
         return steps[-1:]
     try:
         step = int(which)
     except ValueError:
-        raise CheckpointError(f"--step={which!r}: expected a step number, latest or all") from None
+        allowed = "a step number, latest or all" if allow_all else "a step number or latest"
+        raise CheckpointError(f"{option}={which!r}: expected {allowed}") from None
     if step not in steps:
         raise CheckpointError(f"{run_dir}: no checkpoint at step {step}; kept steps: {steps}")
     return [step]
@@ -106,7 +110,7 @@ def init_source(spec: str) -> tuple[str, int]:
     """`train.init_from` (`RUN_DIR[@STEP]`, default its newest step) -> (run dir, kept step),
     the step verified against its checksums (a new run must not start from a corrupt one)."""
     run_dir, _, which = spec.rpartition("@") if "@" in spec else (spec, "", "latest")
-    step = select_steps(run_dir, which)[0]
+    step = select_steps(run_dir, which, option=f"train.init_from={run_dir}@STEP: STEP", allow_all=False)[0]
     try:
         checksums.verify(storage.path(manager(run_dir, read_only=True).directory) / str(step))
     except checksums.ChecksumError as e:

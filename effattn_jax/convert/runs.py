@@ -128,7 +128,7 @@ def to_hf(run_dir: str | Path, out: str | Path, step: str = "latest") -> list[st
     if why := storage.unreachable(run_dir):
         raise ConvertError(f"--run={run_dir}: {why}")
     try:
-        step = checkpoint.select_steps(run_dir, step)[0]
+        step = checkpoint.select_steps(run_dir, step, allow_all=False)[0]
         cfg, _, params = checkpoint.load_params(run_dir, step)
     except checkpoint.CheckpointError as e:
         raise ConvertError(str(e)) from None

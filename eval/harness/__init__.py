@@ -44,7 +44,7 @@ def _parse_mesh(spec: str | None):
     """`mesh=DxFxT[xC]` (the harness splits model_args at commas) -> this process's mesh."""
     from eval.lm_loss import parse_mesh
 
-    if spec is not None and not re.fullmatch(r"\d+(x\d+){2,3}", str(spec)):
+    if spec is not None and not re.fullmatch(r"[1-9]\d*(x[1-9]\d*){2,3}", str(spec)):
         raise ValueError(
             f"--model_args mesh={spec}: expected DxFxT[xC] sizes (data, fsdp, tensor, context), "
             "e.g. 1x1x1 or 1x1x1x4"
@@ -57,7 +57,8 @@ def _batch_size(value) -> int:
         return DEFAULT_GENERATE_BATCH
     size = int(value) if str(value).isdigit() else 0
     if size < 1:
-        raise ValueError(f"batch_size={value!r}: must be a positive number of prompts, or auto")
+        shown = int(value) if isinstance(value, float) and value.is_integer() else value  # the harness's -1.0
+        raise ValueError(f"batch_size={shown!r}: must be a positive number of prompts, or auto")
     return size
 
 
@@ -98,7 +99,7 @@ class EffattnLM(LM):
             print(platform_line(), flush=True)
         del max_batch_size, device  # the harness passes them to every model; jax places by mesh
         self.run = str(run)
-        (self.step,) = checkpoint.select_steps(self.run, step)
+        (self.step,) = checkpoint.select_steps(self.run, step, option="--model_args step", allow_all=False)
         cfg, graphdef, params = checkpoint.load_params(self.run, self.step, _parse_mesh(mesh))
         self.model = nnx.merge(graphdef, params)
         self.tokenizer, self.eos, _ = load_tokenizer(cfg.data.tokenizer, cfg.data.eos_ids)

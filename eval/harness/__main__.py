@@ -68,8 +68,29 @@ def _index_only_include_path_when_it_suffices(argv: list[str]):
         lm_eval.tasks.TaskManager = harness_manager
 
 
+def _twice_in_model_args(argv: list[str]) -> str | None:
+    """The first --model_args key given twice (the harness's parser keeps the last silently)."""
+    seen, taking = set(), False
+    for arg in argv:
+        if arg.startswith("-"):
+            taking = arg == "--model_args"
+            arg = arg.partition("=")[2] if arg.startswith("--model_args=") else ""
+            taking = taking or bool(arg)
+        if not taking:
+            continue
+        for item in filter(None, arg.split(",")):
+            key = item.partition("=")[0]
+            if key in seen:
+                return key
+            seen.add(key)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if key := _twice_in_model_args(argv):
+        print(f"error: --model_args: {key} given twice; give each key once", file=sys.stderr)
+        return 2
     from effattn_jax.checkpoint import CheckpointError
     from effattn_jax.config import ConfigError, DistributedConfig
     from effattn_jax.data.corpus import DataError
