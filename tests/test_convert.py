@@ -326,6 +326,22 @@ def _plant(kind: str):
     return change
 
 
+@pytest.mark.parametrize(
+    "family, override", [("llama", "model.d_model=64"), ("qwen3", "attention.kind=eg_mla")]
+)
+def test_overrides_that_change_the_architecture_are_refused_in_one_line(tmp_path, capsys, family, override):
+    """The checkpoint fixes its sizes and attention kind: an override of one names the key, the value
+    config.json gives and every key the checkpoint fixes (it blamed a tensor, or a parameter the
+    family lacks)."""
+    out = tmp_path / "out"
+    assert main(["from-hf", "--model", str(FIXTURES / family), "--out", str(out), override]) == 2
+    err = capsys.readouterr().err.strip()
+    assert (
+        len(err.splitlines()) == 1 and f"{override}: " in err and "the checkpoint fixes attention.kind" in err
+    )
+    assert not out.exists()
+
+
 def test_a_model_path_at_a_file_is_refused_in_one_line(tmp_path, capsys):
     out = tmp_path / "out"
     assert main(["from-hf", "--model", str(FIXTURES / "llama" / "config.json"), "--out", str(out)]) == 2

@@ -78,6 +78,20 @@ def make_out(out) -> None:
         raise ConvertError(f"--out={out}: cannot be written ({why})")
 
 
+def check_fixed_keys(keys: dict, overrides, model_dir: Path) -> None:
+    """ConvertError, one line, where an override changes what the checkpoint fixes: its sizes, its
+    attention kind and RoPE (`config_overrides`' model.*, mla.* and attention.kind keys); the core,
+    data, training and everything else stay the user's."""
+    fixed = sorted(k for k in keys if k.startswith(("model.", "mla.")) or k == "attention.kind")
+    for override in overrides:
+        key, _, value = override.partition("=")
+        if key in fixed and value != str(keys[key]):
+            raise ConvertError(
+                f"{key}={value}: {model_dir}/config.json fixes it ({keys[key]}); the checkpoint fixes "
+                f"{', '.join(fixed)}"
+            )
+
+
 def from_hf(model_dir: str | Path, out: str | Path, overrides: list[str] = ()) -> storage.AnyPath:
     """Converts `model_dir` into the run directory `out` (step 0); returns it. Everything is
     checked (config, tokenizer, every tensor) before anything is written."""
@@ -96,6 +110,7 @@ def from_hf(model_dir: str | Path, out: str | Path, overrides: list[str] = ()) -
     keys = config_overrides(hf, model_dir) | {"train.run_dir": str(out)}
     keys["data.tokenizer"] = str(out / "tokenizer.json")
     source_tokenizer, keys["data.eos_ids"] = check_tokenizer(model_dir, keys["model.vocab_size"])
+    check_fixed_keys(keys, overrides, model_dir)
     cfg = load_config(None, [f"{k}={v}" for k, v in keys.items()] + list(overrides))
     setup = make_setup(cfg, make_mesh(1, 1, 1, devices=jax.local_devices()[:1]))
     params = load_weights(model_dir, hf, setup.abstract_state["params"], stacked_layers(cfg))
