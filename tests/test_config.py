@@ -158,3 +158,15 @@ def test_the_cpu_config_takes_moba_as_the_readme_says():
     the config's rows. Catches: the default block of 512 on 256-token rows, refused at start-up."""
     cfg = load_config(ROOT / "configs/cpu/default.yaml", ["attention.core=moba"])
     assert cfg.moba.block_size < cfg.data.seq_len
+
+
+def test_start_notices_say_what_runs_otherwise_than_expected():
+    """One line each: MoBA kernels interpreted off their device, a top-k that covers every block."""
+    from effattn_jax.train.notices import start_notices
+
+    cpu = lambda *o: load_config(ROOT / "configs/cpu/default.yaml", ["attention.core=moba", *o])
+    assert start_notices(cpu()) == [] and start_notices(load_config(ROOT / "configs/cpu/default.yaml")) == []
+    (line,) = start_notices(cpu("moba.impl=pallas_triton"))
+    assert line.startswith("notice: moba.impl=pallas_triton runs the triton kernels interpreted on this cpu")
+    (line,) = start_notices(cpu("moba.top_k=4"))
+    assert "moba.top_k=4 covers all 4 blocks of a 256-token row" in line

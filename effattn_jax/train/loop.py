@@ -30,6 +30,7 @@ from effattn_jax.train import run_dir as run_guard
 from effattn_jax.train.gpu_kernels import check_gpu_kernels, runs_gpu_kernels
 from effattn_jax.train.metrics import ScalarWriter
 from effattn_jax.train.nonfinite import FiniteCheck, NonFiniteError
+from effattn_jax.train.notices import start_notices
 from effattn_jax.train.preemption import Preempted, StopFlag, exit_preempted
 from effattn_jax.train.profile import Profiler
 from effattn_jax.train.provenance import record_provenance
@@ -206,6 +207,8 @@ def _train(
         f"{phase_at(step).flops_per_token / 1e6:.1f} MFLOP/token; mesh {dict(mesh.shape)}"
         + (f"; {jax.process_count()} processes" if jax.process_count() > 1 else "")
     )
+    for line in start_notices(cfg):
+        log(line)
     batch_sharding = setup.batch_sharding()
     device_peak = peak_flops(mesh.devices.flat[0].device_kind)  # MFU: the whole mesh's peak, where known
     peak = device_peak * mesh.devices.size if device_peak else None
