@@ -117,3 +117,23 @@ def test_moba_tpu_tables_without_a_topology(capsys):
     assert calls["moba_block_fwd"]["calls"] == 4
     assert all(c["table_bytes"] <= tpu_smem.SMEM_BUDGET_BYTES for c in calls.values())
     assert "MoBA TPU kernel moba_block_fwd per layer and chip: 4 call(s)" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # a subprocess: libtpu's start-up writes to the process's own stderr
+def test_a_dry_run_on_a_slice_prints_no_libtpu_noise(tmp_path):
+    """A dry run that loads libtpu off a TPU VM ends in its one config error line, without libtpu's
+    page of start-up warnings (they are written out only when loading the slice fails)."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("libtpu")
+    out = subprocess.run(
+        [sys.executable, "train.py", "--config", "configs/moba/paper/moba_545m_1m.yaml", "train.dry_run=true",
+         "mesh.topology=v5p:1x1x1", f"train.run_dir={tmp_path / 'run'}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )  # fmt: skip
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        "config error: mesh (dataxfsdpxcontextxtensor)='1x2x-1x1': v5p:1x1x1 has 1 chips: 1 devices do not "
+        "divide by the fixed axes' product 2"
+    ], out.stderr

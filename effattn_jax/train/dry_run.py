@@ -10,6 +10,10 @@ that would overflow either is refused in one line before libtpu's compile.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+import tempfile
 import time
 
 import jax
@@ -45,11 +49,33 @@ from effattn_jax.train.tpu_memory import (
 HBM_GIB = {"TPU v4": 32, "TPU v5 lite": 16, "TPU v5": 95, "TPU v6 lite": 32}
 
 
+@contextlib.contextmanager
+def _native_stderr_kept_for_errors():
+    """libtpu, loaded off a TPU VM, writes a page of start-up warnings (no TPU accelerator type, no
+    worker hostnames) to the process's stderr: held back here, and written out only if the block
+    raises."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        except BaseException:
+            os.dup2(saved, 2)
+            held.seek(0)
+            sys.stderr.write(held.read().decode(errors="replace"))
+            raise
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
 def _topology_devices(name: str):
     from jax.experimental import topologies
 
     try:
-        return topologies.get_topology_desc(platform="tpu", topology_name=name).devices
+        with _native_stderr_kept_for_errors():
+            return topologies.get_topology_desc(platform="tpu", topology_name=name).devices
     except Exception as e:  # libtpu missing, or a topology it does not know
         raise ConfigError(
             "mesh.topology",
