@@ -254,7 +254,7 @@ def _train(
                 val_loss = evaluate(phase_at(step).eval_step, state["params"], val, batch_sharding)
                 writer.scalars(step, {"val_loss": val_loss})
                 writer.flush()
-                throughput.pause_ended()
+                throughput.pause_ended(step)
             preempt = stop.reached(step) or step == stop_at
             if step % ckpt_cfg.every_steps == 0 or step == train_cfg.steps or preempt:
                 save()

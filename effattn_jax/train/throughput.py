@@ -17,9 +17,10 @@ class Throughput:
         self.tokens_per_step, self.peak, self.writer, self.bar = tokens_per_step, peak, writer, bar
         self.tick, self.tick_step = time.perf_counter(), step
 
-    def pause_ended(self) -> None:
-        """The time since the last log until now (an evaluation) does not count."""
-        self.tick = time.perf_counter()
+    def pause_ended(self, step: int) -> None:
+        """The next log counts from `step` and now: a pause (an evaluation) is not training time, and
+        the steps before it are not counted against the time after it."""
+        self.tick, self.tick_step = time.perf_counter(), step
 
     def log(self, step: int, metrics: dict, flops_per_token: float, counters: dict[str, int]) -> None:
         logged = {k: float(v) for k, v in jax.device_get(metrics).items()}
