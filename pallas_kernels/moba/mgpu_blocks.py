@@ -231,7 +231,13 @@ def _registers(wgs: int, memory: bool) -> None:
 
 def _stream(count, stages, fetch, free):
     """The memory warpgroup's loop: fetch(i, slot) for i < count into a ring of `stages` slots,
-    each after the compute warpgroups have released it (free(slot): its consumed barriers)."""
+    each after the compute warpgroups have released it (free(slot): its consumed barriers).
+
+    Then it waits for the release of the last min(stages, count) steps too, which no later fetch
+    waits for: so it ends only after the compute warpgroups are done with every slot, having
+    observed every phase its consumed barriers completed (a barrier left with a completed phase
+    its waiter never saw is out of step for any later use; jax's emit_pipeline_warp_specialized
+    ends the same way, and jax 0.11's Mosaic GPU interpreter fails such a kernel)."""
 
     @pl.loop(0, count)
     def _(i):
@@ -243,6 +249,11 @@ def _stream(count, stages, fetch, free):
                 plgpu.barrier_wait(barrier.at[slot])
 
         fetch(i, slot)
+
+    @pl.loop(jnp.maximum(count - stages, 0), count)
+    def _(i):
+        for barrier in free:
+            plgpu.barrier_wait(barrier.at[lax.rem(i, stages)])
 
 
 def _kv_fetcher(k_ref, v_ref, kv, ws, k_smem, v_smem, k_bar, v_bar, *, ck, block_size):
