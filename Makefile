@@ -87,3 +87,32 @@ format: $(STAMP)
 
 clean-venv:
 	rm -rf $(VENV)
+
+# Every Pallas GPU kernel compiled to machine code with no GPU (eval/compile_check): the CUDA plugin
+# and pjrt wheels of the venv's jaxlib (about 400 MB, outside the venv, once), a stub libcuda.so.1
+# that reports compute capability 9.0, the machine's ptxas; the planted failures first, then every
+# kernel and configuration (JSON and a markdown table under runs/gpu_compile/). About 3 minutes on 2
+# cores. `make gpu-compile-lower`: the same on the lower bound's venv (jax 0.11.2), kernels only.
+GPU_COMPILE := .cache/gpu-compile
+GPU_COMPILE_OUT := runs/gpu_compile
+.PHONY: gpu-compile gpu-compile-lower
+
+$(GPU_COMPILE)/libcuda.so.1: eval/compile_check/stubcuda.c
+	mkdir -p $(GPU_COMPILE)
+	gcc -shared -fPIC -o $@ $<
+
+define compile_check
+	v=$$($(1) -c 'import jaxlib; print(jaxlib.__version__)'); site=$(GPU_COMPILE)/site-$$v; \
+	test -d $$site/jax_plugins || $(1) -m pip install --quiet --no-deps --target $$site \
+		jax-cuda13-plugin==$$v jax-cuda13-pjrt==$$v; \
+	mkdir -p $(GPU_COMPILE_OUT); \
+	JAX_PLATFORMS=cpu $(1) -m eval.compile_check --site $$site --stub $(GPU_COMPILE) --self-test && \
+	JAX_PLATFORMS=cpu $(1) -m eval.compile_check --site $$site --stub $(GPU_COMPILE) $(2) \
+		--out $(GPU_COMPILE_OUT)/jax-$$v.json --markdown $(GPU_COMPILE_OUT)/jax-$$v.md
+endef
+
+gpu-compile: $(STAMP) $(GPU_COMPILE)/libcuda.so.1
+	$(call compile_check,$(PY),)
+
+gpu-compile-lower: $(LOWER_STAMP) $(GPU_COMPILE)/libcuda.so.1
+	$(call compile_check,$(LOWER_PY),--kernels-only)

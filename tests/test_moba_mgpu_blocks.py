@@ -160,12 +160,11 @@ def test_kernels_lower_for_cuda(tiles):
     warpgroup matmuls cannot take, SMEM over an H100/H200's (supports' estimate under-counting)."""
     qt, ck, stages = tiles
     sizes = BlockSizes(q_tile=64, kv_block=ck, past_q_tile=qt, num_stages=stages).resolve("gpu")
-    assert (
-        mgpu_blocks.supports(
-            head_dim=128, v_head_dim=128, dtype=jnp.bfloat16, block_sizes=sizes, block_size=512
-        )
-        is None
+    reason = mgpu_blocks.supports(
+        head_dim=128, v_head_dim=128, dtype=jnp.bfloat16, block_sizes=sizes, block_size=512
     )
+    # the larger sets lower, but their dK/dV spills when compiled (make gpu-compile): supports refuses
+    assert (reason is None) == (tiles == (64, 64, 2)) and (reason is None or "would spill" in reason), reason
     ntiles, groups = 40, 16
     sd = jax.ShapeDtypeStruct
     q, kv, i = sd((ntiles, qt, 128), jnp.bfloat16), sd((2, 4096, 128), jnp.bfloat16), sd((ntiles,), jnp.int32)

@@ -42,6 +42,13 @@ def smem_bytes(rows: int, tile: int, d: int, dr: int, itemsize: int, stages: int
     )
 
 
+def warps(group: int, d: int) -> int:
+    """Triton warps of a program: 8 for a float32 accumulator of more than 16 x 128 and at most 16 x 256
+    (16 heads over a latent of 256 spill at 4 warps), else 4: larger groups at 8 warps ask for more
+    shared memory than an H100 has (32 heads over 512: 262,144 B; `make gpu-compile`)."""
+    return 8 if 16 * 128 < group * d <= 16 * 256 else 4
+
+
 def head_group(heads: int, d: int, dr: int, itemsize: int, limit: int | None = None) -> tuple[int, int]:
     """(heads per program, latent tile): the largest group (a power of two >= MIN_ROWS, at most the
     heads padded), then the largest tile (TILE down to 16), whose shared memory fits `limit`
@@ -147,7 +154,7 @@ def mla_decode_gpu(
             jax.ShapeDtypeStruct((b, count, rows), jnp.float32),
             jax.ShapeDtypeStruct((b, count, rows), jnp.float32),
         ],
-        compiler_params=triton_params(),
+        compiler_params=triton_params(num_warps=warps(group, d)),
         interpret=bool(interpret),
         name="mla_decode_gpu",
         cost_estimate=attention_cost(

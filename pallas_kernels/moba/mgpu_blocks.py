@@ -107,7 +107,33 @@ def supports(*, head_dim: int, v_head_dim: int, dtype, block_sizes, block_size: 
     limit = gpu_memory.smem_limit("9.0")
     if need > limit:
         return f"{kernel} needs about {need:,} bytes of shared memory per block, over the {limit:,} of Hopper"
+    for kernel, (live, budget) in live_registers(head_dim, v_head_dim, qt, ck).items():
+        if live > budget:
+            return (
+                f"moba_block_{kernel}_mgpu would hold {live} float32 registers a thread in accumulators "
+                f"and score tiles (at most {budget} at moba.past_q_tile={qt} moba.kv_block={ck}): "
+                "ptxas would spill"
+            )
     return None
+
+
+LIVE_REGS = 192  # accumulator + score registers a thread of a lone compute warpgroup may hold (of 255)
+# ... of one of two compute warpgroups: 384 threads, 168 registers each where ptxas drops setmaxnreg
+# (jaxlib's nvJitLink path, docs/gpu_registers.md)
+LIVE_REGS_SHARED = 128
+
+
+def live_registers(head_dim: int, v_head_dim: int, qt: int, ck: int) -> dict[str, tuple[int, int]]:
+    """kernel -> (float32 registers a compute thread holds live across its loop, its budget): the
+    forward o and a score tile, dq its accumulator with s and dP, dK/dV both accumulators with s^T
+    and dP^T, each warpgroup 64 rows (query rows: forward, dq; keys: dK/dV)."""
+    per = lambda *widths: sum(ROWS * w for w in widths) // 128
+    budget = lambda warpgroups: LIVE_REGS if warpgroups == 1 else LIVE_REGS_SHARED
+    return {
+        "fwd": (per(v_head_dim, ck), budget(qt // ROWS)),
+        "dq": (per(head_dim, ck, ck), budget(qt // ROWS)),
+        "dkv": (per(head_dim, v_head_dim, qt, qt), budget(ck // ROWS)),
+    }
 
 
 def _smem(shape, dtype):

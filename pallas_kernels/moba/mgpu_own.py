@@ -57,6 +57,9 @@ MAX_DIM = 256  # a warpgroup matmul's largest N: head dims and tiles stay within
 # registers a thread has (dK + dV at kv_block 64, head dim 128: 128; FlashAttention 3's per
 # warpgroup); beyond it ptxas spills, which the CPU lowering cannot see
 ACC_REGS, SCORE_REGS = 128, 64
+# ... and both together, dK/dV holding dK, dV, s^T and dP^T at once: every set above it spilled when
+# compiled (208-1,408 bytes, `make gpu-compile`); 64 / 64 at head dim 128 (exactly this) did not
+LIVE_REGS = 192
 FLOOR = -1e30  # the running max before any key: finite, so a row with no key yet gets p = 0, not NaN
 DTYPES = (jnp.bfloat16, jnp.float16)
 
@@ -112,11 +115,12 @@ def supports(*, head_dim, v_head_dim, dtype, block_sizes, block_size) -> str | N
             f"moba.num_stages={stages}, over the {SMEM_LIMIT} an H100/H200 allows"
         )
     accumulators = max(qt * v_head_dim, qt * head_dim, ck * (head_dim + v_head_dim)) // 128
-    if accumulators > ACC_REGS or qt * ck // 128 > SCORE_REGS:
+    scores = qt * ck // 128  # one score tile's registers a thread; dK/dV keeps two (s^T, dP^T) live
+    if accumulators > ACC_REGS or scores > SCORE_REGS or accumulators + 2 * scores > LIVE_REGS:
         return (
             f"Mosaic GPU own-block kernels would hold {accumulators} float32 accumulator registers per "
-            f"thread (at most {ACC_REGS}) and {qt * ck // 128} per score tile (at most {SCORE_REGS}) "
-            f"with {tiles} at head dims {head_dim}/{v_head_dim}"
+            f"thread (at most {ACC_REGS}) and two score tiles of {scores} (with them, at most {LIVE_REGS}) "
+            f"with {tiles} at head dims {head_dim}/{v_head_dim}: ptxas would spill"
         )
     return None
 

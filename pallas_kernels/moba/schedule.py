@@ -106,6 +106,14 @@ class BlockSizes:
         fit = (c for c in candidates if c.gpu_smem(head_dim, v_head_dim or head_dim, itemsize)[1] <= limit)
         return next(fit, candidates[-1])  # none fits: check_backend says so
 
+    def warps(self, rows: int, width: int) -> int:
+        """Triton warps of a GPU kernel that holds a [rows, width] float32 accumulator across its loop
+        (width: the value head dim (forward), the head dim (dq), both (dK/dV)): `num_warps` up to 64 x
+        128, scaled with the accumulator beyond (at most 16), so a thread's share of the registers
+        stays the same. At 4 warps, dK/dV at head dim 128, a 128-row tile or a head dim of 256 spill
+        on sm_90a and sm_80 (`make gpu-compile`, BENCHMARKS.md)."""
+        return min(16, max(self.num_warps, self.num_warps * rows * width // (64 * 128)))
+
     def gpu_smem(self, head_dim: int, v_head_dim: int, itemsize: int) -> tuple[str, int]:
         """(kernel, bytes): the GPU kernel asking for the most shared memory per block, estimated
         (pallas_kernels/gpu_memory.py), for resolved sizes."""
