@@ -88,7 +88,7 @@ format: $(STAMP)
 clean-venv:
 	rm -rf $(VENV)
 
-# Every Pallas GPU kernel compiled to machine code with no GPU (eval/compile_check): the CUDA plugin
+# Every Pallas GPU kernel compiled to machine code with no GPU (eval/bench/compile_check): the CUDA plugin
 # and pjrt wheels of the venv's jaxlib (about 400 MB, outside the venv, once), a stub libcuda.so.1
 # that reports compute capability 9.0, the machine's ptxas; the planted failures first, then every
 # kernel and configuration (JSON and a markdown table under runs/gpu_compile/). About 3 minutes on 2
@@ -97,7 +97,7 @@ GPU_COMPILE := .cache/gpu-compile
 GPU_COMPILE_OUT := runs/gpu_compile
 .PHONY: gpu-compile gpu-compile-lower
 
-$(GPU_COMPILE)/libcuda.so.1: eval/compile_check/stubcuda.c
+$(GPU_COMPILE)/libcuda.so.1: eval/bench/compile_check/stubcuda.c
 	mkdir -p $(GPU_COMPILE)
 	gcc -shared -fPIC -o $@ $<
 
@@ -106,8 +106,8 @@ define compile_check
 	test -d $$site/jax_plugins || $(1) -m pip install --quiet --no-deps --target $$site \
 		jax-cuda13-plugin==$$v jax-cuda13-pjrt==$$v; \
 	mkdir -p $(GPU_COMPILE_OUT); \
-	JAX_PLATFORMS=cpu $(1) -m eval.compile_check --site $$site --stub $(GPU_COMPILE) --self-test && \
-	JAX_PLATFORMS=cpu $(1) -m eval.compile_check --site $$site --stub $(GPU_COMPILE) $(2) \
+	JAX_PLATFORMS=cpu $(1) -m eval.bench.compile_check --site $$site --stub $(GPU_COMPILE) --self-test && \
+	JAX_PLATFORMS=cpu $(1) -m eval.bench.compile_check --site $$site --stub $(GPU_COMPILE) $(2) \
 		--out $(GPU_COMPILE_OUT)/jax-$$v.json --markdown $(GPU_COMPILE_OUT)/jax-$$v.md
 endef
 

@@ -153,19 +153,23 @@ def test_continual_configs_start_from_the_base_models_shapes():
         assert shapes(cfg) == shapes(base), path.name
 
 
-def test_the_cpu_config_takes_moba_as_the_readme_says():
-    """README's first next step, `attention.core=moba` on configs/cpu/default.yaml: its MoBA block fits
-    the config's rows. Catches: the default block of 512 on 256-token rows, refused at start-up."""
-    cfg = load_config(ROOT / "configs/cpu/default.yaml", ["attention.core=moba"])
-    assert cfg.moba.block_size < cfg.data.seq_len
+def test_the_readme_first_step_config_loads():
+    """README's first next step trains MoBA on configs/moba/cpu/default.yaml, whose block fits its rows.
+    Catches: the step naming a config that is refused at start-up (block 512 on 256-token rows)."""
+    readme = (ROOT / "README.md").read_text()
+    line = next(x for x in readme.splitlines() if x.startswith("python train.py") and "runs/exp1" in x)
+    config = line.split("--config ")[1].split()[0]
+    cfg = load_config(ROOT / config, [a for a in line.split("#")[0].split()[4:] if "=" in a])
+    assert cfg.attention.core == "moba" and cfg.moba.block_size < cfg.data.seq_len
 
 
 def test_start_notices_say_what_runs_otherwise_than_expected():
     """One line each: MoBA kernels interpreted off their device, a top-k that covers every block."""
     from effattn_jax.train.notices import start_notices
 
-    cpu = lambda *o: load_config(ROOT / "configs/cpu/default.yaml", ["attention.core=moba", *o])
+    cpu = lambda *o: load_config(ROOT / "configs/moba/cpu/default.yaml", o)
     assert start_notices(cpu()) == [] and start_notices(load_config(ROOT / "configs/cpu/default.yaml")) == []
+    assert cpu().moba.block_size == 64 and cpu().data.seq_len == 256
     (line,) = start_notices(cpu("moba.impl=pallas_triton"))
     assert line.startswith("notice: moba.impl=pallas_triton runs the triton kernels interpreted on this cpu")
     (line,) = start_notices(cpu("moba.top_k=4"))

@@ -1,9 +1,9 @@
-"""The GPU compile check's reading of the compilers and its verdicts (eval/compile_check/reading.py),
+"""The GPU compile check's reading of the compilers and its verdicts (eval/bench/compile_check/reading.py),
 on text the compilers wrote: no CUDA wheels needed. `make gpu-compile` runs the compiles themselves,
 and its --self-test checks that a planted shared-memory overflow and a planted spill fail."""
 
-from eval.compile_check import reading
-from eval.compile_check.cases import accepted, cases, planted
+from eval.bench.compile_check import reading
+from eval.bench.compile_check.cases import accepted, cases, planted
 
 PTXAS = """I1205 12:43:56.032876   29974 subprocess_compilation.cc:356] ptxas info    : 0 bytes gmem
 ptxas info    : Compiling entry function 'moba_own_dkv_gpu' for 'sm_90a'

@@ -60,10 +60,10 @@ def test_slices_equal_xla_and_triton(heads, d):
     reason=f"jax {jax.__version__}: InterpretGPUParams has no on_race, so its race detector cannot raise",
 )
 def test_no_races_between_the_warpgroups(monkeypatch):
-    """The interpreter's race detector, latent 512 (two compute warpgroups and the memory one), one
-    slice of 328 slots: 6 steps through 2 ring slots, so the ring wraps. Catches: the memory
-    warpgroup refilling a slot before both compute warpgroups released it (tried: dropping its
-    consumed-barrier wait raises here)."""
+    """The interpreter's race detector, latent 512 (two compute warpgroups, the first also issuing the
+    copies), one slice of 328 slots: 6 steps through 2 ring slots, so the ring wraps. Catches:
+    warpgroup 0 refilling a slot before both compute warpgroups released it (dropping its
+    consumed-barrier wait)."""
     monkeypatch.setattr(
         mgpu, "_interpret", lambda interpret: plgpu.InterpretGPUParams(detect_races=True, on_race="raise")
     )

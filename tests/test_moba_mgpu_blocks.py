@@ -203,3 +203,42 @@ def test_no_races_between_the_warpgroups(monkeypatch):
     lse_rows = jnp.where(past.tiles.rows >= 0, lse, jnp.inf)
     delta = jnp.sum(o * do.astype(jnp.float32), axis=-1)
     jax.block_until_ready(mgpu_blocks.block_attention_bwd(*args, past.group_first, do, lse_rows, delta, **kw))
+
+
+# (past_q_tile, kv_block, head dim, value head dim) -> the worst kernel's spill bytes, ptxas sm_90a
+# through nvJitLink, setmaxnreg dropped (docs/gpu_registers.md): all refused by supports
+SPILLED = [
+    (128, 64, 128, 128, 544),  # dK/dV, 256 threads
+    (64, 128, 128, 128, 440),  # dK/dV, 384 threads: 168 registers a thread
+    (64, 128, 64, 128, 212),
+    (64, 128, 128, 64, 192),
+    (64, 64, 64, 256, 176),
+    (64, 64, 256, 64, 120),
+    (64, 256, 64, 64, 396),  # dK/dV, 640 threads: 96 registers a thread
+    (128, 64, 64, 256, 216),  # the forward, 384 threads
+]
+
+
+@pytest.mark.parametrize("qt, ck, d, dv, spill", SPILLED)
+def test_supports_refuses_every_set_that_spilled(qt, ck, d, dv, spill):
+    sizes = BlockSizes(q_tile=64, kv_block=ck, past_q_tile=qt, num_stages=2).resolve("gpu")
+    reason = mgpu_blocks.supports(
+        head_dim=d, v_head_dim=dv, dtype=jnp.bfloat16, block_sizes=sizes, block_size=512
+    )
+    assert reason is not None and "would spill" in reason and "\n" not in reason, (qt, ck, d, dv, spill)
+
+
+def test_supports_counts_the_register_cap_without_setmaxnreg():
+    """65,536 registers over 128 threads per compute warpgroup and the memory one: 255, 168, 96; the
+    sets that compiled without a spill are accepted (64 / 64 at head dims 64-128; 64 / 128 at 64)."""
+    assert [mgpu_blocks.register_cap(n) for n in (1, 2, 4)] == [255, 168, 96]
+    for qt, ck, d, dv in [
+        (64, 64, 64, 64),
+        (64, 64, 128, 128),
+        (64, 64, 64, 128),
+        (64, 128, 64, 64),
+        (128, 64, 64, 64),
+    ]:
+        sizes = BlockSizes(q_tile=64, kv_block=ck, past_q_tile=qt, num_stages=2).resolve("gpu")
+        ok = dict(head_dim=d, v_head_dim=dv, dtype=jnp.bfloat16, block_size=512)
+        assert mgpu_blocks.supports(block_sizes=sizes, **ok) is None, (qt, ck, d, dv)

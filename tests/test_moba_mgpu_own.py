@@ -218,3 +218,40 @@ def test_smem_estimate_is_what_the_lowering_allocates(d, dv, tiles):
         jax.clear_caches()
         with artificial_shared_memory_limit(limit):
             _lower(d, dv, tiles, passes=(name,))
+
+
+# (q_tile, kv_block, stages, head dim, value head dim) -> spill bytes of the worst kernel, ptxas
+# sm_90a through nvJitLink (docs/gpu_registers.md): every one of these is refused, the default
+# tiles at head dims 64 and 128 accepted (0 spill)
+SPILLED = [
+    ((128, 64, 3), 64, 128, 488),
+    ((128, 64, 2), 64, 64, 208),
+    ((64, 128, 2), 64, 64, 696),
+    ((128, 64, 2), 128, 64, 436),
+    ((64, 64, 2), 64, 256, 200),
+    ((64, 64, 2), 128, 256, 540),
+    ((64, 64, 2), 256, 64, 200),
+    ((64, 256, 2), 64, 64, 3836),
+    ((64, 64, 3), 128, 128, 120),  # a ring of 3: 0 at 2 and 4 stages
+]
+
+
+@pytest.mark.parametrize("tiles, d, dv, spill", SPILLED)
+def test_supports_refuses_every_set_that_spilled(tiles, d, dv, spill):
+    qt, ck, stages = tiles
+    sizes = BlockSizes(q_tile=qt, kv_block=ck, past_q_tile=64, num_warps=4, num_stages=stages)
+    reason = mgpu_own.supports(
+        head_dim=d, v_head_dim=dv, dtype=jnp.bfloat16, block_sizes=sizes, block_size=512
+    )
+    assert reason is not None and "would spill" in reason and "\n" not in reason, (tiles, d, dv, spill)
+
+
+@pytest.mark.parametrize("d, dv", [(64, 64), (64, 128), (128, 64), (128, 128)])
+def test_supports_accepts_the_default_tiles(d, dv):
+    """64 / 64, two stages: 205-255 registers, no spill, at these head dims."""
+    assert (
+        mgpu_own.supports(head_dim=d, v_head_dim=dv, dtype=jnp.bfloat16, block_sizes=TILES, block_size=512)
+        is None
+    )
+    live = mgpu_own.live_registers(d, dv, 64, 64)
+    assert max(v[2] for v in live.values()) <= mgpu_own.LIVE_REGS

@@ -3,9 +3,14 @@
 program per (batch row, group of 64 heads, slice of the cache), the same slices, the same partial
 outputs (normalised output, softmax max and sum per slice) and the same XLA combine.
 
-Memory-bound design, warp specialised: one memory warpgroup streams the slice's latent and RoPE-key
-tiles of TILE slots by TMA into a ring of SMEM stages (a "loaded" barrier per copy, a "consumed"
-barrier per slot), while the compute warpgroups run warpgroup matmuls (wgmma) on them. A wgmma
+Memory-bound design: the slice's latent and RoPE-key tiles of TILE slots stream by TMA into a ring
+of SMEM stages (a "loaded" barrier per copy, a "consumed" barrier per slot) while the compute
+warpgroups run warpgroup matmuls (wgmma) on them. No memory warpgroup: compute warpgroup 0 issues
+the copies (the ring's first fill, then each slot's refill once both warpgroups released it), so
+the kernel runs 128 threads per compute warpgroup and each thread keeps the 255 registers ptxas
+allows without setmaxnreg. With a memory warpgroup (384 threads) and setmaxnreg dropped, as on
+jaxlib's nvJitLink path, a thread had 168 and the latent-512 kernel spilled 512 bytes with its
+wgmma serialized (ptxas C7512; docs/gpu_registers.md). A wgmma
 takes 64 rows, so a group is 64 heads: 128 heads run as 2 groups (each reads the cache slice),
 fewer than 64 heads are padded with zero queries to 64 rows (the matmuls do 64 / H times the
 useful work, 4x at 16 heads, which a memory-bound step has to spare, and the padded rows'
@@ -50,7 +55,6 @@ MAX_STAGES = 4
 LOG2E = math.log2(math.e)
 DTYPES = (jnp.bfloat16, jnp.float16)
 KERNEL = "the Mosaic GPU decode kernel"  # how its refusals name it
-MEMORY_REGISTERS = 40  # per thread of the memory warpgroup (it only issues TMA copies)
 
 
 def _chunk(d: int) -> int:
@@ -173,11 +177,27 @@ def _body(
         """First slot of step n's copy: its own start, or the cache's last TILE slots."""
         return pl.multiple_of(jnp.minimum(first + n * TILE, length - TILE), ALIGN)
 
-    @pl.when(wg < wgs)
-    def _compute():
-        if wgs > 1:
-            per_thread = (65536 - 128 * MEMORY_REGISTERS) // (128 * wgs) // 8 * 8
-            plgpu.set_max_registers(min(per_thread, 240), action="increase")
+    def fetch(n, slot):
+        """Issue step n's copies (each latent chunk and the k^R tile) into ring slot `slot`."""
+        slots = pl.ds(window(n), TILE)
+        for c in range(wgs):
+            src = lat_ref.at[b, slots, pl.ds(c * chunk, chunk)]
+            plgpu.copy_gmem_to_smem(src, lat_smem.at[slot * wgs + c], lat_bar.at[slot * wgs + c])
+        plgpu.copy_gmem_to_smem(kr_ref.at[b, slots], kr_smem.at[slot], kr_bar.at[slot])
+
+    # No memory warpgroup: warpgroup 0 issues the copies (TMA: one thread, asynchronous), so the
+    # kernel runs wgs x 128 threads and each keeps the 255 registers ptxas allows without
+    # setmaxnreg (which the nvJitLink path drops: docs/gpu_registers.md).
+    @pl.when(wg == 0)
+    def _prologue():
+        for c in range(wgs):
+            cols = pl.ds(c * chunk, chunk)
+            plgpu.copy_gmem_to_smem(ql_ref.at[b, heads, cols], ql_smem.at[c], q_bar.at[c])
+        plgpu.copy_gmem_to_smem(qr_ref.at[b, heads], qr_smem, q_bar.at[wgs])
+        for n in range(stages):  # the ring's first fill
+            pl.when(n < steps)(functools.partial(fetch, n, n))
+
+    def _compute():  # every warpgroup
         for c in range(wgs + 1):
             plgpu.barrier_wait(q_bar.at[c])
         row = plgpu.Layout.WGMMA.reduce(1)
@@ -188,6 +208,13 @@ def _body(
         def step(n, carry):
             acc, m, l = carry
             slot = lax.rem(n, stages)
+
+            @pl.when((wg == 0) & (n > 0) & (n - 1 + stages < steps))
+            def _refill():  # the previous step's slot, once every warpgroup has released it
+                last = lax.rem(n - 1, stages)  # here, not after the step: fewer registers live
+                plgpu.barrier_wait(free.at[last])
+                fetch(n - 1 + stages, last)
+
             for c in range(wgs):
                 plgpu.barrier_wait(lat_bar.at[slot * wgs + c])
             plgpu.barrier_wait(kr_bar.at[slot])
@@ -223,28 +250,7 @@ def _body(
             plgpu.copy_smem_to_gmem(stat_smem.at[1], l_ref.at[b, s, heads])
             plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == wgs)
-    def _memory():
-        if wgs > 1:
-            plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
-        for c in range(wgs):
-            cols = pl.ds(c * chunk, chunk)
-            plgpu.copy_gmem_to_smem(ql_ref.at[b, heads, cols], ql_smem.at[c], q_bar.at[c])
-        plgpu.copy_gmem_to_smem(qr_ref.at[b, heads], qr_smem, q_bar.at[wgs])
-
-        @pl.loop(0, steps)
-        def _(n):
-            slot = lax.rem(n, stages)
-
-            @pl.when(n >= stages)
-            def _():
-                plgpu.barrier_wait(free.at[slot])
-
-            slots = pl.ds(window(n), TILE)
-            for c in range(wgs):
-                src = lat_ref.at[b, slots, pl.ds(c * chunk, chunk)]
-                plgpu.copy_gmem_to_smem(src, lat_smem.at[slot * wgs + c], lat_bar.at[slot * wgs + c])
-            plgpu.copy_gmem_to_smem(kr_ref.at[b, slots], kr_smem.at[slot], kr_bar.at[slot])
+    _compute()
 
 
 def mla_decode_mgpu(
@@ -291,7 +297,7 @@ def mla_decode_mgpu(
         ],
         grid=(b, rows // ROWS, count),
         grid_names=("row", "group", "slice"),
-        num_threads=wgs + 1,
+        num_threads=wgs,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=_interpret(interpret),

@@ -110,29 +110,44 @@ def supports(*, head_dim: int, v_head_dim: int, dtype, block_sizes, block_size: 
     for kernel, (live, budget) in live_registers(head_dim, v_head_dim, qt, ck).items():
         if live > budget:
             return (
-                f"moba_block_{kernel}_mgpu would hold {live} float32 registers a thread in accumulators "
-                f"and score tiles (at most {budget} at moba.past_q_tile={qt} moba.kv_block={ck}): "
-                "ptxas would spill"
+                f"moba_block_{kernel}_mgpu would keep about {live} float32 registers a thread live in "
+                f"accumulators and score tiles (at most {budget} at moba.past_q_tile={qt} "
+                f"moba.kv_block={ck}, head dims {head_dim}/{v_head_dim}): ptxas would spill"
             )
     return None
 
 
-LIVE_REGS = 192  # accumulator + score registers a thread of a lone compute warpgroup may hold (of 255)
-# ... of one of two compute warpgroups: 384 threads, 168 registers each where ptxas drops setmaxnreg
-# (jaxlib's nvJitLink path, docs/gpu_registers.md)
-LIVE_REGS_SHARED = 128
+# Registers (docs/gpu_registers.md): a kernel of n compute warpgroups and the memory one runs
+# 128 (n + 1) threads, and ptxas caps each thread at 65,536 / threads (multiples of 8, at most 255).
+# setmaxnreg (_registers) would move the memory warpgroup's registers to the compute ones, but where
+# jaxlib compiles through pip's nvJitLink (the GPU image's jax[cuda13] install) ptxas ignores it
+# (C7504), so the cap without it is the one counted: 255 at one compute warpgroup, 168 at two, 96
+# at four. LIVE_REGS is the most float32 registers (accumulators, score tiles and their bf16
+# copies, live_registers) a compute thread may keep live under a cap of 255, measured over a grid of
+# tiles and head dims on sm_90a through nvJitLink; LIVE_REGS_SLACK what the rest of the step needs
+# (addresses, row statistics, barriers' phases) under a lower cap (168: at most 144 live).
+LIVE_REGS = 224
+LIVE_REGS_SLACK = 24
+
+
+def register_cap(compute_warpgroups: int) -> int:
+    """Registers a thread gets without setmaxnreg: 64K over the compute and memory warpgroups'."""
+    threads = 128 * (compute_warpgroups + 1)
+    return min(255, 65536 // threads // 8 * 8)
 
 
 def live_registers(head_dim: int, v_head_dim: int, qt: int, ck: int) -> dict[str, tuple[int, int]]:
-    """kernel -> (float32 registers a compute thread holds live across its loop, its budget): the
-    forward o and a score tile, dq its accumulator with s and dP, dK/dV both accumulators with s^T
-    and dP^T, each warpgroup 64 rows (query rows: forward, dq; keys: dK/dV)."""
+    """kernel -> (float32 registers a compute thread keeps live across its loop, its budget). Each
+    compute warpgroup has 64 rows (query rows: forward, dq; keys: dK/dV): the forward o with s and p
+    (bf16: half), dq its accumulator with s, dP and dS, dK/dV both accumulators with s^T, dP^T and
+    p^T / dS^T. The budget: LIVE_REGS, or the cap without setmaxnreg less LIVE_REGS_SLACK."""
     per = lambda *widths: sum(ROWS * w for w in widths) // 128
-    budget = lambda warpgroups: LIVE_REGS if warpgroups == 1 else LIVE_REGS_SHARED
+    budget = lambda warpgroups: min(LIVE_REGS, register_cap(warpgroups) - LIVE_REGS_SLACK)
+    s_fwd, s_dkv = per(ck), per(qt)  # a score tile: [64, ck] (forward, dq), [64 keys, qt] (dK/dV)
     return {
-        "fwd": (per(v_head_dim, ck), budget(qt // ROWS)),
-        "dq": (per(head_dim, ck, ck), budget(qt // ROWS)),
-        "dkv": (per(head_dim, v_head_dim, qt, qt), budget(ck // ROWS)),
+        "fwd": (per(v_head_dim) + s_fwd + s_fwd // 2, budget(qt // ROWS)),
+        "dq": (per(head_dim) + 2 * s_fwd + s_fwd // 2, budget(qt // ROWS)),
+        "dkv": (per(head_dim, v_head_dim) + 2 * s_dkv + s_dkv // 2, budget(ck // ROWS)),
     }
 
 

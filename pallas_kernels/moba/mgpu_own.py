@@ -29,7 +29,7 @@ Interpreted (`interpret=True`, plgpu.InterpretGPUParams), p and dS go through a 
 staging buffer into a fresh accumulator that is then added: the interpreter's wgmma reads only
 shared memory and cannot store into an accumulator. Only that operand path differs from the GPU's.
 Constraints (`supports`): bf16/f16 inputs, head dims and tiles multiples of 64 up to 256, shared
-memory (`smem_bytes`) within an H100/H200's, and a register budget (ACC_REGS, SCORE_REGS).
+memory (`smem_bytes`) within an H100/H200's, and a register budget (`live_registers`, LIVE_REGS).
 """
 
 from __future__ import annotations
@@ -52,14 +52,16 @@ LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 ROWS = 64  # a warpgroup matmul's rows, and the K dim a 128-byte swizzled bf16 operand comes in
 MAX_DIM = 256  # a warpgroup matmul's largest N: head dims and tiles stay within it
-# float32 registers per thread (128 threads) a warpgroup may hold in accumulators across steps,
-# and in one score tile: a budget, not a measurement, that keeps the live set under the 255
-# registers a thread has (dK + dV at kv_block 64, head dim 128: 128; FlashAttention 3's per
-# warpgroup); beyond it ptxas spills, which the CPU lowering cannot see
-ACC_REGS, SCORE_REGS = 128, 64
-# ... and both together, dK/dV holding dK, dV, s^T and dP^T at once: every set above it spilled when
-# compiled (208-1,408 bytes, `make gpu-compile`); 64 / 64 at head dim 128 (exactly this) did not
-LIVE_REGS = 192
+# Registers (docs/gpu_registers.md): each kernel is one warpgroup of 128 threads, so ptxas allows a
+# thread 255 registers and no setmaxnreg is involved. What a thread keeps live across a step, in
+# float32 registers (a [rows, cols] float32 tile is rows * cols / 128 of them): its accumulators
+# (forward o, dq, dK and dV), its float32 score tiles (the forward s, dq s and dP, dK/dV s^T and
+# dP^T) and, at half that, their bf16 copies fed to the second matmul (p, dS). LIVE_REGS is the most
+# of those that compiled without a spill on sm_90a over a grid of tiles, head dims and stages
+# (64/128 rows, 64-256 keys, head dims 64-256, 2-4 stages); every set estimated above it spilled
+# or sat at 255 registers.
+LIVE_REGS = 208
+ACC_REGS = 128  # at most in accumulators alone (dK + dV at kv_block 64, head dim 128)
 FLOOR = -1e30  # the running max before any key: finite, so a row with no key yet gets p = 0, not NaN
 DTYPES = (jnp.bfloat16, jnp.float16)
 
@@ -114,15 +116,32 @@ def supports(*, head_dim, v_head_dim, dtype, block_sizes, block_size) -> str | N
             f"{name} needs about {need} bytes of shared memory with {tiles} "
             f"moba.num_stages={stages}, over the {SMEM_LIMIT} an H100/H200 allows"
         )
-    accumulators = max(qt * v_head_dim, qt * head_dim, ck * (head_dim + v_head_dim)) // 128
-    scores = qt * ck // 128  # one score tile's registers a thread; dK/dV keeps two (s^T, dP^T) live
-    if accumulators > ACC_REGS or scores > SCORE_REGS or accumulators + 2 * scores > LIVE_REGS:
-        return (
-            f"Mosaic GPU own-block kernels would hold {accumulators} float32 accumulator registers per "
-            f"thread (at most {ACC_REGS}) and two score tiles of {scores} (with them, at most {LIVE_REGS}) "
-            f"with {tiles} at head dims {head_dim}/{v_head_dim}: ptxas would spill"
-        )
+    for name, (acc, scores, live) in live_registers(head_dim, v_head_dim, qt, ck, stages).items():
+        if acc > ACC_REGS or live > LIVE_REGS:
+            return (
+                f"{name} would keep about {live} float32 registers a thread live ({acc} accumulator "
+                f"registers, score tiles of {scores}; at most {LIVE_REGS}, accumulators {ACC_REGS}) with "
+                f"{tiles} at head dims {head_dim}/{v_head_dim}: ptxas would spill"
+            )
     return None
+
+
+def live_registers(head_dim: int, v_head_dim: int, q_tile: int, kv_block: int, stages: int = 2) -> dict:
+    """kernel name -> (accumulator registers, one score tile's registers, the estimated live set),
+    float32 registers per thread of the kernel's one warpgroup (128 threads): the forward o with s
+    and p (bf16: half), dq its accumulator with s, dP and dS, dK/dV both accumulators with s^T, dP^T
+    and p^T / dS^T. A ring of stages that is not a power of two costs dK/dV 16 more (its slot, a
+    remainder by 3, is not a mask: 64 / 64 at head dim 128 spilled 120 bytes at 3 stages, none at 2
+    or 4)."""
+    per = lambda rows, cols: rows * cols // 128
+    ring = 16 if stages & (stages - 1) else 0
+    score = per(q_tile, kv_block)
+    fwd, dq, dkv = per(q_tile, v_head_dim), per(q_tile, head_dim), per(kv_block, head_dim + v_head_dim)
+    return {
+        "moba_own_fwd_mgpu": (fwd, score, fwd + score + score // 2),
+        "moba_own_dq_mgpu": (dq, score, dq + 2 * score + score // 2),
+        "moba_own_dkv_mgpu": (dkv, score, dkv + 2 * score + score // 2 + ring),
+    }
 
 
 def _swizzled(itemsize: int):

@@ -14,7 +14,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 GPU_CONFIGS = sorted((ROOT / "configs/gpu").glob("[!b]*.yaml"))  # base.yaml is not a model
 TRAIN_LAYERS = 2  # a train step's layers (dense ones in XLA): every kernel of the step, compiled fast
 

@@ -1,10 +1,10 @@
-"""One compile, in its own process (started by eval/compile_check/__main__.py with the CUDA plugin on
+"""One compile, in its own process (started by eval/bench/compile_check/__main__.py with the CUDA plugin on
 sys.path and the stub driver first on LD_LIBRARY_PATH):
 
-    python -m eval.compile_check.child mosaic MODULE_FILE
+    python -m eval.bench.compile_check.child mosaic MODULE_FILE
         a serialized Mosaic GPU module through the plugin's MosaicGpuCompile (MLIR -> PTX -> cubin;
         MOSAIC_GPU_DUMP_TO collects ptxas' report);
-    python -m eval.compile_check.child xla CASE_JSON TARGET_FILE
+    python -m eval.bench.compile_check.child xla CASE_JSON TARGET_FILE
         a case's function (or a train step) through XLA's deviceless ahead-of-time GPU compile for
         the device description in TARGET_FILE (Triton kernels included; XLA_FLAGS' dump holds the
         thunk sequence, TF_CPP_VMODULE's log the ptxas report).
@@ -33,7 +33,7 @@ def compile_xla(case_json: str, target_file: str) -> None:
     from jax.experimental import topologies
 
     from effattn_jax.ops.platform import tracing_for
-    from eval.compile_check.cases import Case, build, train_step
+    from eval.bench.compile_check.cases import Case, build, train_step
     from pallas_kernels.common import gpu_lowering_target
 
     raw = json.loads(case_json)

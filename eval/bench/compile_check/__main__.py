@@ -1,15 +1,15 @@
 """Every Pallas GPU kernel compiled to machine code on a machine with no GPU (`make gpu-compile`):
 
-    python -m eval.compile_check --site DIR --stub DIR [--out results/gpu_compile.json]
+    python -m eval.bench.compile_check --site DIR --stub DIR [--out results/gpu_compile.json]
                                  [--markdown FILE] [--only TEXT] [--self-test] [--no-strict-edges]
 
 Mosaic GPU kernels: lowered here for CUDA, each module compiled by the CUDA plugin's MosaicGpuCompile
 to PTX and an sm_90a cubin. Triton kernels and the configs/gpu/ train steps: XLA's deviceless
 ahead-of-time compile for an H100 (and the Triton kernels for an A100), which enforces the device's
-shared memory. Each compile runs in a child process (eval/compile_check/child.py) with the plugin
+shared memory. Each compile runs in a child process (eval/bench/compile_check/child.py) with the plugin
 (`--site`, pip's jax-cuda13-plugin and -pjrt of jaxlib's version) and a stub CUDA driver (`--stub`)
 that reports compute capability 9.0. One row per kernel and configuration: registers, spill bytes,
-shared memory, threads, ptxas warnings; the rules a row fails by are eval/compile_check/reading.py's
+shared memory, threads, ptxas warnings; the rules a row fails by are eval/bench/compile_check/reading.py's
 `verdict`. Exit status 1 when a row fails (`--self-test`: when a planted failure passes).
 """
 
@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 
 from effattn_jax.cli import ArgumentParser
-from eval.compile_check import reading
-from eval.compile_check.cases import ROOT, Case, accepted, build, cases, planted
+from eval.bench.compile_check import reading
+from eval.bench.compile_check.cases import ROOT, Case, accepted, build, cases, planted
 
 HERE = Path(__file__).resolve().parent
 TARGETS = {"h100": (HERE / "h100_sxm.txtpb", 232_448), "a100": (HERE / "a100_sxm.txtpb", 166_912)}
@@ -45,7 +45,7 @@ def _child_env(args, extra: dict) -> dict:
 def _run_child(argv: list[str], env: dict) -> tuple[str | None, str]:
     """(the child's error line or None, its stderr)."""
     try:
-        done = subprocess.run([sys.executable, "-m", "eval.compile_check.child", *argv], env=env,
+        done = subprocess.run([sys.executable, "-m", "eval.bench.compile_check.child", *argv], env=env,
                               capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)  # fmt: skip
     except subprocess.TimeoutExpired:
         return f"timed out after {CHILD_TIMEOUT_S} s", ""
@@ -177,7 +177,7 @@ def markdown(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    p = ArgumentParser(prog="python -m eval.compile_check", description=__doc__)
+    p = ArgumentParser(prog="python -m eval.bench.compile_check", description=__doc__)
     p.add_argument("--site", type=Path, required=True, help="jax-cuda13-plugin and -pjrt (pip --target)")
     p.add_argument("--stub", type=Path, required=True, help="the folder of the stub libcuda.so.1")
     p.add_argument("--out", type=Path, default=None, help="the rows as JSON")
