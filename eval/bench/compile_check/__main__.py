@@ -19,6 +19,7 @@ import concurrent.futures
 import datetime
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -87,11 +88,11 @@ def _compile_mosaic(case: Case, args) -> list[dict]:
                 continue
             for report in reports:
                 stem = report.name.removesuffix(".ptxas")
-                (name, info), *_ = reading.ptxas_report(report.read_text()).items() or [(stem, {})]
+                info = next(iter(reading.ptxas_report(report.read_text()).values()), {})  # one kernel
                 log = report.with_name(f"{stem}.mlir-passes.log")
                 ptx = report.with_name(f"{stem}.ptx")
                 threads = None
-                if ptx.exists() and (found := __import__("re").search(r"\.maxntid (\d+)", ptx.read_text())):
+                if ptx.exists() and (found := re.search(r"\.maxntid (\d+)", ptx.read_text())):
                     threads = int(found.group(1))
                 smem = reading.mosaic_smem(log.read_text()) if log.exists() else None
                 rows.append({"kernel": stem.rsplit("_", 1)[0], "threads": threads, "smem": smem, **info})
@@ -142,7 +143,6 @@ def check(case_list: list[Case], args) -> list[dict]:
         base["accepted"] = why_not is None
         for target in case.targets:
             jobs.append((case, target, base | {"target": target} | ({"refused": why_not} if why_not else {})))
-    rows = []
 
     def run(job):
         case, target, base = job
