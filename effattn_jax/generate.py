@@ -157,7 +157,7 @@ def load_run(run_dir: str) -> tuple[Transformer, object]:
 
 
 def main(argv=None) -> int:
-    p = ArgumentParser(description=__doc__)
+    p = ArgumentParser(prog="python -m effattn_jax.generate", description=__doc__)
     p.add_argument("--run", required=True, help="run directory with checkpoints")
     p.add_argument("--prompt", action="append", required=True, help="repeat for a batch of prompts")
     p.add_argument("--max-new-tokens", type=positive_int, default=32)

@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from effattn_jax import storage
+from effattn_jax.cli import positive_int
 from effattn_jax.config import context_split_error, moba_block_size
 from effattn_jax.data.pipeline import cache_bytes, corpus_manifest
 from effattn_jax.memory import fit_checked
@@ -131,9 +132,12 @@ def make_nll_fn(cfg, graphdef, params, mesh, batch_size: int, seq_len: int):
     return lambda inputs, targets: jax.device_put(nll(params, place(inputs), place(targets)), replicated)
 
 
-def lm_loss(cfg, graphdef, params, mesh, *, seq_len: int, bucket: int, progress: bool = True) -> dict:
-    """The position report of one checkpoint on the run's validation documents."""
-    docs = validation_documents(cfg)
+def lm_loss(
+    cfg, graphdef, params, mesh, *, seq_len: int, bucket: int, progress: bool = True, limit: int | None = None
+) -> dict:
+    """The position report of one checkpoint on the run's validation documents (the first `limit`
+    of them when given: a quick look, not the validation loss)."""
+    docs = validation_documents(cfg)[:limit]
     tokens, counts = document_rows(docs, seq_len)
     context = dict(mesh.shape).get("context", 1)
     if why := context_split_error(seq_len, context, moba_block_size(cfg)):
@@ -166,6 +170,12 @@ def add_arguments(p) -> None:
         default="1,1,1",
         help="data,fsdp,tensor[,context] mesh to evaluate on (default one device); context > 1 "
         "splits each document over that many devices (docs/context_parallel.md)",
+    )
+    p.add_argument(
+        "--limit",
+        type=positive_int,
+        default=None,
+        help="the first K validation documents only (a quick look)",
     )
     p.add_argument("--json", default=None, help="write every figure to this file")
 
@@ -211,7 +221,16 @@ def command(args) -> int:
     for step in checkpoint.select_steps(args.run, args.step):
         cfg, graphdef, params = checkpoint.load_params(args.run, step, mesh)
         seq_len = args.seq_len or cfg.data.seq_len
-        r = lm_loss(cfg, graphdef, params, mesh, seq_len=seq_len, bucket=args.bucket, progress=writes())
+        r = lm_loss(
+            cfg,
+            graphdef,
+            params,
+            mesh,
+            seq_len=seq_len,
+            bucket=args.bucket,
+            progress=writes(),
+            limit=args.limit,
+        )
         r["step"] = step
         reports.append(r)
         print(f"step {step}: {r['documents']} documents, context {seq_len}")

@@ -18,3 +18,32 @@ def test_the_log_after_an_evaluation_counts_only_the_steps_after_it(monkeypatch)
     meter.pause_ended(110)  # the evaluation ran from 10 s to 110 s, after step 110
     meter.log(120, {"loss": 1.0, "lr": 0.1, "grad_norm": 1.0}, flops_per_token=1.0, counters={})
     assert logged["tokens_per_sec"] == 1000.0
+
+
+def test_the_progress_bar_counts_only_finished_steps():
+    """Dispatches a chain of slow steps (each a few large matmuls on the last one's output, so jax
+    queues them): every step the bar has counted is done. Catches: the bar moved at dispatch, whose
+    rate is the queueing rate (10 it/s shown against a real 3 s/it)."""
+    import jax
+    import jax.numpy as jnp
+
+    @jax.jit
+    def step(x):
+        for _ in range(4):
+            x = jnp.tanh(x @ x)
+        return x
+
+    counted = types.SimpleNamespace(n=0)
+    bar = throughput.FinishedStepBar(
+        types.SimpleNamespace(update=lambda k: setattr(counted, "n", counted.n + k))
+    )
+    x = step(jnp.eye(768) * 0.5).block_until_ready()  # compiled before the clock matters
+    outputs = []
+    for _ in range(4):
+        x = step(x)
+        outputs.append(x)
+        bar.dispatched(x)
+        assert counted.n == len(outputs) - 1
+        assert all(o.is_ready() for o in outputs[: counted.n])
+    bar.finish()
+    assert counted.n == 4 and outputs[-1].is_ready()

@@ -36,7 +36,7 @@ from effattn_jax.train.profile import Profiler
 from effattn_jax.train.provenance import record_provenance
 from effattn_jax.train.state import init_state, make_setup
 from effattn_jax.train.step import make_eval_step, make_train_step
-from effattn_jax.train.throughput import Throughput
+from effattn_jax.train.throughput import FinishedStepBar, Throughput
 
 # NonFiniteError and Preempted end a run from here: train.py and the tests catch them by this module
 __all__ = ["NonFiniteError", "Preempted", "compile_train_step", "evaluate", "final_line", "run"]
@@ -237,15 +237,17 @@ def _train(
 
     try:
         throughput = Throughput(step, data_cfg.batch_size * data_cfg.seq_len, peak, writer, bar)
+        finished = FinishedStepBar(bar)
         while step < train_cfg.steps:
             profiler.before(step)
             phase = phase_at(step)
             state, metrics = phase.train_step(state, _to_global(next(data_iter), batch_sharding))
             step += 1
             finite.add(step, metrics["nonfinite"])
-            bar.update(1)
+            finished.dispatched(metrics["loss"])
             profiler.after(step, state)
             if step % train_cfg.log_every == 0 or step == train_cfg.steps:
+                finished.finish()
                 finite.check(step)
                 skipped = len(corpus.train.skipped | corpus.val.skipped)
                 counters = {"nonfinite_steps": finite.steps, "skipped_records": skipped}
@@ -259,10 +261,12 @@ def _train(
             if step % ckpt_cfg.every_steps == 0 or step == train_cfg.steps or preempt:
                 save()
             if preempt:
+                finished.finish()
                 checkpoints.finish()
                 bar.close()
                 writer.close()
                 exit_preempted(step, run_dir)
+        finished.finish()
         if finite.last_saved != step:
             save()
         bar.close()
