@@ -266,10 +266,7 @@ def _train(
                 bar.close()
                 writer.close()
                 exit_preempted(step, run_dir)
-        finished.finish()
-        if finite.last_saved != step:
-            save()
-        bar.close()
+        bar.close()  # the last step logged and saved inside the loop
         val_loss = evaluate(phase_at(step).eval_step, state["params"], val, batch_sharding)
         writer.scalars(step, {"val_loss": val_loss})
         # on the whole validation set (the same rows as val_loss), not this process's share

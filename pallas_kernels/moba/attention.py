@@ -2,8 +2,9 @@
 custom_vjp, assembled from parts.py (shared with a context shard's path, context.py).
 
 Forward: the own block runs through the backend's own-block kernel (TPU: tpu_own.py, chunks
-of the sequence; GPU: gpu_own.py, tiles of queries) and the selected earlier blocks through its
-whole-block kernel (tpu_blocks.py, gpu_blocks.py), each giving (o, lse) per (query, part); the
+of the sequence; GPU: tiles of queries, Triton's gpu_own.py or Mosaic GPU's mgpu_own.py, as
+gpu_dispatch chooses) and the selected earlier blocks through its whole-block kernel
+(tpu_blocks.py, gpu_blocks.py or mgpu_blocks.py), each giving (o, lse) per (query, part); the
 parts of a query are merged by log-sum-exp into the output O and the global LSE L. Backward
 (docs/moba.md, "Backward"): with delta = rowsum(dO * O), each part's gradient is an ordinary
 flash-attention backward against the global L, so the backward kernels run over the same
