@@ -171,6 +171,6 @@ def test_cli_on_a_trained_run(tmp_path, corpus_dir, capsys):
             main(["--run", str(tmp_path / "run"), *argv])
         err = capsys.readouterr().err.strip().splitlines()
         assert e.value.code == 2 and len(err) == 1 and needle in err[0], err
-        assert err[0].startswith("python -m effattn_jax.generate: error: "), err  # the command, not generate.py
+        assert err[0].startswith("python -m effattn_jax.generate: error: "), err  # not generate.py
     assert main(["--run", str(tmp_path / "nonexistent"), "--prompt", "a"]) == 2
     assert "not a run directory" in capsys.readouterr().err
