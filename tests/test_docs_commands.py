@@ -58,6 +58,7 @@ HOW = {
         "make train": MAKE,
         "make test": MAKE,
         "make test-fast": MAKE,
+        "make test-docs": MAKE,
         "make test-lower": MAKE,
         "make gpu-compile": MAKE,
         "python train.py --config configs/moba/cpu/default.yaml train.run_dir=runs/exp1": run(*TRAIN),
