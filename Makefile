@@ -11,7 +11,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CONFIG ?= configs/cpu/default.yaml
 
-.PHONY: train test test-fast test-docs test-lower lint format data clean-venv
+.PHONY: train test test-fast test-long test-docs test-lower lint format data clean-venv
 
 # A .venv on an older Python (from before the move to 3.12) is built again.
 $(STAMP): pyproject.toml constraints.txt
@@ -35,7 +35,12 @@ train: data
 PYTEST_WORKERS ?= 2
 test: data lint
 	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=15 \
-		-m "not docs" tests
+		-m "not long and not docs" tests
+
+# The long lane (tests/lanes.py: whole commands, launches, training runs, the largest interpreted
+# kernel cases): out of `make test` to keep it under 10 minutes; CI runs it after `make test`.
+test-long: data
+	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m pytest -q -n $(PYTEST_WORKERS) --durations=10 -m long tests
 
 # Every command of README.md and docs/usage.md, run as written (tests/test_docs_commands.py): CI runs it
 # after `make test`.
@@ -46,7 +51,7 @@ test-docs: data
 # The quick loop (under 3 minutes on 2 cores): unit tests and small interpreted kernels; tests
 # marked slow (training runs, subprocesses, multi-process launches, AOT compiles) are left out.
 test-fast: data lint
-	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=10 -m "not slow and not docs" tests
+	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=10 -m "not slow and not long and not docs" tests
 
 # The kernel tests (interpreted, CPU) on the lower bound pyproject.toml states, jax 0.11.2, which is also
 # what the GPU image has: a second virtualenv on Python 3.12 (the image's), built once, with jax,

@@ -220,3 +220,12 @@ def mosaic_by_default(verified):
     from pallas_kernels import gpu_dispatch
 
     verified(*((family, "mosaic") for family in gpu_dispatch.FAMILIES))
+
+
+def pytest_collection_modifyitems(items):
+    """Marks the long lane's tests (tests/lanes.py) `long`."""
+    from lanes import LONG
+
+    for item in items:
+        if f"{item.path.name}::{item.originalname}" in LONG:
+            item.add_marker(pytest.mark.long)
