@@ -96,12 +96,26 @@ class Generator:
             static_argnames=sampling,
         )
 
-    def _empty_caches(self, batch: int, length: int) -> list[dict]:
-        """init_cache's zeros made on the device (one compiled program per shape, kept)."""
+    def empty_caches(self, batch: int, length: int) -> list[dict]:
+        """An empty cache for `batch` rows of `length` slots (`generate` makes one of
+        `cache_length(prompt + new tokens)`): init_cache's zeros made on the device (one compiled
+        program per shape, kept)."""
         if (batch, length) not in self._inits:
-            make = lambda: init_cache(self.model, batch, length, self.cache_dtype)
-            self._inits[batch, length] = jax.jit(make)
+            self._inits[batch, length] = jax.jit(self._cache_maker(batch, length))
         return self._inits[batch, length]()
+
+    def compiled_step(self, batch: int, length: int, *, temperature: float = 0.0, top_p: float = 1.0):
+        """The decode step `generate` runs for each new token (the model's step, then sampling),
+        compiled for `batch` rows over a cache of `length` slots, without running it: what it
+        launches (`as_text()`, `cost_analysis()`). Called as (params, tokens [B], positions [B],
+        caches, key) it returns (next tokens, positions + 1, caches, key), the caches donated."""
+        tokens = jax.ShapeDtypeStruct((batch,), jnp.int32)
+        caches = jax.eval_shape(self._cache_maker(batch, length))
+        sampling = dict(temperature=float(temperature), top_p=float(top_p))
+        return self._step.lower(self.params, tokens, tokens, caches, jax.random.key(0), **sampling).compile()
+
+    def _cache_maker(self, batch: int, length: int) -> Callable[[], list[dict]]:
+        return lambda: init_cache(self.model, batch, length, self.cache_dtype)
 
     def generate(
         self,
@@ -128,7 +142,7 @@ class Generator:
         for i, p in enumerate(prompts):
             tokens[i, : len(p)] = p
         length = cache_length(lp + max_new_tokens)
-        caches = self._empty_caches(b, length)
+        caches = self.empty_caches(b, length)
         positions = np.broadcast_to(np.arange(lp, dtype=np.int32), (b, lp))
         sampling = dict(temperature=float(temperature), top_p=float(top_p))
         tokens, positions, last, pos, seed = jax.device_put(

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import os
-import time
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +16,7 @@ from effattn_jax.config import load_config
 from effattn_jax.memory import check_fits
 from effattn_jax.model import Transformer, init_cache, param_counts, ready_for_decoding
 from effattn_jax.ops.moba_decode import prefill_block_means
-from eval.timing import alternated
+from eval.timing import Carry, alternated, carried
 
 PAPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "egmla", "paper")
 
@@ -61,19 +60,16 @@ def compiled_decode_step(cfg, context: int, *, absorb: bool):
     return compiled, args
 
 
-def _decode_steps(step, tokens, pos, caches: dict, key, *, turn: int = 1):
+def _decode_steps(step, tokens, pos, cache: Carry, *, turn: int = 1):
     """A contender for the timer (eval/timing.py): the seconds of the last of `turn` decode steps of
-    `step` (over (tokens, positions, cache), donating the cache); the cache it returns is kept in
-    `caches[key]` for the next call (each step writes the same slot)."""
+    `step` (over (tokens, positions, cache), donating the cache); the cache it returns is carried in
+    `cache` to the next call (each step writes the same slot)."""
 
-    def measure() -> float:
-        for _ in range(turn):
-            t = time.perf_counter()
-            logits, caches[key] = step(tokens, pos, caches[key])
-            jax.block_until_ready(logits)
-        return time.perf_counter() - t
+    def decode(caches):
+        logits, caches = step(tokens, pos, caches)
+        return caches, logits
 
-    return measure
+    return carried(decode, cache, untimed=turn - 1)
 
 
 def _check_fits(step: functools.partial, what: str, *args) -> None:
@@ -111,7 +107,7 @@ def decode_latency(cfg, contexts: list[int], *, absorb: bool, repeats: int = 5) 
     out = {}
     for ctx in contexts:  # one at a time: a long context's cache is large
         step, (params, tokens, pos, caches) = compiled_decode_step(cfg, ctx, absorb=absorb)
-        measure = _decode_steps(functools.partial(step, params), tokens, pos, {ctx: caches}, ctx)
+        measure = _decode_steps(functools.partial(step, params), tokens, pos, Carry(caches))
         out[ctx] = alternated({ctx: measure}, repeats)[ctx] * 1e3
     return out
 
@@ -122,10 +118,10 @@ def decode_latency_alternated(cfgs: dict[str, object], context: int, *, rounds: 
     measured alone swings by 2x here); each turn is two steps and only the second is timed, as in
     generation, where a step follows a step of the same model (timing the first charges a model
     for the caches its predecessor evicted: 1.5x after a heavy one)."""
-    contenders, caches = {}, {}
+    contenders = {}
     for name, cfg in cfgs.items():
-        step, (params, tokens, pos, caches[name]) = compiled_decode_step(cfg, context, absorb=True)
-        contenders[name] = _decode_steps(functools.partial(step, params), tokens, pos, caches, name, turn=2)
+        step, (params, tokens, pos, caches) = compiled_decode_step(cfg, context, absorb=True)
+        contenders[name] = _decode_steps(functools.partial(step, params), tokens, pos, Carry(caches), turn=2)
     return {name: t * 1e3 for name, t in alternated(contenders, rounds).items()}
 
 
@@ -164,9 +160,8 @@ def moba_vs_dense_decode(
     pos = jnp.full((batch, 1), context, jnp.int32)
     for core, step in steps.items():  # compiled and checked before anything runs
         _check_fits(step, f"{core} decoding at context {context}", tokens, pos, caches)
-    shared = {"cache": caches}  # one donated cache, passed from model to model
-    ms = alternated({core: _decode_steps(step, tokens, pos, shared, "cache") for core, step in steps.items()},
-                    repeats)  # fmt: skip
+    shared = Carry(caches)  # one donated cache, passed from model to model
+    ms = alternated({core: _decode_steps(step, tokens, pos, shared) for core, step in steps.items()}, repeats)
     moba, dense = ms["moba"] * 1e3, ms["dense"] * 1e3
     return {"context": context, "batch": batch, "moba_ms": moba, "dense_ms": dense, "ratio": moba / dense}
 
@@ -178,14 +173,12 @@ def copy_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
     """Bytes read + written per second copying a float32 array into a donated buffer."""
     x = jnp.ones((int(gib * 2**28),), jnp.float32)
     copy = jax.jit(lambda x, out: x + 0.0, donate_argnums=1)
-    out = {"buffer": jnp.zeros_like(x)}
 
-    def measure() -> float:
-        t = time.perf_counter()
-        out["buffer"] = jax.block_until_ready(copy(x, out["buffer"]))
-        return time.perf_counter() - t
+    def copy_into(buffer):
+        buffer = copy(x, buffer)
+        return buffer, buffer
 
-    return 2 * x.nbytes / alternated({"copy": measure}, repeats)["copy"]
+    return 2 * x.nbytes / alternated({"copy": carried(copy_into, Carry(jnp.zeros_like(x)))}, repeats)["copy"]
 
 
 def latent_decode(
@@ -207,8 +200,10 @@ def latent_decode(
     tokens, pos = jnp.ones((batch, 1), jnp.int32), jnp.full((batch, 1), context, jnp.int32)
     for label, step in steps.items():  # compiled and checked before anything runs
         _check_fits(step, f"{label} decoding at context {context}", tokens, pos, caches[label])
-    ms = alternated({label: _decode_steps(step, tokens, pos, caches, label) for label, step in steps.items()},
-                    repeats)  # fmt: skip
+    contenders = {
+        label: _decode_steps(step, tokens, pos, Carry(caches[label])) for label, step in steps.items()
+    }
+    ms = alternated(contenders, repeats)
     return [
         {"model": label, "context": context, "batch": batch, "ms": ms[label] * 1e3,
          "cache_bytes_read": read[label]}

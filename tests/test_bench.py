@@ -1,17 +1,22 @@
-"""The benchmark harness (eval/bench/common.py, eval/timing.py): the alternated timer, the output
-frame under --json, one parser for every script, and the data benchmark's child processes."""
+"""The benchmark harness (eval/bench/common.py, eval/timing.py): the alternated timer and its
+contenders over donated state, the output frame under --json, one parser for every script, and the
+data benchmark's child processes."""
 
 import argparse
 import json
 import re
 import subprocess
 import sys
+from types import SimpleNamespace
 
+import jax
+import jax.numpy as jnp
 import pytest
 from conftest import ROOT
 
+from eval import timing
 from eval.bench import attention, common
-from eval.timing import alternated
+from eval.timing import Carry, alternated, carried
 
 SCRIPTS = sorted(
     p for p in (ROOT / "eval" / "bench").glob("*.py") if re.search(r"^def main\(", p.read_text(), re.M)
@@ -31,6 +36,43 @@ def test_alternated_takes_turns_and_keeps_medians():
     assert calls == ["a", "b"] * 4 and out == {"a": 2.0, "b": 5.0}
     rounds = iter([{"x": 1.0, "y": 9.0}, {"x": 3.0, "y": 7.0}, {"x": 2.0, "y": 8.0}])
     assert alternated({"save": lambda: next(rounds)}, 3, warmup=0) == {"x": 2.0, "y": 8.0}
+
+
+def test_carried_contenders_take_turns_over_one_donated_state(monkeypatch):
+    """Two contenders sharing one Carry, on a clock their calls advance: a's turn is one untimed call
+    and two timed ones (each costing its state), b's one call of 10. Catches: a call given a state
+    that an earlier call donated instead of the one it returned, a shared state not passed from
+    contender to contender, the untimed call timed, a turn's total not divided by its calls,
+    warm-up rounds kept."""
+    clock = [0.0]
+    monkeypatch.setattr(timing, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    seen = []
+
+    def call(name, cost):
+        def fn(state):
+            seen.append((name, state))
+            clock[0] += cost(state)
+            return state + 1, None
+
+        return fn
+
+    shared = Carry(0)
+    a = carried(call("a", lambda state: state), shared, calls=2, untimed=1)
+    b = carried(call("b", lambda state: 10.0), shared)
+    out = alternated({"a": a, "b": b}, 3)
+    assert [name for name, _ in seen] == ["a", "a", "a", "b"] * 4
+    assert [state for _, state in seen] == list(range(16)) and shared.value == 16
+    assert out == {"a": 9.5, "b": 10.0}  # a's kept turns: (5 + 6) / 2, (9 + 10) / 2, (13 + 14) / 2
+
+
+def test_carried_donates_and_keeps_what_each_call_returns():
+    """A jitted step donating its input (gone after the call). Catches: a donated array passed again
+    (jax raises on a deleted array), the state returned not kept."""
+    step = jax.jit(lambda x: (x + 1, x.sum()), donate_argnums=0)
+    first = jnp.zeros(3)
+    carry = Carry(first)
+    out = alternated({"step": carried(step, carry, calls=2)}, 2)
+    assert first.is_deleted() and carry.value.tolist() == [6.0] * 3 and out["step"] > 0
 
 
 def test_report_under_json_leaves_stdout_to_the_json(capsys):

@@ -8,7 +8,8 @@ Saves go to a temporary directory on the same disk as the system temp dir. Throu
 measured on synthetic batches with the real train step; each setting runs `--steps` steps,
 the two settings alternate `--repeats` times, medians are reported (eval/timing.py). The last
 save is `--every` steps before the end, and the time includes waiting for it to complete, as a
-run's next save would. `--json` prints {params, save: {bytes, all_finite, save_blocking,
+run's next save would, and opening and closing the measurement's checkpoint directory (about a
+millisecond). `--json` prints {params, save: {bytes, all_finite, save_blocking,
 save_total, manifest, verify, restore} (seconds), steps_per_s: {none, every} (absent with
 --no-throughput), every}.
 """
@@ -30,7 +31,7 @@ from effattn_jax.sharding import make_mesh
 from effattn_jax.train.state import init_state, make_setup
 from effattn_jax.train.step import all_finite, make_train_step
 from eval.bench import common
-from eval.timing import alternated
+from eval.timing import Carry, alternated, carried
 
 
 def _timed(fn) -> float:
@@ -84,30 +85,30 @@ def save_restore_times(cfg, setup, state, root: Path, repeats: int) -> dict[str,
 
 
 def throughput(cfg, setup, state, root: Path, steps: int, every: int, repeats: int) -> dict[str, float]:
-    """Median steps/s without checkpoints and with one every `every` steps (async), alternated."""
+    """Median steps/s without checkpoints and with one every `every` steps (async), alternated, the
+    train state carried from measurement to measurement."""
     step_fn = make_train_step(setup)
     batch = common.synthetic_batch(cfg.data.batch_size, cfg.data.seq_len)
     batch = jax.device_put(batch, setup.batch_sharding())
-    run = {"state": step_fn(state, batch)[0]}  # compiled
-    jax.block_until_ready(run["state"])
+    run = Carry(step_fn(state, batch)[0])  # compiled
+    jax.block_until_ready(run.value)
     rounds = iter(range(2 * repeats))
 
     def steps_per_s(mode: str):
-        def measure() -> float:
+        def train(state):
             ckpts = checkpoint.Checkpoints(root / f"t{next(rounds)}{mode}", keep_last=2, async_save=True)
-            t = time.perf_counter()
             for i in range(1, steps + 1):
-                run["state"], _ = step_fn(run["state"], batch)
+                state, _ = step_fn(state, batch)
                 if mode == "every" and i % every == 0 and i < steps:  # a save overlaps the steps after it
-                    assert bool(all_finite(run["state"]))
-                    ckpts.save(i, run["state"], None, cfg.to_dict())
-            jax.block_until_ready(run["state"])
+                    assert bool(all_finite(state))
+                    ckpts.save(i, state, None, cfg.to_dict())
+            jax.block_until_ready(state)
             ckpts.finish()
-            rate = steps / (time.perf_counter() - t)
             ckpts.close()
-            return rate
+            return state, None  # waited for above
 
-        return measure
+        measure = carried(train, run)
+        return lambda: steps / measure()
 
     return alternated({mode: steps_per_s(mode) for mode in ("none", "every")}, repeats, warmup=0)
 

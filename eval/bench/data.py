@@ -2,12 +2,16 @@
 pipeline's streaming throughput against the default model's consumption, and a training
 process's peak resident memory on a large prepared corpus against on the built-in one.
 
-    python -m eval.bench.data [--copies 90] [--workers 2] [--steps 30] [--root DIR] [--keep] [--json]
+    python -m eval.bench.data [--copies 90] [--workers 2] [--steps 30] [--repeats 10] [--root DIR]
+        [--keep] [--json]
 
 The synthetic corpus is `--copies` copies of the built-in corpus's training speeches, each copy
 with every speech's paragraphs shuffled by its own seed (no two copies alike), written as one
 .jsonl file per copy (90 copies: about 204M tokens with the default tokenizer). It lives under
 `--root` (default: a fresh temporary directory) and is deleted afterwards unless `--keep`.
+The input pipeline's rate (stream_*) is the median of `--repeats` one-second windows
+(eval/timing.py), after one not kept; BENCHMARKS.md's figures of 2026-12-01 are one 10-second
+window after 20 batches. A training process's tokens/s is the median of its logged rates.
 `--json` prints {copies, text_gb, tokens, prepare_s, prepare_tokens_per_s, workers, shards_gb,
 stream_tokens_per_s, stream_rows_per_s, sotu_peak_rss_gib, sotu_tokens_per_s, large_peak_rss_gib,
 large_tokens_per_s, pipeline_over_consumption, peak_rss_large_over_sotu}.
@@ -34,6 +38,7 @@ from effattn_jax.data.pipeline import train_iterator
 from effattn_jax.data.prepare import prepare
 from effattn_jax.train.metrics import read_scalars
 from eval.bench import common
+from eval.timing import alternated
 
 CONFIG = "configs/cpu/default.yaml"
 
@@ -51,21 +56,25 @@ def write_corpus(root: Path, copies: int) -> Inputs:
     return Inputs(tuple(sorted(root.glob("*.jsonl"))), val_fraction=0.01)
 
 
-def stream_rate(manifest, seconds: float = 10.0) -> tuple[float, float]:
-    """(tokens/s, rows/s) of the training iterator alone (default batch and sequence length)."""
+def stream_rate(manifest, rounds: int, window: float = 1.0) -> tuple[float, float]:
+    """(tokens/s, rows/s) of the training iterator alone (default batch and sequence length): the
+    median of `rounds` windows of `window` seconds each, after one that is not kept (it starts the
+    iterator's readers)."""
     data = load_config(CONFIG).data
     from effattn_jax.data.shards import PackedRows
 
     it = train_iterator(
         PackedRows(manifest.stream("train"), data.seq_len), batch_size=data.batch_size, seed=0
     )
-    for _ in range(20):
-        next(it)
-    batches, start = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - start) < seconds:
-        next(it)
-        batches += 1
-    rows = batches * data.batch_size / elapsed
+
+    def rows_per_s() -> float:
+        batches, start = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - start) < window:
+            next(it)
+            batches += 1
+        return batches * data.batch_size / elapsed
+
+    rows = alternated({"rows": rows_per_s}, rounds)["rows"]
     return rows * data.seq_len, rows
 
 
@@ -95,6 +104,7 @@ def main(argv=None) -> int:
     p.add_argument("--copies", type=positive_int, default=90)
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     p.add_argument("--steps", type=positive_int, default=30, help="train steps per training process")
+    p.add_argument("--repeats", type=positive_int, default=10, help="1-second windows of the input pipeline")
     p.add_argument("--root", type=Path, default=None)
     p.add_argument("--keep", action="store_true")
     args = p.parse_args(argv)
@@ -132,7 +142,7 @@ def measure(args, root: Path) -> dict:
         f"{tokens / seconds:,.0f} tokens/s; shards {out['shards_gb']:.2f} GB"
     )
 
-    tok_s, rows_s = out["stream_tokens_per_s"], out["stream_rows_per_s"] = stream_rate(manifest)
+    tok_s, rows_s = out["stream_tokens_per_s"], out["stream_rows_per_s"] = stream_rate(manifest, args.repeats)
     print(f"input pipeline alone: {tok_s:,.0f} tokens/s, {rows_s:,.0f} packed rows/s")
 
     rss_small, rate_small = train_process(root / "run_sotu", args.steps, [])

@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 import jax
 
@@ -77,7 +76,7 @@ from eval.decoding import (
     moba_decode_cases,
     moba_vs_dense_decode,
 )
-from eval.timing import alternated
+from eval.timing import Carry, alternated, carried
 
 LATENT = ["eg_mla.gate_at=latent"]
 PROJECTED_256 = ["eg_mla.gate_at=projected", "eg_mla.projected_dim=256"]  # MLA-Base's latent width
@@ -108,15 +107,7 @@ def train_cost(cfg, steps: int = 3) -> dict:
     batch = jax.device_put(common.synthetic_batch(b, s), setup.batch_sharding())
     step = make_train_step(setup).lower(state, batch).compile()  # compiled once: measured and run
     check_fits(step, jax.local_devices()[:1], "the train step", "a smaller batch or sequence")
-    run = {"state": state}
-
-    def one_step() -> float:
-        t = time.perf_counter()
-        run["state"], m = step(run["state"], batch)
-        jax.block_until_ready(m)
-        return time.perf_counter() - t
-
-    sec = alternated({"step": one_step}, steps)["step"]
+    sec = alternated({"step": carried(lambda state: step(state, batch), Carry(state))}, steps)["step"]
     return {"step_s": sec, "tokens_per_s": b * s / sec, "memory_gib": program_bytes(step) / 2**30}
 
 

@@ -85,7 +85,7 @@ from eval.bench import block_kernels, common, gpu_checks, gpu_routing, gpu_trans
 from eval.bench.attention import structured_inputs
 from eval.bench.latent_kernel import latent_kernel_case
 from eval.decoding import copy_bandwidth, latent_decode, moba_vs_dense_decode
-from eval.timing import alternated, seconds
+from eval.timing import Carry, alternated, carried, seconds
 from pallas_kernels import gpu_memory
 from pallas_kernels.moba.schedule import GPU_TILES
 
@@ -313,16 +313,14 @@ def _gpu_kernels(x, shape: dict, tiles: BlockSizes) -> str:
 def _train_steps(setup, batches: list, losses: list):
     """A contender for the timer: the seconds of the next train step over `batches` (its loss kept in
     `losses`), the state carried from step to step."""
-    state, step, batches = init_state(setup), make_train_step(setup), iter(batches)
+    step, batches = make_train_step(setup), iter(batches)
 
-    def one() -> float:
-        nonlocal state
-        t = time.perf_counter()
+    def one(state):
         state, metrics = step(state, jax.device_put(next(batches), setup.batch_sharding()))
         losses.append(float(metrics["loss"]))  # waits for the step
-        return time.perf_counter() - t
+        return state, metrics
 
-    return one
+    return carried(one, Carry(init_state(setup)))
 
 
 def train_pair(suite: Suite, rows: list, overrides: list[str], steps: int, loss_tol: float) -> None:

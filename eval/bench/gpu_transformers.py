@@ -2,17 +2,18 @@
 for the same Llama-architecture model (random weights, bf16 weights, caches and compute), greedy.
 
     python -m eval.bench.gpu_transformers --side ours|transformers --shape llama_12l_d768 \
-        --prompt 4096 --batch 1 [--new-tokens 64] [--dry] [--json]
+        --prompt 4096 --batch 1 [--new-tokens 64] [--repeats 3] [--trace DIR] [--json]
 
-prints one JSON row on stdout, with or without `--json` (the suite reads it; keys: side, shape,
-prompt, batch, new_tokens, decode_tokens_per_s; ours also step_ops, the operations its compiled step
-launches, and step_bytes_accessed; ...; `skipped` where that side cannot run here). Decode tokens/s
-= batch x (new_tokens - 1) over the time of a `new_tokens` generation less that of a one-token one
-(prefill and first token), each the median of alternated repeats after a warm-up that compiles: the
-prompt's prefill is not counted. transformers runs with a static cache and SDPA attention, as
-`generate` does by default with a static cache (recent versions compile the step with torch.compile:
-`torch_compile` in the row says which), and again with compilation disabled where the version has
-that switch.
+prints the platform line and a line per row; `--json` prints the list of rows (the suite reads it;
+keys: side, shape, prompt, batch, new_tokens, dtype, impl, decode_tokens_per_s, step_ms,
+generate_s, prefill_and_first_s; ours also jax, step_ops (the operations its compiled step
+launches) and step_bytes_accessed; theirs torch_compile, transformers, torch; `skipped` where that
+side cannot run here, `error` where a setting failed). Decode tokens/s = batch x (new_tokens - 1)
+over the time of a `new_tokens` generation less that of a one-token one (prefill and first
+token), each the median of alternated repeats after a warm-up that compiles: the prompt's prefill
+is not counted. transformers runs with a static cache and SDPA attention, as `generate` does by
+default with a static cache (recent versions compile the step with torch.compile: `torch_compile`
+in the row says which), and again with compilation disabled where the version has that switch.
 
 The GPU suite (eval/bench/gpu_suite.py, section `transformers`) runs each (shape, prompt, batch,
 side) in a process of its own, so each starts with the GPU's memory free of the other's. torch and
@@ -127,10 +128,7 @@ def ours(
     gen.params = jax.tree.map(lambda x: x.astype(dtype) if floating(x) else x, gen.params)
     prompts = np.random.default_rng(0).integers(0, model.embed.shape[0], (batch, prompt)).tolist()
     rate = decode_rate(lambda n: gen.generate(prompts, n), batch, new_tokens, repeats)
-    caches = gen._empty_caches(batch, cache_length(prompt + new_tokens))
-    tokens = jnp.zeros(batch, jnp.int32)
-    step = gen._step.lower(gen.params, tokens, tokens, caches, jax.random.key(0), temperature=0.0, top_p=1.0)
-    census = program_census(step.compile())
+    census = program_census(gen.compiled_step(batch, cache_length(prompt + new_tokens)))
     if trace:
         with jax.profiler.trace(trace):
             gen.generate(prompts, new_tokens)
@@ -181,7 +179,7 @@ def _run_case(case: dict, p: dict, seconds: float, trace: Path | None) -> list[d
     flags = dict(case, new_tokens=p["new_tokens"], repeats=p["repeats"], dtype=p["dtype"])
     if trace and case["side"] == "ours":
         flags["trace"] = trace / "{shape}_{prompt}_b{batch}".format(**case)
-    cmd = [sys.executable, "-m", "eval.bench.gpu_transformers"]
+    cmd = [sys.executable, "-m", "eval.bench.gpu_transformers", "--json"]
     cmd += [arg for key, value in flags.items() for arg in (f"--{key.replace('_', '-')}", str(value))]
     try:
         done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=seconds)
@@ -189,7 +187,7 @@ def _run_case(case: dict, p: dict, seconds: float, trace: Path | None) -> list[d
         return [case | {"skipped": "time budget (ran out mid-case)"}]
     if done.returncode:
         return [case | {"exit": done.returncode, "stderr_tail": done.stderr.strip().splitlines()[-3:]}]
-    return [json.loads(line) for line in done.stdout.splitlines()]
+    return json.loads(done.stdout)
 
 
 def section(suite, rows: list, p: dict, trace: Path | None = None) -> None:
@@ -238,10 +236,22 @@ def main(argv=None) -> int:
     case = dict(side=args.side, shape=args.shape, prompt=args.prompt, batch=args.batch,
                 new_tokens=args.new_tokens, dtype=args.dtype)  # fmt: skip
     shared = (args.shape, args.prompt, args.batch, args.new_tokens, args.repeats, args.dtype)
-    rows = ours(*shared, trace=args.trace) if args.side == "ours" else transformers_side(*shared)
-    for row in rows if isinstance(rows, list) else [rows]:
-        print(json.dumps(case | row), flush=True)
+    about = f"{args.side}: {args.shape}, prompt {args.prompt}, batch {args.batch}, {args.dtype}"
+    with common.report(args, about) as emit:
+        rows = [ours(*shared, trace=args.trace)] if args.side == "ours" else transformers_side(*shared)
+        rows = [case | row for row in rows]
+        for row in rows:
+            print(_line(row), flush=True)
+        emit(rows)
     return 0
+
+
+def _line(row: dict) -> str:
+    """A row as the line printed without --json."""
+    what = f"{row['side']}" + (f" (torch_compile {row['torch_compile']})" if "torch_compile" in row else "")
+    if "decode_tokens_per_s" in row:
+        return f"{what}: {row['decode_tokens_per_s']:,.0f} decode tokens/s, a step {row['step_ms']:.3f} ms"
+    return f"{what}: {row.get('skipped') or row.get('error')}"
 
 
 if __name__ == "__main__":

@@ -3,10 +3,13 @@
     python -m eval.bench.train --config configs/cpu/default.yaml [key=value ...] [--repeats 5]
         [--profile 15] [--json]
 
-Alternates timed train steps (synthetic tokens, the real step function and
-shardings) with timed large matmuls so that machine noise hits both (eval/timing.py); reports
-medians, tokens/s, model FLOP/s and its fraction of the matmul peak. `--profile N` then
-traces a few steps and prints the N XLA ops that took the most time: where the step goes.
+Alternates timed train steps (synthetic tokens, the real step function and shardings) with a
+timed 2048^3 float32 matmul, so that machine noise hits both (eval/timing.py); reports medians,
+tokens/s, model FLOP/s and its fraction of the matmul peak. The peak (matmul_peak_flops_per_s) is
+the matmul's rate at its median time, one call per round (BENCHMARKS.md's figures of 2026-12-02
+took the median of each round's best of 5 calls: a higher peak, so lower fractions of it).
+`--profile N` then traces a few steps and prints the N XLA ops that took the most time: where the
+step goes.
 `--json` prints {params, non_embedding_params, flops_per_token, batch, seq_len, compile_s, step_s,
 tokens_per_s, model_flops_per_s, matmul_peak_flops_per_s, fraction_of_peak, head_loss_s,
 head_matmuls_s, head_matmuls_flops_per_s, free_softmax_fraction_of_peak, top_ops: [[op, seconds
@@ -34,23 +37,16 @@ from effattn_jax.sharding import config_mesh
 from effattn_jax.train.state import init_state, make_setup
 from effattn_jax.train.step import make_train_step
 from eval.bench import common
-from eval.timing import alternated, seconds
+from eval.timing import Carry, alternated, carried, seconds
+
+MATMUL_N = 2048  # the timed matmul's size: the peak is its rate
 
 
-def matmul_peak(n: int = 2048):
+def matmul_timer(n: int):
+    """Times one n x n x n float32 matmul (compiled first): the machine's matmul rate, the peak the
+    step's FLOP/s is a fraction of, is 2 n^3 over its median."""
     a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n)), jnp.float32)
-    f = jax.jit(lambda x, y: x @ y)
-    f(a, a).block_until_ready()
-
-    def once(tries: int = 5):
-        best = 0.0
-        for _ in range(tries):
-            t = time.perf_counter()
-            f(a, a).block_until_ready()
-            best = max(best, 2 * n**3 / (time.perf_counter() - t))
-        return best
-
-    return once
+    return _warm_timer(jax.jit(lambda x, y: x @ y), a, a)
 
 
 def head_loss_timer(cfg, embed, batch):
@@ -154,23 +150,16 @@ def measure(args) -> dict:
     compile_s = time.perf_counter() - t0
     counts = param_counts(setup.model(state["params"]))
     flops_tok = train_flops_per_token(cfg, counts["non_embedding"])
-    run = {"state": state}
-
-    def steps() -> float:
-        t = time.perf_counter()
-        for _ in range(args.steps_per_repeat):
-            run["state"], m = step(run["state"], batch)
-        jax.block_until_ready(m)
-        return (time.perf_counter() - t) / args.steps_per_repeat
-
+    run = Carry(state)
     contenders = {  # each warmed up already
-        "step": steps,
-        "peak": matmul_peak(),  # FLOP/s, best of 5
+        "step": carried(lambda state: step(state, batch), run, calls=args.steps_per_repeat),
+        "matmul": matmul_timer(MATMUL_N),
         "head": head_loss_timer(cfg, jnp.copy(state["params"]["embed"]), batch),
         "matmuls": head_matmuls_timer(cfg, jnp.copy(state["params"]["embed"]), batch),
     }
     med = alternated(contenders, args.repeats, warmup=0)
-    st, peak, ht, mt = med["step"], med["peak"], med["head"], med["matmuls"]
+    st, ht, mt = med["step"], med["head"], med["matmuls"]
+    peak = 2 * MATMUL_N**3 / med["matmul"]
     tok_s = b * s / st
     head_flops = 6 * b * s * cfg.model.d_model * cfg.model.vocab_size
     out = {"params": counts["total"], "non_embedding_params": counts["non_embedding"],
@@ -187,7 +176,7 @@ def measure(args) -> dict:
     print(f"train step median: {st * 1e3:.0f} ms  -> {tok_s:,.0f} tokens/s")
     print(
         f"model FLOP/s: {tok_s * flops_tok / 1e9:.1f} GFLOP/s; "
-        f"float32 matmul peak (best of 5 2048^3 per repeat, median): {peak / 1e9:.1f} GFLOP/s"
+        f"float32 matmul peak ({MATMUL_N}^3, median of {args.repeats}): {peak / 1e9:.1f} GFLOP/s"
     )
     print(f"fraction of peak: {out['fraction_of_peak']:.1%}")
     print(
@@ -204,7 +193,7 @@ def measure(args) -> dict:
         print(
             f"costliest XLA ops, ms per step summed over threads (profiled; the step is {st * 1e3:.0f} ms):"
         )
-        out["top_ops"] = top_ops(step, run["state"], batch)[: args.profile]
+        out["top_ops"] = top_ops(step, run.value, batch)[: args.profile]
         for name, sec in out["top_ops"]:
             print(f"  {sec * 1e3:8.1f}  {sec / st:5.1%}  {name}")
     return out
