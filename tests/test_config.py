@@ -174,3 +174,15 @@ def test_start_notices_say_what_runs_otherwise_than_expected():
     assert line.startswith("notice: moba.impl=pallas_triton runs the triton kernels interpreted on this cpu")
     (line,) = start_notices(cpu("moba.top_k=4"))
     assert "moba.top_k=4 covers all 4 blocks of a 256-token row" in line
+
+
+def test_a_dense_run_resumes_whatever_moba_block_its_config_names():
+    """moba.* is compared on resume only where a layer runs MoBA (in the saved run or the new one):
+    the CPU config names a block for `attention.core=moba`, and runs saved before it still resume.
+    Catches: a dense run refused for a key it never used, or a MoBA run resumed with another block."""
+    from effattn_jax.train.run_dir import config_changes
+
+    cfg = lambda *o: load_config(ROOT / "configs/cpu/default.yaml", list(o))
+    assert config_changes(cfg("moba.block_size=512").to_dict(), cfg()) == []
+    assert config_changes(cfg("moba.block_size=128", "attention.core=moba").to_dict(), cfg("attention.core=moba"))
+    assert config_changes(cfg().to_dict(), cfg("attention.core=moba"))  # dense -> MoBA is refused

@@ -116,14 +116,25 @@ def _flat(tree: dict, prefix: str = "") -> dict:
     return out
 
 
+def _uses_moba(cfg: Config) -> bool:
+    return any(cfg.layer_spec(i)[1] == "moba" for i in range(cfg.model.num_layers))
+
+
 def config_changes(saved: dict, cfg: Config) -> list[str]:
-    """`key: saved -> new` for every difference a resumed run may not make."""
+    """`key: saved -> new` for every difference a resumed run may not make. The moba.* keys count
+    only where a MoBA layer does, in the saved run or the new one: a dense run resumes whatever
+    MoBA block its config file names for `attention.core=moba`."""
+    moba_counts = True
     with contextlib.suppress(ConfigError):  # with this version's defaults filled in, as the run will be read
-        saved = config_from_dict(saved).to_dict()
+        saved_cfg = config_from_dict(saved)
+        saved = saved_cfg.to_dict()
+        moba_counts = _uses_moba(saved_cfg) or _uses_moba(cfg)
     old, new = _flat(saved), _flat(cfg.to_dict())
     changes = []
     for key in sorted(set(old) | set(new)):
         if key in RESUMABLE or key.split(".")[0] in RESUMABLE_SECTIONS:
+            continue
+        if key.startswith("moba.") and not moba_counts:
             continue
         if old.get(key, "<unset>") != new.get(key, "<unset>"):
             changes.append(f"{key}: {old.get(key, '<unset>')!r} -> {new.get(key, '<unset>')!r}")
