@@ -184,5 +184,7 @@ def test_a_dense_run_resumes_whatever_moba_block_its_config_names():
 
     cfg = lambda *o: load_config(ROOT / "configs/cpu/default.yaml", list(o))
     assert config_changes(cfg("moba.block_size=512").to_dict(), cfg()) == []
-    assert config_changes(cfg("moba.block_size=128", "attention.core=moba").to_dict(), cfg("attention.core=moba"))
+    assert config_changes(
+        cfg("moba.block_size=128", "attention.core=moba").to_dict(), cfg("attention.core=moba")
+    )
     assert config_changes(cfg().to_dict(), cfg("attention.core=moba"))  # dense -> MoBA is refused
