@@ -222,10 +222,18 @@ def mosaic_by_default(verified):
     verified(*((family, "mosaic") for family in gpu_dispatch.FAMILIES))
 
 
+COLLECTED: set[str] = set()  # every test case collected, before -m deselects any (test_lanes reads it)
+
+
 def pytest_collection_modifyitems(items):
-    """Marks the long lane's tests (tests/lanes.py) `long`."""
-    from lanes import LONG
+    """Marks the long lane's tests (tests/lanes.py) `long`, and the cases it takes out of the quick
+    loop `slow`."""
+    from lanes import LONG, QUICK_OUT
 
     for item in items:
-        if f"{item.path.name}::{item.originalname}" in LONG:
+        COLLECTED.add(f"{item.path.name}::{item.name}")
+        function = f"{item.path.name}::{item.originalname}"
+        if function in LONG:
             item.add_marker(pytest.mark.long)
+        if function in QUICK_OUT or f"{item.path.name}::{item.name}" in QUICK_OUT:
+            item.add_marker(pytest.mark.slow)
