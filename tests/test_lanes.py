@@ -3,8 +3,8 @@ drop out of both `make test` and `make test-long`, and the quick loop's list sta
 
 import ast
 
-from conftest import COLLECTED, ROOT
 import pytest
+from conftest import COLLECTED, ROOT
 from lanes import LONG, QUICK_OUT
 
 
