@@ -58,6 +58,7 @@ HOW = {
         "make train": MAKE,
         "make test": MAKE,
         "make test-fast": MAKE,
+        "make test-long": MAKE,
         "make test-docs": MAKE,
         "make test-lower": MAKE,
         "make gpu-compile": MAKE,
