@@ -96,7 +96,7 @@ def _fwd(q, k, v, own_start, past, key_starts, firsts, call: KernelCall):
     if past is None:
         out, lse = o_own.astype(q.dtype), lse_own
     else:
-        _, lay = parts.layout(k, k, v, call)  # the whole sequence's K/V (k stands in for q: its shape)
+        lay = parts.kv_layout(k, v, call, q_heads=hq)  # the whole sequence's K/V
         o_rows, l_rows = parts.past_forward(call, q.reshape(-1, d), lay, past)
         own = lambda start, size: tuple(
             jax.lax.dynamic_slice_in_dim(x, start, size, axis=1) for x in (o_own, lse_own)
@@ -128,7 +128,7 @@ def _bwd(call: KernelCall, res, d_out):
     dq = jnp.concatenate(dq_parts, axis=1)
     dk, dv = dk[:, c:].astype(k.dtype), dv[:, c:].astype(v.dtype)
     if past is not None:
-        _, lay = parts.layout(k, k, v, call)
+        lay = parts.kv_layout(k, v, call, q_heads=hq)
         flat = (
             q.reshape(-1, d),
             d_out.reshape(-1, d_out.shape[-1]).astype(lay.v.dtype),

@@ -178,15 +178,19 @@ def reads_in_place(backend: str, seq: int, head_dim: int, v_head_dim: int, block
 
 def layout(q, k, v, call: KernelCall):
     """Flat query rows [B*S*Hq, D] (the selected blocks' tiles gather them) and the layout."""
-    block_sizes, block_size, backend = call.block_sizes, call.block_size, call.backend
     b, s, hq, d = q.shape
-    natural = reads_in_place(backend, s, d, v.shape[-1], block_size)
+    return q.reshape(b * s * hq, d), kv_layout(k, v, call, q_heads=hq)
+
+
+def kv_layout(k, v, call: KernelCall, *, q_heads: int) -> Layout:
+    """The kernels' view of K [B, S, Hkv, D] and V for `q_heads` query heads, S the keys' length
+    (a context shard's queries see every shard's keys)."""
+    b, s, hkv, d = k.shape
+    natural = reads_in_place(call.backend, s, d, v.shape[-1], call.block_size)
     if natural:
-        kf, vf = k.reshape(b, s, -1), v.reshape(b, s, -1)
-    else:
-        seq_pad = padded_length(s, block_size, block_sizes)
-        kf, vf = _heads(k, seq_pad), _heads(v, seq_pad)
-    return q.reshape(b * s * hq, d), Layout((hq, k.shape[2]) if natural else None, kf, vf)
+        return Layout((q_heads, hkv), k.reshape(b, s, -1), v.reshape(b, s, -1))
+    seq_pad = padded_length(s, call.block_size, call.block_sizes)
+    return Layout(None, _heads(k, seq_pad), _heads(v, seq_pad))
 
 
 def past_schedule(past_start, *, hkv: int, call: KernelCall, key_len: int | None = None):
