@@ -261,3 +261,15 @@ def test_cited_docs_exist():
     assert {"docs/moba.md", "docs/mla.md", "docs/eg_mla.md", "docs/architecture.md"} <= cited
     missing = sorted(c for c in cited if not (ROOT / c).is_file())
     assert not missing, missing
+
+
+def test_no_private_name_is_imported_from_another_module():
+    """`from project.module import _name` makes a file depend on what another calls its own
+    business; a name two files share is public (no underscore)."""
+    modules = module_files()
+    hits = []
+    for name, path in [*modules.items(), ("train", ROOT / "train.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in PACKAGES:
+                hits += [f"{name}: {node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+    assert hits == [], hits

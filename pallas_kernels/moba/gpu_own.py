@@ -40,7 +40,7 @@ def own_tables(own_start: jax.Array, *, seq_pad: int, q_tile: int, kv_block: int
     return lo[..., None], first.astype(jnp.int32).reshape(-1), q_end.astype(jnp.int32).reshape(-1)
 
 
-def _kv_row(r, hq: int, hkv: int):
+def kv_row(r, hq: int, hkv: int):
     """The K/V row (batch x KV head) of query row r (batch x query head)."""
     return (r // hq) * hkv + (r % hq) // (hq // hkv)
 
@@ -55,7 +55,7 @@ def _scores(q, k, lo, q0, k0, *, scale):
 
 def _fwd_kernel(first_ref, q_ref, lo_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, ck, hq, hkv, nq):
     r, i = pl.program_id(0), pl.program_id(1)
-    kv, q, lo = _kv_row(r, hq, hkv), q_ref[...], lo_ref[...]  # [Qt, D], [Qt, 1]
+    kv, q, lo = kv_row(r, hq, hkv), q_ref[...], lo_ref[...]  # [Qt, D], [Qt, 1]
     qt, dv = q.shape[0], o_ref.shape[-1]
 
     def body(j, carry):
@@ -83,7 +83,7 @@ def _dq_kernel(
 ):
     r, i = pl.program_id(0), pl.program_id(1)
     kv, q, lo, do, lse, delta = (
-        _kv_row(r, hq, hkv),
+        kv_row(r, hq, hkv),
         q_ref[...],
         lo_ref[...],
         do_ref[...],

@@ -44,7 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.gpu_memory import smem_limit
-from pallas_kernels.moba.gpu_own import _kv_row, own_tables  # noqa: F401  (own_tables: the same tables)
+from pallas_kernels.moba.gpu_own import kv_row, own_tables  # noqa: F401  (own_tables: the same tables)
 
 SMEM_LIMIT = smem_limit("9.0")  # bytes of shared memory one block may use on an H100/H200
 
@@ -246,7 +246,7 @@ def _fwd_body(
 ):
     (k_smem, v_smem), o_smem = kv_or_o  # o is staged where the K/V ring was: the ring is done by then
     r, i = lax.axis_index("rows"), lax.axis_index("tiles")
-    b, kv, q0 = r // hq, _kv_row(r, hq, hkv), i * qt
+    b, kv, q0 = r // hq, kv_row(r, hq, hkv), i * qt
     first = first_ref[b * nq + i]
     steps = (q0 + qt - 1) // ck + 1 - first
     plgpu.copy_gmem_to_smem(q_ref.at[r, pl.ds(q0, qt), :], q_smem, q_bar.at[0])
@@ -376,7 +376,7 @@ def _dq_body(
     staging=None,
 ):
     r, i = lax.axis_index("rows"), lax.axis_index("tiles")
-    b, kv, q0 = r // hq, _kv_row(r, hq, hkv), i * qt
+    b, kv, q0 = r // hq, kv_row(r, hq, hkv), i * qt
     first = first_ref[b * nq + i]
     steps = (q0 + qt - 1) // ck + 1 - first
     rows = pl.ds(q0, qt)
