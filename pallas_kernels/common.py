@@ -26,6 +26,14 @@ def tpu_vmem_limit(blocks: int, scratch: int, temporaries: int) -> int:
     return max(2 * blocks + scratch + temporaries, 16 << 20)
 
 
+def mosaic_gpu_interpret(interpret: bool):
+    """plgpu.kernel's `interpret` for the Mosaic GPU kernels: the GPU interpreter, or None to
+    compile."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu  # imported only for the Mosaic GPU kernels
+
+    return plgpu.InterpretGPUParams() if interpret else None
+
+
 def tpu_interpret(interpret):
     """pallas_call's `interpret` for the TPU kernels: "tpu" runs the TPU interpreter
     (`pltpu.InterpretParams()`: DMAs, semaphores, TPU memory on CPU), an InterpretParams is

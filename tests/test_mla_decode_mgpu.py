@@ -65,7 +65,9 @@ def test_no_races_between_the_warpgroups(monkeypatch):
     warpgroup 0 refilling a slot before both compute warpgroups released it (dropping its
     consumed-barrier wait)."""
     monkeypatch.setattr(
-        mgpu, "_interpret", lambda interpret: plgpu.InterpretGPUParams(detect_races=True, on_race="raise")
+        mgpu,
+        "mosaic_gpu_interpret",
+        lambda interpret: plgpu.InterpretGPUParams(detect_races=True, on_race="raise"),
     )
     q_lat, q_rope, lat, kr = _inputs(16, 512, 64, 328, batch=1)
     assert mgpu.stages_for(512, 64, 2) == 2

@@ -83,7 +83,7 @@ def test_no_races_in_the_ring(monkeypatch):
     refill before the step's p @ V raises here)."""
     monkeypatch.setattr(
         mgpu_decode,
-        "_interpret",
+        "mosaic_gpu_interpret",
         lambda interpret: plgpu.InterpretGPUParams(detect_races=True, on_race="raise"),
     )
     monkeypatch.setattr(mgpu_decode, "MAX_STAGES", 2)

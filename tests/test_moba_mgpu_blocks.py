@@ -195,7 +195,7 @@ def test_no_races_between_the_warpgroups(monkeypatch):
     wait raises here)."""
     monkeypatch.setattr(
         mgpu_blocks,
-        "_interpret",
+        "mosaic_gpu_interpret",
         lambda interpret: plgpu.InterpretGPUParams(detect_races=True, on_race="raise"),
     )
     args, past, do, kw, _ = _kernel_inputs("ring_wraps")

@@ -184,23 +184,32 @@ def test_imports_run_one_way(graph):
 
 
 def test_each_kernel_backend_stands_alone(graph):
-    """The GPU kernels do not import the TPU ones (or the reverse); what they share is in
-    pallas_kernels/common.py (every kernel), moba/common.py (the MoBA kernel bodies) and
-    moba/schedule.py (the MoBA schedule and tiles, also the XLA path's), which import no kernel
+    """The GPU kernels do not import the TPU ones (or the reverse), and the Triton kernels do not
+    import the Mosaic GPU ones (which may reuse Triton's tables); what they share is in
+    pallas_kernels/common.py (every kernel), moba/common.py (the MoBA kernel bodies),
+    moba/routing_common.py (the routing kernels') and moba/schedule.py (the MoBA schedule and
+    tiles, also the XLA path's), which import no kernel
     (schedule.py, for `auto` tiles, only common.py and the GPU's shared-memory model,
     gpu_memory.py, which imports nothing)."""
-    shared = {"pallas_kernels.common", "pallas_kernels.moba.common", "pallas_kernels.moba.schedule"}
-    by_backend = {
+    shared = {
+        "pallas_kernels.common",
+        "pallas_kernels.moba.common",
+        "pallas_kernels.moba.schedule",
+        "pallas_kernels.moba.routing_common",
+    }
+    by_backend = {  # gpu: Triton; mgpu: Mosaic GPU
         b: {*(f"pallas_kernels.moba.{b}_{part}" for part in ("own", "blocks", "decode")),
-            f"pallas_kernels.mla_decode.{b}"}
-        for b in ("tpu", "gpu")
+            f"pallas_kernels.moba.routing_{b}", f"pallas_kernels.mla_decode.{b}"}
+        for b in ("tpu", "gpu", "mgpu")
     }  # fmt: skip
     by_backend["gpu"].add("pallas_kernels.gpu_memory")  # shared memory: the GPU kernels' estimates
     by_backend["tpu"].add("pallas_kernels.moba.tpu_smem")  # scalar memory: the TPU kernels' tables
+    allowed = by_backend | {"mgpu": by_backend["mgpu"] | by_backend["gpu"]}
     for backend, names in by_backend.items():
         for name in names:
             assert name in graph, name
-            assert graph[name] <= names | shared, f"{name} ({backend}) imports {graph[name] - names - shared}"
+            wrong = graph[name] - allowed[backend] - shared
+            assert not wrong, f"{name} ({backend}) imports {wrong}"
     assert graph["pallas_kernels.common"] == set()
     assert graph["pallas_kernels.moba.schedule"] <= {"pallas_kernels.gpu_memory", "pallas_kernels.common"}
     assert graph["pallas_kernels.gpu_memory"] == set()
@@ -208,8 +217,11 @@ def test_each_kernel_backend_stands_alone(graph):
 
 
 def test_kernel_helpers_are_defined_once():
-    """NT, TN, tpu_interpret and triton_params live in pallas_kernels/common.py only."""
-    pattern = re.compile(r"^(NT|TN) = |^def (tpu_interpret|triton_params)\(", re.M)
+    """NT, TN, tpu_interpret, mosaic_gpu_interpret and triton_params live in pallas_kernels/common.py
+    only (the Mosaic GPU interpreter's params are built there alone)."""
+    pattern = re.compile(
+        r"^(NT|TN) = |^def (tpu_interpret|mosaic_gpu_interpret|triton_params)\(|InterpretGPUParams\(\)", re.M
+    )
     hits = [
         str(path.relative_to(ROOT))
         for path in (ROOT / "pallas_kernels").rglob("*.py")

@@ -44,7 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import gpu_memory
-from pallas_kernels.common import combine_partials
+from pallas_kernels.common import combine_partials, mosaic_gpu_interpret
 from pallas_kernels.mla_decode import gpu
 
 ROWS = 64  # heads per group: a warpgroup matmul's rows
@@ -103,10 +103,6 @@ def supports(*, heads: int, d: int, dr: int, length: int, dtype, q_dtype=None) -
         need = smem_bytes(d, dr, itemsize, 2)
         return f"{KERNEL} needs about {need:,} bytes of shared memory, over an H100/H200's"
     return None
-
-
-def _interpret(interpret):
-    return plgpu.InterpretGPUParams() if interpret else None
 
 
 def _smem(shape, dtype):
@@ -300,7 +296,7 @@ def mla_decode_mgpu(
         num_threads=wgs,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=_interpret(interpret),
+        interpret=mosaic_gpu_interpret(interpret),
     )(lengths.astype(jnp.int32), pad(q_lat), pad(q_rope), lat, kr)
     out = out[:, 0] if count == 1 else combine_partials(out, m, l, axis=1)
     return out[:, :h]

@@ -38,6 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import gpu_memory
+from pallas_kernels.common import mosaic_gpu_interpret
 from pallas_kernels.moba import gpu_blocks
 
 ROWS = 64  # rows of a compute warpgroup's matmuls (wgmma's M)
@@ -156,10 +157,6 @@ def _smem(shape, dtype):
     swizzle = 128
     tiling = plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize))
     return plgpu.SMEM(shape, dtype, transforms=(tiling, plgpu.SwizzleTransform(swizzle)))
-
-
-def _interpret(interpret):
-    return plgpu.InterpretGPUParams() if interpret else None
 
 
 def _named(body, name, **static):
@@ -429,7 +426,7 @@ def block_attention_fwd(
         num_threads=wgs + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=_interpret(interpret),
+        interpret=mosaic_gpu_interpret(interpret),
     )(kv_row.astype(jnp.int32), block_start.astype(jnp.int32), q_rows, k, v)
 
 
@@ -676,7 +673,7 @@ def block_attention_bwd(
         num_threads=wgs + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=_interpret(interpret),
+        interpret=mosaic_gpu_interpret(interpret),
     )(kv_row, block_start, q_rows, k, v, do_rows, lse, delta)
 
     tables = gpu_blocks.group_tables(tile_group, kv_row, block_start, num_groups)
@@ -708,6 +705,6 @@ def block_attention_bwd(
         num_threads=kwgs + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=_interpret(interpret),
+        interpret=mosaic_gpu_interpret(interpret),
     )(*tables, q_rows, k, v, do_rows, lse, delta)
     return dq, dk, dvv

@@ -28,7 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import gpu_memory
-from pallas_kernels.common import combine_partials
+from pallas_kernels.common import combine_partials, mosaic_gpu_interpret
 
 ROWS = 64  # a warpgroup matmul's rows: the query padded to them
 TILE = 64  # cache slots per step
@@ -81,10 +81,6 @@ def pieces(programs: int, size: int, multiprocessors: int) -> int:
     while programs * count < multiprocessors and (size // TILE) % (2 * count) == 0:
         count *= 2
     return count
-
-
-def _interpret(interpret):
-    return plgpu.InterpretGPUParams() if interpret else None
 
 
 def _smem(shape, dtype):
@@ -259,6 +255,6 @@ def moba_decode_mgpu(
         grid=shape,
         grid_names=("row", "head", "piece"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=_interpret(interpret),
+        interpret=mosaic_gpu_interpret(interpret),
     )(flat(starts), flat(lo), flat(hi), padded, k_cache, v_cache)
     return combine_partials(out, m[..., 0], l[..., 0], axis=2).astype(q.dtype)

@@ -43,6 +43,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.common import mosaic_gpu_interpret
 from pallas_kernels.gpu_memory import smem_limit
 from pallas_kernels.moba.gpu_own import kv_row, own_tables  # noqa: F401  (own_tables: the same tables)
 
@@ -147,10 +148,6 @@ def live_registers(head_dim: int, v_head_dim: int, q_tile: int, kv_block: int, s
 def _swizzled(itemsize: int):
     """Shared-memory transforms of a wgmma operand tile: 128-byte rows, 128-byte swizzle."""
     return (plgpu.TilingTransform((8, 128 // itemsize)), plgpu.SwizzleTransform(128))
-
-
-def _params(interpret):
-    return plgpu.InterpretGPUParams() if interpret else None
 
 
 def _row_vector(ref):
@@ -339,7 +336,7 @@ def own_attention_fwd(q, k, v, lo, first, *, scale, block_size, block_sizes, int
         grid=(rows, nq),
         grid_names=("rows", "tiles"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=_params(interpret),
+        interpret=mosaic_gpu_interpret(interpret),
         kernel_name="moba_own_fwd_mgpu",
     )(first, q, lo.reshape(b, seq_pad), k, v)
     return o, lse[..., None]
@@ -528,7 +525,9 @@ def own_attention_bwd(
     swz = _swizzled(q.dtype.itemsize)
     lo, lse, delta = lo.reshape(b, seq_pad), lse.reshape(rows, seq_pad), delta.reshape(rows, seq_pad)
     sizes = dict(scale=scale, qt=qt, ck=ck, hq=hq, hkv=hkv, stages=stages)
-    common = dict(compiler_params=plgpu.CompilerParams(approx_math=True), interpret=_params(interpret))
+    common = dict(
+        compiler_params=plgpu.CompilerParams(approx_math=True), interpret=mosaic_gpu_interpret(interpret)
+    )
     dq = plgpu.kernel(
         _with_staging(functools.partial(_dq_body, nq=nq, **sizes), (qt, ck), k.dtype, interpret),
         out_type=jax.ShapeDtypeStruct((rows, seq_pad, d), q.dtype),

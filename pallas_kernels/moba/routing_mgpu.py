@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.common import mosaic_gpu_interpret
 from pallas_kernels.moba.routing_common import insert, routing_tables, scores_in_full_f32
 
 TILE = 64  # queries per warpgroup and block means per step (a wgmma's rows; 128-byte swizzle of bf16)
@@ -109,6 +110,6 @@ def routing_mgpu(q, starts, means, lo, hi, picks: int, *, seq: int, key_dtype, i
         grid=(hq, nq, b),
         grid_names=("heads", "q_seq", "batch"),
         kernel_name="moba_routing_mgpu",
-        interpret=plgpu.InterpretGPUParams() if interpret else None,  # no cost_estimate: jax 0.11.2 lacks it
+        interpret=mosaic_gpu_interpret(interpret),  # no cost_estimate: jax 0.11.2 lacks it
     )(bounds, q, lo, hi, starts_f, means)
     return jnp.moveaxis(out, (1, 2), (2, 3))  # [B, T, Hq, picks]
