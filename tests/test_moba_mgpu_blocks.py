@@ -16,6 +16,7 @@ from effattn_jax.ops.routing import moba_routing
 from pallas_kernels.common import gpu_lowering_target
 from pallas_kernels.moba import gpu_blocks, mgpu_blocks, parts
 from pallas_kernels.moba.attention import moba_pallas
+from pallas_kernels.moba.kernels import Kernels, moba_kernels
 from pallas_kernels.moba.parts import gather_rows, past_schedule
 from pallas_kernels.moba.schedule import BlockSizes
 
@@ -105,29 +106,21 @@ def test_kernels_match_the_triton_kernels(name):
     assert not np.any(_f32(dk[-1])) and not np.any(_f32(dv[-1]))
 
 
-def _with_mgpu_blocks(monkeypatch):
-    """parts imports the Mosaic GPU selected-block kernels for the GPU backend."""
-    kernels = parts.KernelCall.kernels
-    monkeypatch.setattr(
-        parts.KernelCall,
-        "kernels",
-        lambda call, part: mgpu_blocks if (call.backend, part) == ("gpu", "_blocks") else kernels(call, part),
-    )
-
-
 # through the whole op: the cases whose schedule differs (the kernel comparison covers the rest)
 @pytest.mark.parametrize(
     "name", quick_or_slow(["ring_wraps", "packed_documents", "top_k_covers_all", "top_k_1"], QUICK)
 )
-def test_moba_with_them_matches_the_reference(name, monkeypatch):
+def test_moba_with_them_matches_the_reference(name):
     """The whole MoBA op with these kernels for the selected blocks (the own block by the Triton
     kernels), interpreted, against the dense reference with the same routing: output and dq/dK/dV
     within bf16 rounding. Catches what the kernel comparison cannot: a window start the caller
     maps keys through differently from the kernel's."""
-    _with_mgpu_blocks(monkeypatch)
     q, k, v, r, seg, c, tiles = _case(name, seed=3)
     scale = 64**-0.5
-    pallas = lambda q, k, v: moba_pallas(q, k, v, r.own_start, r.past_start, c, scale, "gpu", True, tiles)
+    mixed = Kernels(own=moba_kernels("triton").own, blocks=moba_kernels("mosaic").blocks)
+    pallas = lambda q, k, v: moba_pallas(
+        q, k, v, r.own_start, r.past_start, c, scale, "gpu", True, tiles, kernels=mixed
+    )
     ref = lambda q, k, v: moba_reference(q, k, v, r, block_size=c, segment_ids=seg, scale=scale)
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
     out = jax.jit(pallas)(q, k, v)

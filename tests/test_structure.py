@@ -285,3 +285,37 @@ def test_no_private_name_is_imported_from_another_module():
             if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in PACKAGES:
                 hits += [f"{name}: {node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
     assert hits == [], hits
+
+
+def _dotted(node) -> str | None:
+    """`a.b.c` for a chain of names and attributes, else None (a call, a subscript, ...)."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute) and (head := _dotted(node.value)):
+        return f"{head}.{node.attr}"
+    return None
+
+
+def test_no_private_attribute_of_another_module_is_read():
+    """`module._name`, or `Class._name` of a class imported from another project module, is the same
+    dependency on another file's own business as importing `_name` (dunders are not private)."""
+    modules = module_files()
+    hits = []
+    for name, path in [*modules.items(), ("train", ROOT / "train.py")]:
+        tree = ast.parse(path.read_text())
+        bound = {}  # a name in this file -> the project module, or object of one, it was imported as
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    bound[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                bound |= {a.asname or a.name: f"{node.module}.{a.name}" for a in node.names}
+        private = (n for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr[:1] == "_")
+        for node in (n for n in private if not n.attr.startswith("__")):
+            head, _, rest = (_dotted(node.value) or "").partition(".")
+            owner = ".".join(filter(None, [bound.get(head, ""), rest]))
+            while owner and owner not in modules:
+                owner = owner.rpartition(".")[0]
+            if owner and owner != name:
+                hits.append(f"{name}:{node.lineno}: {ast.unparse(node)}")
+    assert hits == [], hits

@@ -39,7 +39,9 @@ from pallas_kernels.moba.parts import (
 from pallas_kernels.moba.schedule import SCHEDULE_NAME
 
 
-def moba_pallas(q, k, v, own_start, past_start, block_size, scale, backend, interpret, block_sizes):
+def moba_pallas(
+    q, k, v, own_start, past_start, block_size, scale, backend, interpret, block_sizes, *, kernels=None
+):
     """MoBA attention from a routing (own_start [B, S], past_start [B, S, Hq, K']) -> [B, S, Hq, Dv].
 
     The selected blocks' schedule is built here, outside the custom_vjp, and named
@@ -47,9 +49,17 @@ def moba_pallas(q, k, v, own_start, past_start, block_size, scale, backend, inte
     remat policy that saves the name (the model's) does not build it again when it recomputes
     the forward. The schedule is integers (no gradient), and its sort, scatters and gathers
     are slow to compile on TPU (BENCHMARKS.md). `block_sizes`: the tiles (`auto` fields are
-    chosen here: KernelCall.fitted)."""
+    chosen here: KernelCall.fitted). `kernels` (kernels.Kernels): other modules to run than the
+    backend's registered ones."""
     call = KernelCall.fitted(
-        block_sizes, q, v, block_size=block_size, scale=scale, backend=backend, interpret=interpret
+        block_sizes,
+        q,
+        v,
+        block_size=block_size,
+        scale=scale,
+        backend=backend,
+        interpret=interpret,
+        kernels=kernels,
     )
     past = past_schedule(past_start, hkv=k.shape[2], call=call)
     own_start, past = checkpoint_name((own_start, past), SCHEDULE_NAME)

@@ -2,8 +2,8 @@
 sequence (attention.py) and a context shard's queries against the whole sequence's keys
 (context.py) each assemble their custom_vjp from these, and import nothing else of each other.
 
-- `KernelCall`: one call's configuration (backend, interpret mode, tiles, MoBA block, scale),
-  frozen, the same for every kernel the call runs.
+- `KernelCall`: one call's configuration (backend, interpret mode, tiles, MoBA block, scale, the
+  kernel modules from kernels.py), frozen, the same for every kernel the call runs.
 - `layout`: how the kernels see q, K, V (head-major copies, or on TPU the arrays in place).
 - `past_schedule`: the selected blocks' tiles (schedule.past_tiles).
 - `own_forward` / `own_backward`: the own block by the backend's own-block kernels.
@@ -15,7 +15,6 @@ Both merge and combine_dq run over positions a chunk at a time on long sequences
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import math
 from typing import Any, NamedTuple
 
@@ -26,6 +25,7 @@ from pallas_kernels import gpu_dispatch, gpu_memory
 from pallas_kernels.common import ALIGN
 from pallas_kernels.gpu_dispatch import GPU_BACKENDS
 from pallas_kernels.moba import tpu_smem
+from pallas_kernels.moba.kernels import Kernels, moba_kernels
 from pallas_kernels.moba.schedule import BACKENDS, BlockSizes, past_tiles
 
 
@@ -33,8 +33,9 @@ from pallas_kernels.moba.schedule import BACKENDS, BlockSizes, past_tiles
 class KernelCall:
     """What every kernel of one MoBA call shares: backend ("tpu" | "gpu"), the Pallas GPU backend
     its GPU kernels are written for ("mosaic" | "triton"; "" on TPU), interpret mode (a bool,
-    "tpu" or TPU InterpretParams), the resolved tiles, the MoBA block size and the softmax scale.
-    Frozen and hashable: it is a custom_vjp's static argument."""
+    "tpu" or TPU InterpretParams), the resolved tiles, the MoBA block size, the softmax scale and
+    the kernel modules it runs (kernels.Kernels; left out: the registry's for `gpu_kernels`, else
+    for the backend, Triton's on a GPU). Frozen and hashable: it is a custom_vjp's static argument."""
 
     backend: str
     interpret: Any
@@ -42,14 +43,24 @@ class KernelCall:
     block_size: int
     scale: float
     gpu_kernels: str = ""
+    kernels: Kernels | None = None
+
+    def __post_init__(self):
+        if self.kernels is None:
+            object.__setattr__(
+                self, "kernels", moba_kernels(self.gpu_kernels or _KERNEL_BACKEND[self.backend])
+            )
 
     @classmethod
-    def fitted(cls, block_sizes: BlockSizes | None, q, v, *, block_size, scale, backend, interpret):
+    def fitted(
+        cls, block_sizes: BlockSizes | None, q, v, *, block_size, scale, backend, interpret, kernels=None
+    ):
         """A call whose tiles are `block_sizes` with `auto` fields chosen for the backend, head dim,
         dtype and (on a GPU) shared memory, then checked against what the backend's compiler
         accepts. Compiled for a GPU, the limit is this GPU's, or an H100/H200's when none is at
         hand (an AOT export). `backend`: "tpu", "gpu" (the GPU kernels `gpu_kernels_for` picks),
-        or "mosaic" / "triton" (those GPU kernels, or a ValueError saying why they cannot run)."""
+        or "mosaic" / "triton" (those GPU kernels, or a ValueError saying why they cannot run).
+        `kernels` (kernels.Kernels): other modules to run than the backend's, tiles as for it."""
         if backend not in BACKENDS + GPU_BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS + GPU_BACKENDS}, got {backend!r}")
         hardware = "gpu" if backend in GPU_BACKENDS else backend
@@ -58,14 +69,14 @@ class KernelCall:
         sizes = (block_sizes or BlockSizes()).resolve(
             hardware, block_size=block_size, smem_limit=limit, **shape
         )
-        kernels = ""
+        gpu = ""
         if hardware == "gpu":
-            kernels = gpu_kernels_for(backend, sizes, q, v, block_size=block_size)
-        if kernels != "mosaic":  # the Triton and TPU compilers' limits (Mosaic's: its `supports`)
+            gpu = gpu_kernels_for(backend, sizes, q, v, block_size=block_size)
+        if gpu != "mosaic":  # the Triton and TPU compilers' limits (Mosaic's: its `supports`)
             sizes.check_backend(
                 hardware, block_size, compiler=not interpret, smem_limit=limit, device=device, **shape
             )
-        return cls(hardware, interpret, sizes, block_size, float(scale), kernels)
+        return cls(hardware, interpret, sizes, block_size, float(scale), gpu, kernels)
 
     @property
     def kernel_args(self) -> dict:
@@ -77,14 +88,8 @@ class KernelCall:
             interpret=self.interpret,
         )
 
-    def kernels(self, part: str):
-        """The kernel module of `part` ("_own": the own block, "_blocks": the selected blocks) for
-        this call's backend, imported only when used (the GPU ones need no TPU code)."""
-        prefix = {"mosaic": "mgpu", "triton": "gpu"}.get(self.gpu_kernels, self.backend)
-        return importlib.import_module(f"pallas_kernels.moba.{prefix}{part}")
 
-
-MOSAIC_PARTS = ("_own", "_blocks")  # the Mosaic GPU kernel modules a MoBA call runs
+_KERNEL_BACKEND = {"tpu": "tpu", "gpu": "triton"}  # the kernels of a call that names no GPU kernels
 
 
 def gpu_kernels_for(backend: str, sizes: BlockSizes, q, v, *, block_size: int) -> str:
@@ -94,8 +99,8 @@ def gpu_kernels_for(backend: str, sizes: BlockSizes, q, v, *, block_size: int) -
     shape = dict(head_dim=q.shape[-1], v_head_dim=v.shape[-1], dtype=q.dtype)
 
     def mosaic():
-        for part in MOSAIC_PARTS:
-            module = importlib.import_module(f"pallas_kernels.moba.mgpu{part}")
+        kernels = moba_kernels("mosaic")
+        for module in (kernels.own, kernels.blocks):
             if reason := module.supports(block_sizes=sizes, block_size=block_size, **shape):
                 return reason
         return None
@@ -211,11 +216,10 @@ def gather_rows(x_flat, rows):
     return x_flat[jnp.maximum(rows, 0)]
 
 
-def _own_tpu_fwd(q, lay: Layout, own_start, *, block_size, scale, interpret, block_sizes):
-    """The own part by the chunk-diagonal TPU kernel (tpu_own.py): (o float32 in the kernels'
-    layout, lse [B, S, Hq])."""
+def _own_tpu_fwd(tpu_own, q, lay: Layout, own_start, *, block_size, scale, interpret, block_sizes):
+    """The own part by the chunk-diagonal TPU kernel (tpu_own.py, the module `tpu_own`): (o
+    float32 in the kernels' layout, lse [B, S, Hq])."""
     b, s, _, _ = q.shape
-    tpu_own = importlib.import_module("pallas_kernels.moba.tpu_own")
     tables = tpu_own.own_tables(own_start, block_size=block_size, seq_pad=lay.seq)
     o, lse = tpu_own.own_attention_fwd(
         lay.to(q),
@@ -252,13 +256,14 @@ def _own_gpu_fwd(gpu_own, q, lay: Layout, own_start, *, block_size, scale, inter
     return o, _unheads(lse[..., 0], b, s)
 
 
-def _own_tpu_bwd(q, lay: Layout, own_start, d_out, lse, delta, *, block_size, scale, interpret, block_sizes):
-    """The own part's gradients by the chunk-diagonal TPU kernel, in the inputs' dtypes and the
-    kernels' layout: dq, and dK/dV over S_pad keys (the selected blocks' kernel adds to them in
-    place, one block's window at a time)."""
+def _own_tpu_bwd(
+    tpu_own, q, lay: Layout, own_start, d_out, lse, delta, *, block_size, scale, interpret, block_sizes
+):
+    """The own part's gradients by the chunk-diagonal TPU kernel (the module `tpu_own`), in the
+    inputs' dtypes and the kernels' layout: dq, and dK/dV over S_pad keys (the selected blocks'
+    kernel adds to them in place, one block's window at a time)."""
     b, s, hq, d = q.shape
     seq_pad, c = lay.seq, block_size
-    tpu_own = importlib.import_module("pallas_kernels.moba.tpu_own")
     lane_rows = lambda x, fill: jnp.pad(
         jnp.moveaxis(x, 2, 1).reshape(-1, 1, s), ((0, 0), (0, 0), (0, seq_pad - s)), constant_values=fill
     )  # [B, S, Hq] -> [B*Hq, 1, S_pad]
@@ -448,17 +453,15 @@ def _gpu_past_bwd(kern, flat, lay, past, dk, dv, key_starts, **kw):
 
 def own_forward(call: KernelCall, q, lay: Layout, own_start):
     """The own block's part: (o float32 in the kernels' layout, lse [B, S, Hq])."""
-    if call.backend == "tpu":
-        return _own_tpu_fwd(q, lay, own_start, **call.kernel_args)
-    return _own_gpu_fwd(call.kernels("_own"), q, lay, own_start, **call.kernel_args)
+    own = _own_tpu_fwd if call.backend == "tpu" else _own_gpu_fwd
+    return own(call.kernels.own, q, lay, own_start, **call.kernel_args)
 
 
 def own_backward(call: KernelCall, q, lay: Layout, own_start, d_out, lse, delta):
     """The own block's gradients: dq in the kernels' layout; dK/dV in the kernels' layout on TPU
     (the selected blocks' kernel adds into them in place), [B, S, Hkv, D] on GPU."""
-    if call.backend == "tpu":
-        return _own_tpu_bwd(q, lay, own_start, d_out, lse, delta, **call.kernel_args)
-    return _own_gpu_bwd(call.kernels("_own"), q, lay, own_start, d_out, lse, delta, **call.kernel_args)
+    own = _own_tpu_bwd if call.backend == "tpu" else _own_gpu_bwd
+    return own(call.kernels.own, q, lay, own_start, d_out, lse, delta, **call.kernel_args)
 
 
 def past_forward(call: KernelCall, q_flat, lay: Layout, past):
@@ -466,7 +469,7 @@ def past_forward(call: KernelCall, q_flat, lay: Layout, past):
     schedule tile row (q_flat [N, D]: the query rows the tiles gather)."""
     t = past.tiles
     kw = dict(call.kernel_args, num_groups=past.group_tiles.shape[0], **lay.kv_heads)
-    kern = call.kernels("_blocks")
+    kern = call.kernels.blocks
     if call.backend == "tpu":
         o, lse = _tpu_past_fwd(kern, q_flat, lay, past, **kw)
     else:
@@ -503,7 +506,7 @@ def past_backward(call: KernelCall, flat, lay: Layout, past, dk, dv, key_starts)
     """The selected blocks' gradients: (dq tiles [T, Qt, D], dK, dV with the blocks' added to
     the own part's dk, dv: in the kernels' layout on TPU, [B, S, Hkv, D] on GPU). flat: q, dO,
     lse, delta per query row; key_starts [B, S]: each key's block start (GPU)."""
-    kern = call.kernels("_blocks")
+    kern = call.kernels.blocks
     kw = dict(call.kernel_args, num_groups=past.group_tiles.shape[0], **lay.kv_heads)
     if call.backend == "tpu":
         return _tpu_past_bwd(kern, flat, lay, past, dk, dv, **kw)
