@@ -190,7 +190,8 @@ def test_each_kernel_backend_stands_alone(graph):
     moba/routing_common.py (the routing kernels') and moba/schedule.py (the MoBA schedule and
     tiles, also the XLA path's), which import no kernel
     (schedule.py, for `auto` tiles, only common.py and the GPU's shared-memory model,
-    gpu_memory.py, which imports nothing)."""
+    gpu_memory.py, which imports nothing); the Mosaic GPU kernels' own building blocks are in
+    mgpu_toolkit.py, which imports nothing of the project."""
     shared = {
         "pallas_kernels.common",
         "pallas_kernels.moba.common",
@@ -204,6 +205,7 @@ def test_each_kernel_backend_stands_alone(graph):
     }  # fmt: skip
     by_backend["gpu"].add("pallas_kernels.gpu_memory")  # shared memory: the GPU kernels' estimates
     by_backend["tpu"].add("pallas_kernels.moba.tpu_smem")  # scalar memory: the TPU kernels' tables
+    by_backend["mgpu"].add("pallas_kernels.mgpu_toolkit")  # wgmma, TMA rings: the Mosaic GPU kernels'
     allowed = by_backend | {"mgpu": by_backend["mgpu"] | by_backend["gpu"]}
     for backend, names in by_backend.items():
         for name in names:
@@ -213,6 +215,7 @@ def test_each_kernel_backend_stands_alone(graph):
     assert graph["pallas_kernels.common"] == set()
     assert graph["pallas_kernels.moba.schedule"] <= {"pallas_kernels.gpu_memory", "pallas_kernels.common"}
     assert graph["pallas_kernels.gpu_memory"] == set()
+    assert graph["pallas_kernels.mgpu_toolkit"] == set()
     assert graph["pallas_kernels.moba.common"] == {"pallas_kernels.common"}
 
 
@@ -228,6 +231,24 @@ def test_kernel_helpers_are_defined_once():
         if pattern.search(path.read_text())
     ]
     assert hits == ["pallas_kernels/common.py"], hits
+
+
+def test_mosaic_gpu_building_blocks_live_in_the_toolkit():
+    """The Mosaic GPU kernels' swizzled shared memory, warpgroup matmuls and their accumulators,
+    register sharing between warpgroups and the interpreter's path for register operands are
+    pallas_kernels/mgpu_toolkit.py's alone: a kernel file (mgpu_*, routing_mgpu, mla_decode/mgpu)
+    calls them, it does not spell them again."""
+    pattern = re.compile(
+        r"\b(wgmma|run_state|ACC|SwizzleTransform|TilingTransform|set_max_registers)\(|"
+        r"^def (accumulate|interpreter_staging|matmul|matmul_sum|matmuls|swizzled_smem|stream_ring)\(",
+        re.M,
+    )
+    hits = [
+        str(path.relative_to(ROOT))
+        for path in (ROOT / "pallas_kernels").rglob("*.py")
+        if pattern.search(path.read_text())
+    ]
+    assert hits == ["pallas_kernels/mgpu_toolkit.py"], hits
 
 
 def test_kernels_and_ops_know_nothing_of_flax():

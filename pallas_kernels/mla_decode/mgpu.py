@@ -27,14 +27,13 @@ A TMA copy reads whole tiles: the cache length must be a multiple of 8 and at le
 last tile of a slice that would run past the cache is read from the cache's last TILE slots
 instead (slots before the tile's own start or past the row's length are masked).
 
-Interpreted (the tests), the accumulation differs in form only: the Mosaic GPU interpreter's wgmma
-reads both operands from SMEM and it has no pl.run_state, so p goes through SMEM and each product
-is added to the accumulator in registers.
+Interpreted (the tests), the accumulation differs in form only (mgpu_toolkit.accumulate): the
+Mosaic GPU interpreter's wgmma reads both operands from SMEM and it has no pl.run_state, so p goes
+through SMEM and each product is added to the accumulator in registers.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -44,6 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import gpu_memory
+from pallas_kernels import mgpu_toolkit as kit
 from pallas_kernels.common import combine_partials, mosaic_gpu_interpret
 from pallas_kernels.mla_decode import gpu
 
@@ -105,38 +105,6 @@ def supports(*, heads: int, d: int, dr: int, length: int, dtype, q_dtype=None) -
     return None
 
 
-def _smem(shape, dtype):
-    """An SMEM buffer tiled and swizzled for wgmma (rows of 128-byte swizzle groups)."""
-    tiling = plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize))
-    return plgpu.SMEM(shape, dtype, transforms=(tiling, plgpu.SwizzleTransform(128)))
-
-
-def _scores(pairs, shape):
-    """sum of a @ b over `pairs` [M, N] float32, by warpgroup matmuls into one fresh accumulator."""
-
-    def run(acc_ref):
-        for a, b in pairs:
-            plgpu.wgmma(acc_ref, a, b)
-        return acc_ref[...]
-
-    return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
-
-
-def _accumulate(acc, p, b, p_smem, wg):
-    """acc + p @ b (p: registers, b: SMEM). On the GPU (p_smem None) by a warpgroup matmul into acc
-    itself (pl.run_state) with p from registers; interpreted, through this warpgroup's slot of
-    p_smem into a fresh accumulator added to acc."""
-    if p_smem is None:
-
-        def run(acc_ref):
-            plgpu.wgmma(acc_ref, p, b)
-
-        return pl.run_state(run)(plgpu.ACC.init(acc))
-    p_smem.at[wg][...] = p
-    plgpu.commit_smem()
-    return acc + _scores([(p_smem.at[wg], b)], acc.shape)
-
-
 def _body(
     len_ref,
     ql_ref,
@@ -155,7 +123,7 @@ def _body(
     lat_bar,
     kr_bar,
     free,
-    p_smem,
+    staging,
     *,
     scale,
     size,
@@ -190,16 +158,12 @@ def _body(
             cols = pl.ds(c * chunk, chunk)
             plgpu.copy_gmem_to_smem(ql_ref.at[b, heads, cols], ql_smem.at[c], q_bar.at[c])
         plgpu.copy_gmem_to_smem(qr_ref.at[b, heads], qr_smem, q_bar.at[wgs])
-        for n in range(stages):  # the ring's first fill
-            pl.when(n < steps)(functools.partial(fetch, n, n))
+        kit.fill_ring(steps, stages, lambda n: fetch(n, n))
 
     def _compute():  # every warpgroup
         for c in range(wgs + 1):
             plgpu.barrier_wait(q_bar.at[c])
-        row = plgpu.Layout.WGMMA.reduce(1)
-        m = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), row)
-        l = plgpu.layout_cast(jnp.full((ROWS,), 0.0, jnp.float32), row)
-        acc = plgpu.layout_cast(jnp.full((ROWS, chunk), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+        m, l, acc = kit.full_rows(ROWS, -jnp.inf), kit.full_rows(ROWS, 0.0), kit.full_tile((ROWS, chunk), 0.0)
 
         def step(n, carry):
             acc, m, l = carry
@@ -215,19 +179,16 @@ def _body(
                 plgpu.barrier_wait(lat_bar.at[slot * wgs + c])
             plgpu.barrier_wait(kr_bar.at[slot])
             pairs = [(ql_smem.at[c], lat_smem.at[slot * wgs + c].T) for c in range(wgs)]
-            s = _scores([*pairs, (qr_smem, kr_smem.at[slot].T)], (ROWS, TILE))
+            s = kit.matmul_sum([*pairs, (qr_smem, kr_smem.at[slot].T)], (ROWS, TILE))
             own = first + n * TILE  # the step's first slot; the copy may start earlier
-            key = window(n) + plgpu.broadcasted_iota(
-                jnp.int32, (TILE,), 0, layout=plgpu.Layout.WGMMA.reduce(0)
-            )
+            key = window(n) + kit.col_iota(TILE)
             bias = jnp.where((key >= own) & (key < end), 0.0, -jnp.inf)
             s = s * (scale * LOG2E) + lax.broadcast_in_dim(bias, s.shape, [1])  # base-2 logits
-            m_new = jnp.maximum(m, s.max(axis=1))  # finite: a step's first slot is the row's
-            alpha = jnp.exp2(m - m_new)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-            l = l * alpha + p.sum(axis=1)
+            p, m_new, l, alpha = kit.softmax_step(s, m, l)  # m_new finite: a step's first slot is the row's
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            acc = _accumulate(acc, p.astype(lat_smem.dtype), lat_smem.at[slot * wgs + wg], p_smem, wg)
+            (acc,) = kit.accumulate(
+                [acc], [p.astype(lat_smem.dtype)], [lat_smem.at[slot * wgs + wg]], staging, slot=wg
+            )
             plgpu.barrier_arrive(free.at[slot])
             return acc, m_new, l
 
@@ -270,8 +231,7 @@ def mla_decode_mgpu(
     chunk = _chunk(d)
     wgs, stages = d // chunk, stages_for(d, dr, lat.dtype.itemsize)
     pad = lambda x: jnp.pad(x, ((0, 0), (0, rows - h), (0, 0)))
-    body = functools.partial(_body, scale=scale, size=size, stages=stages, wgs=wgs, chunk=chunk)
-    body.__name__ = "mla_decode_mgpu"
+    body = kit.named(_body, "mla_decode_mgpu", scale=scale, size=size, stages=stages, wgs=wgs, chunk=chunk)
     out, m, l = plgpu.kernel(
         body,
         out_type=[
@@ -280,16 +240,16 @@ def mla_decode_mgpu(
             jax.ShapeDtypeStruct((b, count, rows), jnp.float32),
         ],
         scratch_types=[
-            _smem((wgs, ROWS, chunk), lat.dtype),
-            _smem((ROWS, dr), lat.dtype),
-            _smem((stages * wgs, TILE, chunk), lat.dtype),
-            _smem((stages, TILE, dr), lat.dtype),
+            kit.swizzled_smem((wgs, ROWS, chunk), lat.dtype),
+            kit.swizzled_smem((ROWS, dr), lat.dtype),
+            kit.swizzled_smem((stages * wgs, TILE, chunk), lat.dtype),
+            kit.swizzled_smem((stages, TILE, dr), lat.dtype),
             plgpu.SMEM((2, ROWS), jnp.float32),
             plgpu.Barrier(num_barriers=wgs + 1),
             plgpu.Barrier(num_barriers=stages * wgs),
             plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
-            _smem((wgs, ROWS, TILE), lat.dtype) if interpret else None,
+            kit.interpreter_staging((wgs, ROWS, TILE), lat.dtype, interpret),
         ],
         grid=(b, rows // ROWS, count),
         grid_names=("row", "group", "slice"),

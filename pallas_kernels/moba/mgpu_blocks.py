@@ -21,14 +21,13 @@ its start rounded down to 8 (its window) and, when it does not start there (pack
 documents), in one sub-block more; keys outside the block are masked (see _sub_blocks). dK/dV
 come out per window of block_size + 8 rows (`window`, `window_starts`).
 
-Interpreted (the tests), the running accumulations differ in form only (_accumulate): the
-Mosaic GPU interpreter's wgmma reads both operands from SMEM and it has no pl.run_state, so
+Interpreted (the tests), the running accumulations differ in form only (mgpu_toolkit.accumulate):
+the Mosaic GPU interpreter's wgmma reads both operands from SMEM and it has no pl.run_state, so
 there p and dS go through SMEM and each product is added to the accumulator in registers.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -38,6 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import gpu_memory
+from pallas_kernels import mgpu_toolkit as kit
 from pallas_kernels.common import mosaic_gpu_interpret
 from pallas_kernels.moba import gpu_blocks
 
@@ -120,13 +120,14 @@ def supports(*, head_dim: int, v_head_dim: int, dtype, block_sizes, block_size: 
 
 # Registers (docs/gpu_registers.md): a kernel of n compute warpgroups and the memory one runs
 # 128 (n + 1) threads, and ptxas caps each thread at 65,536 / threads (multiples of 8, at most 255).
-# setmaxnreg (_registers) would move the memory warpgroup's registers to the compute ones, but where
-# jaxlib compiles through pip's nvJitLink (the GPU image's jax[cuda13] install) ptxas ignores it
-# (C7504), so the cap without it is the one counted: 255 at one compute warpgroup, 168 at two, 96
-# at four. LIVE_REGS is the most float32 registers (accumulators, score tiles and their bf16
-# copies, live_registers) a compute thread may keep live under a cap of 255, measured over a grid of
-# tiles and head dims on sm_90a through nvJitLink; LIVE_REGS_SLACK what the rest of the step needs
-# (addresses, row statistics, barriers' phases) under a lower cap (168: at most 144 live).
+# setmaxnreg (mgpu_toolkit's compute_warpgroups and memory_warpgroup) would move the memory
+# warpgroup's registers to the compute ones, but where jaxlib compiles through pip's nvJitLink (the
+# GPU image's jax[cuda13] install) ptxas ignores it (C7504), so the cap without it is the one
+# counted: 255 at one compute warpgroup, 168 at two, 96 at four. LIVE_REGS is the most float32
+# registers (accumulators, score tiles and their bf16 copies, live_registers) a compute thread may
+# keep live under a cap of 255, measured over a grid of tiles and head dims on sm_90a through
+# nvJitLink; LIVE_REGS_SLACK what the rest of the step needs (addresses, row statistics, barriers'
+# phases) under a lower cap (168: at most 144 live).
 LIVE_REGS = 224
 LIVE_REGS_SLACK = 24
 
@@ -150,59 +151,6 @@ def live_registers(head_dim: int, v_head_dim: int, qt: int, ck: int) -> dict[str
         "dq": (per(head_dim) + 2 * s_fwd + s_fwd // 2, budget(qt // ROWS)),
         "dkv": (per(head_dim, v_head_dim) + 2 * s_dkv + s_dkv // 2, budget(ck // ROWS)),
     }
-
-
-def _smem(shape, dtype):
-    """A bf16/f16 SMEM buffer tiled and swizzled for wgmma (rows of 128-byte swizzle groups)."""
-    swizzle = 128
-    tiling = plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize))
-    return plgpu.SMEM(shape, dtype, transforms=(tiling, plgpu.SwizzleTransform(swizzle)))
-
-
-def _named(body, name, **static):
-    """The kernel body with its static arguments bound, named for profiles."""
-    fn = functools.partial(body, **static)
-    fn.__name__ = name
-    return fn
-
-
-def _matmul(a, b, shape):
-    """a @ b [M, N] float32 by one warpgroup matmul into a fresh accumulator (a, b: SMEM)."""
-
-    def run(acc_ref):
-        plgpu.wgmma(acc_ref, a, b)
-        return acc_ref[...]
-
-    return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
-
-
-def _accumulate(acc, a, b, lhs_smem, wg):
-    """acc + a @ b (a: registers, b: SMEM). On the GPU (lhs_smem None) by a warpgroup matmul
-    into acc itself (pl.run_state); interpreted, into a fresh accumulator added to acc, with a
-    through SMEM (_lhs): the interpreter has neither run_state nor register operands."""
-    if lhs_smem is None:
-
-        def run(acc_ref):
-            plgpu.wgmma(acc_ref, a, b)
-
-        return pl.run_state(run)(plgpu.ACC.init(acc))
-    return acc + _matmul(_lhs(a, lhs_smem, wg), b, acc.shape)
-
-
-def _lhs(x, smem, wg):
-    """A register operand of a warpgroup matmul as the matmul takes it: the registers themselves
-    on the GPU (smem None); through this warpgroup's slot of `smem` when interpreted (the
-    interpreter's wgmma reads both operands from SMEM)."""
-    if smem is None:
-        return x
-    smem.at[wg][...] = x
-    plgpu.commit_smem()
-    return smem.at[wg]
-
-
-def _lhs_scratch(interpret, wgs, rows, cols, dtype):
-    """_lhs's SMEM slots: only when interpreted."""
-    return _smem((wgs, rows, cols), dtype) if interpret else None
 
 
 def _row_bcast(x, shape):
@@ -235,14 +183,14 @@ def _sub_block_row(ws, j, *, ck, block_size):
 def _key_mask(shape, dim, first_key, start, ws, j, *, ck, block_size):
     """Which of the sub-block's keys (along `dim` of `shape`, from `first_key`) are this step's:
     in the block, and not in an earlier sub-block."""
-    key = first_key + plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+    key = first_key + kit.tile_iota(shape, dim)
     return (key >= jnp.maximum(start, ws + j * ck)) & (key < start + block_size)
 
 
 def _key_bias(first_key, start, ws, j, *, ck, block_size):
     """_key_mask of a [rows, ck] score tile as a column bias [ck]: 0 for this step's keys, -inf
     for the others (one add per score, where the mask is the same for every row)."""
-    key = first_key + plgpu.broadcasted_iota(jnp.int32, (ck,), 0, layout=plgpu.Layout.WGMMA.reduce(0))
+    key = first_key + kit.col_iota(ck)
     mine = (key >= jnp.maximum(start, ws + j * ck)) & (key < start + block_size)
     return jnp.where(mine, 0.0, -jnp.inf)
 
@@ -250,48 +198,6 @@ def _key_bias(first_key, start, ws, j, *, ck, block_size):
 def _col_bcast(x, shape):
     """A per-column vector [C] broadcast over the rows of shape [R, C]."""
     return lax.broadcast_in_dim(x, shape, [1])
-
-
-MEMORY_REGISTERS = 40  # per thread of the memory warpgroup (it only issues TMA copies)
-
-
-def _registers(wgs: int, memory: bool) -> None:
-    """With two or more compute warpgroups, moves registers from the memory warpgroup to them
-    (setmaxnreg; 64K 32-bit registers per SM, multiples of 8 per thread up to 255)."""
-    if wgs < 2:
-        return  # two warpgroups already get 256 each
-    if memory:
-        plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
-    else:
-        per_thread = (65536 - 128 * MEMORY_REGISTERS) // (128 * wgs) // 8 * 8
-        plgpu.set_max_registers(min(per_thread, 240), action="increase")
-
-
-def _stream(count, stages, fetch, free):
-    """The memory warpgroup's loop: fetch(i, slot) for i < count into a ring of `stages` slots,
-    each after the compute warpgroups have released it (free(slot): its consumed barriers).
-
-    Then it waits for the release of the last min(stages, count) steps too, which no later fetch
-    waits for: so it ends only after the compute warpgroups are done with every slot, having
-    observed every phase its consumed barriers completed (a barrier left with a completed phase
-    its waiter never saw is out of step for any later use; jax's emit_pipeline_warp_specialized
-    ends the same way, and jax 0.11's Mosaic GPU interpreter fails such a kernel)."""
-
-    @pl.loop(0, count)
-    def _(i):
-        slot = lax.rem(i, stages)
-
-        @pl.when(i >= stages)
-        def _():
-            for barrier in free:
-                plgpu.barrier_wait(barrier.at[slot])
-
-        fetch(i, slot)
-
-    @pl.loop(jnp.maximum(count - stages, 0), count)
-    def _(i):
-        for barrier in free:
-            plgpu.barrier_wait(barrier.at[lax.rem(i, stages)])
 
 
 def _kv_fetcher(k_ref, v_ref, kv, ws, k_smem, v_smem, k_bar, v_bar, *, ck, block_size):
@@ -324,7 +230,7 @@ def _fwd_body(
     v_bar,
     k_free,
     v_free,
-    p_smem,
+    staging,
     *,
     scale,
     ck,
@@ -338,32 +244,25 @@ def _fwd_body(
     dv, dtype = v_ref.shape[-1], q_ref.dtype
     geometry = dict(ck=ck, block_size=block_size)
 
-    @pl.when(wg < wgs)
+    @kit.compute_warpgroups(wg, wgs)
     def _compute():
-        _registers(wgs, memory=False)
         rows = pl.ds(wg * ROWS, ROWS)
         plgpu.copy_gmem_to_smem(q_ref.at[t, rows], q_smem.at[wg], q_bar.at[wg])
         plgpu.barrier_wait(q_bar.at[wg])
-        m = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        l = plgpu.layout_cast(jnp.full((ROWS,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        acc = plgpu.layout_cast(jnp.full((ROWS, dv), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+        m, l, acc = kit.full_rows(ROWS, -jnp.inf), kit.full_rows(ROWS, 0.0), kit.full_tile((ROWS, dv), 0.0)
 
         def step(j, carry):
             acc, m, l = carry
             slot = lax.rem(j, stages)
             plgpu.barrier_wait(k_bar.at[slot])
-            s = _matmul(q_smem.at[wg], k_smem.at[slot].transpose((1, 0)), (ROWS, ck))
+            s = kit.matmul(q_smem.at[wg], k_smem.at[slot].transpose((1, 0)), (ROWS, ck))
             plgpu.barrier_arrive(k_free.at[slot])
             bias = _key_bias(_sub_block_row(ws, j, **geometry), start, ws, j, **geometry)
             s = s * (scale * LOG2E) + _col_bcast(bias, s.shape)  # base-2 logits: exp2 below
-            m_new = jnp.maximum(m, s.max(axis=1))  # finite: every row sees a key at step 0
-            alpha = jnp.exp2(m - m_new)
-            p = jnp.exp2(s - _row_bcast(m_new, s.shape))
-            l = l * alpha + p.sum(axis=1)
+            p, m_new, l, alpha = kit.softmax_step(s, m, l)  # m_new finite: every row sees a key at step 0
             plgpu.barrier_wait(v_bar.at[slot])
-            acc = _accumulate(
-                acc * _row_bcast(alpha, acc.shape), p.astype(dtype), v_smem.at[slot], p_smem, wg
-            )
+            acc = acc * _row_bcast(alpha, acc.shape)
+            (acc,) = kit.accumulate([acc], [p.astype(dtype)], [v_smem.at[slot]], staging, slot=wg)
             plgpu.barrier_arrive(v_free.at[slot])
             return acc, m_new, l
 
@@ -374,11 +273,8 @@ def _fwd_body(
         plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[t, rows])
         plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == wgs)
-    def _memory():
-        _registers(wgs, memory=True)
-        fetch = _kv_fetcher(k_ref, v_ref, kv, ws, k_smem, v_smem, k_bar, v_bar, **geometry)
-        _stream(steps, stages, fetch, (k_free, v_free))
+    fetch = _kv_fetcher(k_ref, v_ref, kv, ws, k_smem, v_smem, k_bar, v_bar, **geometry)
+    kit.memory_warpgroup(wg, wgs, steps, stages, fetch, (k_free, v_free))
 
 
 def block_attention_fwd(
@@ -400,7 +296,7 @@ def block_attention_fwd(
     ntiles, qt, d = q_rows.shape
     ck, dv, dtype = block_sizes.kv_block, v.shape[-1], q_rows.dtype
     wgs, stages = qt // ROWS, _stages(block_sizes, block_size // ck)
-    body = _named(
+    body = kit.named(
         _fwd_body, "moba_block_fwd_mgpu", scale=scale, ck=ck, block_size=block_size, stages=stages, wgs=wgs
     )
     return plgpu.kernel(
@@ -410,16 +306,16 @@ def block_attention_fwd(
             jax.ShapeDtypeStruct((ntiles, qt), jnp.float32),
         ],
         scratch_types=[
-            _smem((wgs, ROWS, d), dtype),
+            kit.swizzled_smem((wgs, ROWS, d), dtype),
             plgpu.SMEM((wgs, ROWS), jnp.float32),
-            _smem((stages, ck, d), dtype),
-            _smem((stages, ck, dv), dtype),
+            kit.swizzled_smem((stages, ck, d), dtype),
+            kit.swizzled_smem((stages, ck, dv), dtype),
             plgpu.Barrier(num_barriers=wgs),
             plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
             plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
-            _lhs_scratch(interpret, wgs, ROWS, ck, dtype),
+            kit.interpreter_staging((wgs, ROWS, ck), dtype, interpret),
         ],
         grid=(ntiles,),
         grid_names=("tile",),
@@ -455,7 +351,7 @@ def _dq_body(
     v_bar,
     k_free,
     v_free,
-    ds_smem,
+    staging,
     *,
     scale,
     ck,
@@ -469,30 +365,28 @@ def _dq_body(
     d, dtype = q_ref.shape[-1], q_ref.dtype
     geometry = dict(ck=ck, block_size=block_size)
 
-    @pl.when(wg < wgs)
+    @kit.compute_warpgroups(wg, wgs)
     def _compute():
-        _registers(wgs, memory=False)
         rows = pl.ds(wg * ROWS, ROWS)
         loads = ((q_ref, q_smem), (do_ref, do_smem), (lse_ref, lse_smem), (delta_ref, delta_smem))
         for i, (src, dst) in enumerate(loads):
             plgpu.copy_gmem_to_smem(src.at[t, rows], dst.at[wg], row_bar.at[i, wg])
         for i in range(len(loads)):
             plgpu.barrier_wait(row_bar.at[i, wg])
-        lse = plgpu.load(lse_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1)) * LOG2E
-        delta = plgpu.load(delta_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
-        dq = plgpu.layout_cast(jnp.full((ROWS, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+        lse, delta = kit.load_rows(lse_smem.at[wg]) * LOG2E, kit.load_rows(delta_smem.at[wg])
+        dq = kit.full_tile((ROWS, d), 0.0)
 
         def step(j, dq):
             slot = lax.rem(j, stages)
             plgpu.barrier_wait(k_bar.at[slot])
-            s = _matmul(q_smem.at[wg], k_smem.at[slot].transpose((1, 0)), (ROWS, ck))
+            s = kit.matmul(q_smem.at[wg], k_smem.at[slot].transpose((1, 0)), (ROWS, ck))
             bias = _key_bias(_sub_block_row(ws, j, **geometry), start, ws, j, **geometry)
             p = jnp.exp2(s * (scale * LOG2E) - _row_bcast(lse, s.shape) + _col_bcast(bias, s.shape))
             plgpu.barrier_wait(v_bar.at[slot])
-            dp = _matmul(do_smem.at[wg], v_smem.at[slot].transpose((1, 0)), (ROWS, ck))
+            dp = kit.matmul(do_smem.at[wg], v_smem.at[slot].transpose((1, 0)), (ROWS, ck))
             plgpu.barrier_arrive(v_free.at[slot])
             ds = p * (dp - _row_bcast(delta, dp.shape))
-            dq = _accumulate(dq, ds.astype(dtype), k_smem.at[slot], ds_smem, wg)
+            (dq,) = kit.accumulate([dq], [ds.astype(dtype)], [k_smem.at[slot]], staging, slot=wg)
             plgpu.barrier_arrive(k_free.at[slot])
             return dq
 
@@ -502,11 +396,8 @@ def _dq_body(
         plgpu.copy_smem_to_gmem(q_smem.at[wg], dq_ref.at[t, rows])
         plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == wgs)
-    def _memory():
-        _registers(wgs, memory=True)
-        fetch = _kv_fetcher(k_ref, v_ref, kv, ws, k_smem, v_smem, k_bar, v_bar, **geometry)
-        _stream(steps, stages, fetch, (k_free, v_free))
+    fetch = _kv_fetcher(k_ref, v_ref, kv, ws, k_smem, v_smem, k_bar, v_bar, **geometry)
+    kit.memory_warpgroup(wg, wgs, steps, stages, fetch, (k_free, v_free))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -539,7 +430,7 @@ def _dkv_body(
     lse_bar,
     delta_bar,
     free,
-    p_smem,
+    staging,
     *,
     scale,
     ck,
@@ -557,9 +448,8 @@ def _dkv_body(
     qt, d, dv, dtype = q_ref.shape[1], k_ref.shape[-1], v_ref.shape[-1], q_ref.dtype
     geometry = dict(ck=ck, block_size=block_size)
 
-    @pl.when(wg < wgs)
+    @kit.compute_warpgroups(wg, wgs)
     def _compute():
-        _registers(wgs, memory=False)
         first_key = _sub_block_row(ws, j, **geometry) + wg * ROWS
         keys = pl.ds(first_key, ROWS)
         plgpu.copy_gmem_to_smem(k_ref.at[kv, keys], k_smem.at[wg], kv_bar.at[0, wg])
@@ -567,23 +457,21 @@ def _dkv_body(
         plgpu.barrier_wait(kv_bar.at[0, wg])
         plgpu.barrier_wait(kv_bar.at[1, wg])
         mask = _key_mask((ROWS, qt), 0, first_key, start, ws, j, **geometry)
-        dk = plgpu.layout_cast(jnp.full((ROWS, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
-        dv_acc = plgpu.layout_cast(jnp.full((ROWS, dv), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+        dk, dv_acc = kit.full_tile((ROWS, d), 0.0), kit.full_tile((ROWS, dv), 0.0)
 
         def step(i, carry):
             dk, dv_acc = carry
             slot = lax.rem(i, stages)
             for bar in (q_bar, lse_bar, do_bar, delta_bar):
                 plgpu.barrier_wait(bar.at[slot])
-            s_t = _matmul(k_smem.at[wg], q_smem.at[slot].transpose((1, 0)), (ROWS, qt))
-            lse = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0)) * LOG2E
-            delta = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+            s_t = kit.matmul(k_smem.at[wg], q_smem.at[slot].transpose((1, 0)), (ROWS, qt))
+            lse, delta = kit.load_cols(lse_smem.at[slot]) * LOG2E, kit.load_cols(delta_smem.at[slot])
             col = lambda x: lax.broadcast_in_dim(x, s_t.shape, [1])
             p_t = jnp.where(mask, jnp.exp2(s_t * (scale * LOG2E) - col(lse)), 0.0)
-            dv_acc = _accumulate(dv_acc, p_t.astype(dtype), do_smem.at[slot], p_smem, wg)
-            dp_t = _matmul(v_smem.at[wg], do_smem.at[slot].transpose((1, 0)), (ROWS, qt))
+            (dv_acc,) = kit.accumulate([dv_acc], [p_t.astype(dtype)], [do_smem.at[slot]], staging, slot=wg)
+            dp_t = kit.matmul(v_smem.at[wg], do_smem.at[slot].transpose((1, 0)), (ROWS, qt))
             ds_t = p_t * (dp_t - col(delta))
-            dk = _accumulate(dk, ds_t.astype(dtype), q_smem.at[slot], p_smem, wg)
+            (dk,) = kit.accumulate([dk], [ds_t.astype(dtype)], [q_smem.at[slot]], staging, slot=wg)
             plgpu.barrier_arrive(free.at[slot])
             return dk, dv_acc
 
@@ -608,18 +496,14 @@ def _dkv_body(
 
         plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == wgs)
-    def _memory():
-        _registers(wgs, memory=True)
+    def fetch(i, slot):
+        t = first_tile + i
+        plgpu.copy_gmem_to_smem(q_ref.at[t], q_smem.at[slot], q_bar.at[slot])
+        plgpu.copy_gmem_to_smem(lse_ref.at[t], lse_smem.at[slot], lse_bar.at[slot])
+        plgpu.copy_gmem_to_smem(do_ref.at[t], do_smem.at[slot], do_bar.at[slot])
+        plgpu.copy_gmem_to_smem(delta_ref.at[t], delta_smem.at[slot], delta_bar.at[slot])
 
-        def fetch(i, slot):
-            t = first_tile + i
-            plgpu.copy_gmem_to_smem(q_ref.at[t], q_smem.at[slot], q_bar.at[slot])
-            plgpu.copy_gmem_to_smem(lse_ref.at[t], lse_smem.at[slot], lse_bar.at[slot])
-            plgpu.copy_gmem_to_smem(do_ref.at[t], do_smem.at[slot], do_bar.at[slot])
-            plgpu.copy_gmem_to_smem(delta_ref.at[t], delta_smem.at[slot], delta_bar.at[slot])
-
-        _stream(count, stages, fetch, (free,))
+    kit.memory_warpgroup(wg, wgs, count, stages, fetch, (free,))
 
 
 def block_attention_bwd(
@@ -652,21 +536,21 @@ def block_attention_bwd(
     lse, delta = lse.astype(jnp.float32), delta.astype(jnp.float32)
     static = dict(scale=scale, ck=ck, block_size=block_size)
     dq = plgpu.kernel(
-        _named(_dq_body, "moba_block_dq_mgpu", stages=stages, wgs=wgs, **static),
+        kit.named(_dq_body, "moba_block_dq_mgpu", stages=stages, wgs=wgs, **static),
         out_type=jax.ShapeDtypeStruct((ntiles, qt, d), dtype),
         scratch_types=[
-            _smem((wgs, ROWS, d), dtype),
-            _smem((wgs, ROWS, dv), dtype),
+            kit.swizzled_smem((wgs, ROWS, d), dtype),
+            kit.swizzled_smem((wgs, ROWS, dv), dtype),
             plgpu.SMEM((wgs, ROWS), jnp.float32),
             plgpu.SMEM((wgs, ROWS), jnp.float32),
-            _smem((stages, ck, d), dtype),
-            _smem((stages, ck, dv), dtype),
+            kit.swizzled_smem((stages, ck, d), dtype),
+            kit.swizzled_smem((stages, ck, dv), dtype),
             plgpu.Barrier(num_barriers=(4, wgs)),
             plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
             plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
-            _lhs_scratch(interpret, wgs, ROWS, ck, dtype),
+            kit.interpreter_staging((wgs, ROWS, ck), dtype, interpret),
         ],
         grid=(ntiles,),
         grid_names=("tile",),
@@ -680,16 +564,16 @@ def block_attention_bwd(
     kwgs, qstages = ck // ROWS, max(2, block_sizes.num_stages)  # as smem_bytes
     width = window(block_size, dtype)
     dk, dvv = plgpu.kernel(
-        _named(_dkv_body, "moba_block_dkv_mgpu", stages=qstages, wgs=kwgs, **static),
+        kit.named(_dkv_body, "moba_block_dkv_mgpu", stages=qstages, wgs=kwgs, **static),
         out_type=[
             jax.ShapeDtypeStruct((num_groups + 1, width, d), dtype),
             jax.ShapeDtypeStruct((num_groups + 1, width, dv), dtype),
         ],
         scratch_types=[
-            _smem((kwgs, ROWS, d), dtype),
-            _smem((kwgs, ROWS, dv), dtype),
-            _smem((qstages, qt, d), dtype),
-            _smem((qstages, qt, dv), dtype),
+            kit.swizzled_smem((kwgs, ROWS, d), dtype),
+            kit.swizzled_smem((kwgs, ROWS, dv), dtype),
+            kit.swizzled_smem((qstages, qt, d), dtype),
+            kit.swizzled_smem((qstages, qt, dv), dtype),
             plgpu.SMEM((qstages, qt), jnp.float32),
             plgpu.SMEM((qstages, qt), jnp.float32),
             plgpu.Barrier(num_barriers=(2, kwgs)),
@@ -698,7 +582,7 @@ def block_attention_bwd(
             plgpu.Barrier(num_barriers=qstages),
             plgpu.Barrier(num_barriers=qstages),
             plgpu.Barrier(num_arrivals=kwgs, num_barriers=qstages),
-            _lhs_scratch(interpret, kwgs, ROWS, qt, dtype),
+            kit.interpreter_staging((kwgs, ROWS, qt), dtype, interpret),
         ],
         grid=(num_groups + 1, nsub + 1),
         grid_names=("group", "sub"),

@@ -12,13 +12,12 @@ warpgroup. A TMA copy reads whole 8-row tiles: the cache length and the block (`
 multiples of 8 and of TILE respectively, which `supports` checks.
 
 Interpreted (the tests), p goes through SMEM to its matmul and each product is added to the
-accumulator in registers (the Mosaic GPU interpreter's wgmma reads only SMEM operands and it has
-no pl.run_state).
+accumulator in registers (mgpu_toolkit.accumulate: the Mosaic GPU interpreter's wgmma reads only
+SMEM operands and it has no pl.run_state).
 """
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -28,6 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import gpu_memory
+from pallas_kernels import mgpu_toolkit as kit
 from pallas_kernels.common import combine_partials, mosaic_gpu_interpret
 
 ROWS = 64  # a warpgroup matmul's rows: the query padded to them
@@ -83,34 +83,6 @@ def pieces(programs: int, size: int, multiprocessors: int) -> int:
     return count
 
 
-def _smem(shape, dtype):
-    """An SMEM buffer tiled and swizzled for wgmma (rows of 128-byte swizzle groups)."""
-    tiling = plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize))
-    return plgpu.SMEM(shape, dtype, transforms=(tiling, plgpu.SwizzleTransform(128)))
-
-
-def _matmul(a, b, shape):
-    def run(acc_ref):
-        plgpu.wgmma(acc_ref, a, b)
-        return acc_ref[...]
-
-    return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
-
-
-def _accumulate(acc, p, b, p_smem):
-    """acc + p @ b: on the GPU (p_smem None) into acc itself with p from registers; interpreted,
-    p through SMEM into a fresh accumulator added to acc."""
-    if p_smem is None:
-
-        def run(acc_ref):
-            plgpu.wgmma(acc_ref, p, b)
-
-        return pl.run_state(run)(plgpu.ACC.init(acc))
-    p_smem[...] = p
-    plgpu.commit_smem()
-    return acc + _matmul(p_smem, b, acc.shape)
-
-
 def _body(
     start_ref,
     lo_ref,
@@ -129,7 +101,7 @@ def _body(
     q_bar,
     k_bar,
     v_bar,
-    p_smem,
+    staging,
     *,
     scale,
     piece,
@@ -152,43 +124,29 @@ def _body(
         plgpu.copy_gmem_to_smem(k_ref.at[b, kv, slots], k_smem.at[slot], k_bar.at[slot])
         plgpu.copy_gmem_to_smem(v_ref.at[b, kv, slots], v_smem.at[slot], v_bar.at[slot])
 
-    for n in range(min(stages, steps)):
-        fetch(n)
+    kit.fill_ring(steps, stages, fetch)
     plgpu.barrier_wait(q_bar.at[0])
 
     def step(n, carry):
         acc, m, l = carry
         slot = lax.rem(n, stages)
         plgpu.barrier_wait(k_bar.at[slot])
-        s = _matmul(q_smem, k_smem.at[slot].T, (ROWS, TILE))
-        key = (
-            first
-            + n * TILE
-            + plgpu.broadcasted_iota(jnp.int32, (TILE,), 0, layout=plgpu.Layout.WGMMA.reduce(0))
-        )
+        s = kit.matmul(q_smem, k_smem.at[slot].T, (ROWS, TILE))
+        key = first + n * TILE + kit.col_iota(TILE)
         bias = jnp.where((key >= lo) & (key <= hi), 0.0, -jnp.inf)
         s = s * (scale * LOG2E) + lax.broadcast_in_dim(bias, s.shape, [1])  # base-2 logits
-        m_new = jnp.maximum(m, s.max(axis=1))
-        alpha = jnp.exp2(m - m_new)
-        e = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-        l = l * alpha + e.sum(axis=1)
+        e, m_new, l, alpha = kit.softmax_step(s, m, l)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         plgpu.barrier_wait(v_bar.at[slot])
-        acc = _accumulate(acc, e.astype(v_smem.dtype), v_smem.at[slot], p_smem)
-
-        @pl.when(n + stages < steps)
-        def _():
-            fetch(n + stages)  # slot's last readers, this step's matmuls, are done
-
+        (acc,) = kit.accumulate([acc], [e.astype(v_smem.dtype)], [v_smem.at[slot]], staging)
+        kit.refill_ring(n, steps, stages, fetch)  # slot's last readers, this step's matmuls, are done
         return acc, m_new, l
 
-    row = plgpu.Layout.WGMMA.reduce(1)
-    m = plgpu.layout_cast(jnp.full((ROWS,), FLOOR, jnp.float32), row)
-    l = plgpu.layout_cast(jnp.full((ROWS,), 0.0, jnp.float32), row)
-    acc = plgpu.layout_cast(jnp.full((ROWS, v_smem.shape[-1]), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+    m, l = kit.full_rows(ROWS, FLOOR), kit.full_rows(ROWS, 0.0)
+    acc = kit.full_tile((ROWS, v_smem.shape[-1]), 0.0)
     acc, m, l = lax.fori_loop(0, steps, step, (acc, m, l))
     norm = jnp.where(l > 0, l, 1.0)  # no slot counts: zeros, l = 0, m = -inf
-    first_row = plgpu.broadcasted_iota(jnp.int32, acc.shape, 0, layout=plgpu.Layout.WGMMA) == 0
+    first_row = kit.tile_iota(acc.shape, 0) == 0
     out = jnp.where(first_row, acc / lax.broadcast_in_dim(norm, acc.shape, [0]), 0.0)
     o_smem[...] = out.sum(axis=0)  # row 0, the real query's: the other rows are zeroed
     stat_smem.at[0][...] = jnp.where(l > 0, m * (1 / LOG2E), -jnp.inf)
@@ -222,8 +180,9 @@ def moba_decode_mgpu(
     while stages > 1 and smem_bytes(d, dv, q.dtype.itemsize, stages) > gpu_memory.smem_limit("9.0"):
         stages -= 1
     shape = (b, hq, blocks * parts)
-    body = functools.partial(
+    body = kit.named(
         _body,
+        "moba_decode_mgpu",
         scale=scale,
         piece=piece,
         parts=parts,
@@ -231,7 +190,6 @@ def moba_decode_mgpu(
         blocks=blocks,
         stages=stages,
     )
-    body.__name__ = "moba_decode_mgpu"
     padded = jnp.zeros((b, hq, ROWS, d), q.dtype).at[:, :, 0].set(q)  # the query as row 0 of 64
     flat = lambda x: x.astype(jnp.int32).reshape(-1)
     out, m, l = plgpu.kernel(
@@ -242,15 +200,15 @@ def moba_decode_mgpu(
             jax.ShapeDtypeStruct((*shape, ROWS), jnp.float32),
         ],
         scratch_types=[
-            _smem((ROWS, d), q.dtype),
-            _smem((stages, TILE, d), q.dtype),
-            _smem((stages, TILE, dv), q.dtype),
+            kit.swizzled_smem((ROWS, d), q.dtype),
+            kit.swizzled_smem((stages, TILE, d), q.dtype),
+            kit.swizzled_smem((stages, TILE, dv), q.dtype),
             plgpu.SMEM((dv,), jnp.float32),
             plgpu.SMEM((2, ROWS), jnp.float32),
             plgpu.Barrier(num_barriers=1),
             plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_barriers=stages),
-            _smem((ROWS, TILE), q.dtype) if interpret else None,
+            kit.interpreter_staging((ROWS, TILE), q.dtype, interpret),
         ],
         grid=shape,
         grid_names=("row", "head", "piece"),

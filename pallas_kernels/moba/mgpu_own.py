@@ -25,8 +25,8 @@ softmax (each step waits for its own wgmmas before the elementwise work). One wa
 program: no producer warpgroup and no ping-pong between two consumer warpgroups (FlashAttention
 3's schedule), the next steps for speed.
 
-Interpreted (`interpret=True`, plgpu.InterpretGPUParams), p and dS go through a shared-memory
-staging buffer into a fresh accumulator that is then added: the interpreter's wgmma reads only
+Interpreted (`interpret=True`), p and dS go through a shared-memory staging buffer into a fresh
+accumulator that is then added (mgpu_toolkit.accumulate): the interpreter's wgmma reads only
 shared memory and cannot store into an accumulator. Only that operand path differs from the GPU's.
 Constraints (`supports`): bf16/f16 inputs, head dims and tiles multiples of 64 up to 256, shared
 memory (`smem_bytes`) within an H100/H200's, and a register budget (`live_registers`, LIVE_REGS).
@@ -43,6 +43,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import mgpu_toolkit as kit
 from pallas_kernels.common import mosaic_gpu_interpret
 from pallas_kernels.gpu_memory import smem_limit
 from pallas_kernels.moba.gpu_own import kv_row, own_tables  # noqa: F401  (own_tables: the same tables)
@@ -145,75 +146,10 @@ def live_registers(head_dim: int, v_head_dim: int, q_tile: int, kv_block: int, s
     }
 
 
-def _swizzled(itemsize: int):
-    """Shared-memory transforms of a wgmma operand tile: 128-byte rows, 128-byte swizzle."""
-    return (plgpu.TilingTransform((8, 128 // itemsize)), plgpu.SwizzleTransform(128))
-
-
-def _row_vector(ref):
-    """A [rows] shared-memory vector in the layout of a wgmma result's rows."""
-    return plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(1))
-
-
-def _iota(shape, dim):
-    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
-
-
 def _own_mask(lo, q0, k0, shape):
     """[Qt, Ck]: key k0 + c is in query q0 + r's own block up to itself (lo: [Qt] starts)."""
-    qpos, kpos = q0 + _iota(shape, 0), k0 + _iota(shape, 1)
+    qpos, kpos = q0 + kit.tile_iota(shape, 0), k0 + kit.tile_iota(shape, 1)
     return (kpos >= lax.broadcast_in_dim(lo, shape, [0])) & (kpos <= qpos)
-
-
-def _ring(steps, stages, fetch):
-    """Issue the first `stages` fetches of a loop of `steps` (fetch(n) copies step n into slot n % stages)."""
-    for n in range(stages):
-        pl.when(n < steps)(functools.partial(fetch, n))
-
-
-def _refill(n, steps, stages, fetch):
-    """Slot n % stages was read for the last time by step n: fetch step n + stages into it."""
-
-    @pl.when(n + stages < steps)
-    def _():
-        fetch(n + stages)
-
-
-def _matmul(a, b, shape):
-    """a @ b by a warpgroup matmul into a fresh float32 accumulator, waited for."""
-    return _matmuls((a, b), shape=shape)[0]
-
-
-def _matmuls(*pairs, shape):
-    """a @ b for each (a, b) of `pairs`, warpgroup matmuls into fresh float32 accumulators of
-    `shape`, all issued before the first wait (the tensor cores run them back to back)."""
-
-    def body(*accs):
-        for acc, (a, b) in zip(accs, pairs, strict=True):
-            plgpu.wgmma(acc, a, b)
-        return tuple(acc[...] for acc in accs)
-
-    return pl.run_scoped(body, *[plgpu.ACC(shape, jnp.float32)] * len(pairs))
-
-
-def _accumulate(accs, xs, bs, staging):
-    """acc + x @ b for each acc of `accs`, x a register tile (p or dS, cast): on the GPU wgmmas
-    reading x from registers and accumulating in place, all issued before one wait; interpreted
-    (the interpreter's wgmma reads only shared memory and has no store into an accumulator), each
-    x goes through the shared buffer `staging` and a fresh accumulator is added to acc."""
-    if staging is None:
-
-        def body(refs):
-            for ref, x, b in zip(refs, xs, bs, strict=True):
-                plgpu.wgmma(ref, x, b)
-
-        return pl.run_state(body)(tuple(plgpu.ACC.init(acc) for acc in accs))
-    out = []
-    for acc, x, b in zip(accs, xs, bs, strict=True):
-        staging[...] = x
-        plgpu.commit_smem()
-        out.append(acc + _matmul(staging, b, acc.shape))
-    return tuple(out)
 
 
 def _fwd_body(
@@ -231,6 +167,7 @@ def _fwd_body(
     q_bar,
     k_bar,
     v_bar,
+    staging,
     *,
     scale,
     qt,
@@ -239,7 +176,6 @@ def _fwd_body(
     hkv,
     nq,
     stages,
-    staging=None,
 ):
     (k_smem, v_smem), o_smem = kv_or_o  # o is staged where the K/V ring was: the ring is done by then
     r, i = lax.axis_index("rows"), lax.axis_index("tiles")
@@ -254,32 +190,27 @@ def _fwd_body(
         plgpu.copy_gmem_to_smem(k_ref.at[kv, keys, :], k_smem.at[slot], k_bar.at[slot])
         plgpu.copy_gmem_to_smem(v_ref.at[kv, keys, :], v_smem.at[slot], v_bar.at[slot])
 
-    _ring(steps, stages, fetch)
+    kit.fill_ring(steps, stages, fetch)
     plgpu.barrier_wait(q_bar.at[0])
     plgpu.barrier_wait(q_bar.at[1])
-    lo = _row_vector(lo_smem)
+    lo = kit.load_rows(lo_smem)
     dv = o_ref.shape[-1]
 
     def step(n, carry):
         m, l, acc = carry
         slot = lax.rem(n, stages)
         plgpu.barrier_wait(k_bar.at[slot])
-        s = _matmul(q_smem, k_smem.at[slot].T, (qt, ck))
+        s = kit.matmul(q_smem, k_smem.at[slot].T, (qt, ck))
         mask = _own_mask(lo, q0, (first + n) * ck, (qt, ck))
         s = jnp.where(mask, s * (scale * LOG2E), -jnp.inf)  # log2 units
-        m_new = jnp.maximum(m, s.max(axis=1))
-        alpha = jnp.exp2(m - m_new)
-        p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-        l = l * alpha + p.sum(axis=1)
+        p, m_new, l, alpha = kit.softmax_step(s, m, l)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         plgpu.barrier_wait(v_bar.at[slot])
-        (acc,) = _accumulate([acc], [p.astype(v_smem.dtype)], [v_smem.at[slot]], staging)
-        _refill(n, steps, stages, fetch)
+        (acc,) = kit.accumulate([acc], [p.astype(v_smem.dtype)], [v_smem.at[slot]], staging)
+        kit.refill_ring(n, steps, stages, fetch)
         return m_new, l, acc
 
-    m = plgpu.layout_cast(jnp.full((qt,), FLOOR, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-    l = plgpu.layout_cast(jnp.zeros((qt,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-    acc = plgpu.layout_cast(jnp.zeros((qt, dv), jnp.float32), plgpu.Layout.WGMMA)
+    m, l, acc = kit.full_rows(qt, FLOOR), kit.full_rows(qt, 0.0), kit.full_tile((qt, dv), 0.0)
     m, l, acc = lax.fori_loop(0, steps, step, (m, l, acc))
     o_smem[...] = acc / lax.broadcast_in_dim(l, acc.shape, [0])  # every row sees itself: l > 0
     lse_smem[...] = (m + jnp.log2(l)) * LN2
@@ -287,14 +218,6 @@ def _fwd_body(
     plgpu.copy_smem_to_gmem(o_smem, o_ref.at[r, pl.ds(q0, qt), :])
     plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[r, pl.ds(q0, qt)])
     plgpu.wait_smem_to_gmem(0)
-
-
-def _with_staging(body, shape, dtype, interpret):
-    """body, given a shared staging buffer of `shape` (see _accumulate) when interpreted."""
-    if not interpret:
-        return body
-    buffer = plgpu.SMEM(shape, dtype, transforms=_swizzled(jnp.dtype(dtype).itemsize))
-    return lambda *refs: pl.run_scoped(lambda staging: body(*refs, staging=staging), buffer)
 
 
 def own_attention_fwd(q, k, v, lo, first, *, scale, block_size, block_sizes, interpret=False):
@@ -306,32 +229,24 @@ def own_attention_fwd(q, k, v, lo, first, *, scale, block_size, block_sizes, int
     b = lo.shape[0]
     hq, hkv, nq = rows // b, k.shape[0] // b, seq_pad // qt
     stages = block_sizes.num_stages
-    swz = _swizzled(q.dtype.itemsize)
     o, lse = plgpu.kernel(
-        _with_staging(
-            functools.partial(_fwd_body, scale=scale, qt=qt, ck=ck, hq=hq, hkv=hkv, nq=nq, stages=stages),
-            (qt, ck),
-            v.dtype,
-            interpret,
-        ),
+        functools.partial(_fwd_body, scale=scale, qt=qt, ck=ck, hq=hq, hkv=hkv, nq=nq, stages=stages),
         out_type=[
             jax.ShapeDtypeStruct((rows, seq_pad, dv), jnp.float32),
             jax.ShapeDtypeStruct((rows, seq_pad), jnp.float32),
         ],
         scratch_types=[
-            plgpu.SMEM((qt, d), q.dtype, transforms=swz),
+            kit.swizzled_smem((qt, d), q.dtype),
             plgpu.SMEM((qt,), jnp.int32),
             plgpu.RefUnion(
-                (
-                    plgpu.SMEM((stages, ck, d), k.dtype, transforms=swz),
-                    plgpu.SMEM((stages, ck, dv), v.dtype, transforms=swz),
-                ),
-                plgpu.SMEM((qt, dv), jnp.float32, transforms=_swizzled(4)),
+                (kit.swizzled_smem((stages, ck, d), k.dtype), kit.swizzled_smem((stages, ck, dv), v.dtype)),
+                kit.swizzled_smem((qt, dv), jnp.float32),
             ),
             plgpu.SMEM((qt,), jnp.float32),
             plgpu.Barrier(num_barriers=2),
             plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_barriers=stages),
+            kit.interpreter_staging((qt, ck), v.dtype, interpret),
         ],
         grid=(rows, nq),
         grid_names=("rows", "tiles"),
@@ -362,6 +277,7 @@ def _dq_body(
     q_bar,
     k_bar,
     v_bar,
+    staging,
     *,
     scale,
     qt,
@@ -370,7 +286,6 @@ def _dq_body(
     hkv,
     nq,
     stages,
-    staging=None,
 ):
     r, i = lax.axis_index("rows"), lax.axis_index("tiles")
     b, kv, q0 = r // hq, kv_row(r, hq, hkv), i * qt
@@ -392,35 +307,29 @@ def _dq_body(
         plgpu.copy_gmem_to_smem(k_ref.at[kv, keys, :], k_smem.at[slot], k_bar.at[slot])
         plgpu.copy_gmem_to_smem(v_ref.at[kv, keys, :], v_smem.at[slot], v_bar.at[slot])
 
-    _ring(steps, stages, fetch)
+    kit.fill_ring(steps, stages, fetch)
     for n in range(len(once)):
         plgpu.barrier_wait(q_bar.at[n])
-    lo, lse, delta = _row_vector(lo_smem), _row_vector(lse_smem) * LOG2E, _row_vector(delta_smem)
+    lo, lse, delta = kit.load_rows(lo_smem), kit.load_rows(lse_smem) * LOG2E, kit.load_rows(delta_smem)
     shape = (qt, ck)
 
     def step(n, dq):
         slot = lax.rem(n, stages)
         plgpu.barrier_wait(k_bar.at[slot])
         plgpu.barrier_wait(v_bar.at[slot])
-        s, dp = _matmuls((q_smem, k_smem.at[slot].T), (do_smem, v_smem.at[slot].T), shape=shape)
+        s, dp = kit.matmuls((q_smem, k_smem.at[slot].T), (do_smem, v_smem.at[slot].T), shape=shape)
         mask = _own_mask(lo, q0, (first + n) * ck, shape)
         p = jnp.where(mask, jnp.exp2(s * (scale * LOG2E) - lax.broadcast_in_dim(lse, shape, [0])), 0.0)
         ds = p * (dp - lax.broadcast_in_dim(delta, shape, [0]))
-        (dq,) = _accumulate([dq], [ds.astype(k_smem.dtype)], [k_smem.at[slot]], staging)
-        _refill(n, steps, stages, fetch)
+        (dq,) = kit.accumulate([dq], [ds.astype(k_smem.dtype)], [k_smem.at[slot]], staging)
+        kit.refill_ring(n, steps, stages, fetch)
         return dq
 
-    dq = plgpu.layout_cast(jnp.zeros(q_smem.shape, jnp.float32), plgpu.Layout.WGMMA)
-    dq = lax.fori_loop(0, steps, step, dq)
+    dq = lax.fori_loop(0, steps, step, kit.full_tile(q_smem.shape, 0.0))
     q_smem[...] = (dq * scale).astype(q_smem.dtype)  # q's last reader, the last step's matmul, is done
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[r, rows, :])
     plgpu.wait_smem_to_gmem(0)
-
-
-def _col_vector(ref):
-    """A [cols] shared-memory vector in the layout of a wgmma result's columns."""
-    return plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(0))
 
 
 def _dkv_body(
@@ -447,6 +356,7 @@ def _dkv_body(
     lo_bar,
     lse_bar,
     delta_bar,
+    staging,
     *,
     scale,
     qt,
@@ -455,7 +365,6 @@ def _dkv_body(
     hkv,
     nk,
     stages,
-    staging=None,
 ):
     rk, j = lax.axis_index("rows"), lax.axis_index("tiles")
     b, group, k0 = rk // hkv, hq // hkv, j * ck
@@ -476,7 +385,7 @@ def _dkv_body(
         plgpu.copy_gmem_to_smem(lse_ref.at[r, rows], lse_smem.at[slot], lse_bar.at[slot])
         plgpu.copy_gmem_to_smem(delta_ref.at[r, rows], delta_smem.at[slot], delta_bar.at[slot])
 
-    _ring(steps, stages, fetch)
+    kit.fill_ring(steps, stages, fetch)
     plgpu.barrier_wait(kv_bar.at[0])
     plgpu.barrier_wait(kv_bar.at[1])
     shape = (ck, qt)  # transposed scores: keys x queries
@@ -486,21 +395,23 @@ def _dkv_body(
         slot, q0 = lax.rem(n, stages), (i0 + lax.rem(n, tiles)) * qt
         plgpu.barrier_wait(q_bar.at[slot])
         plgpu.barrier_wait(do_bar.at[slot])
-        s_t, dp_t = _matmuls((k_smem, q_smem.at[slot].T), (v_smem, do_smem.at[slot].T), shape=shape)
+        s_t, dp_t = kit.matmuls((k_smem, q_smem.at[slot].T), (v_smem, do_smem.at[slot].T), shape=shape)
         plgpu.barrier_wait(lo_bar.at[slot])
         plgpu.barrier_wait(lse_bar.at[slot])
-        lo, lse = _col_vector(lo_smem.at[slot]), _col_vector(lse_smem.at[slot]) * LOG2E
-        kpos, qpos = k0 + _iota(shape, 0), q0 + _iota(shape, 1)
+        lo, lse = kit.load_cols(lo_smem.at[slot]), kit.load_cols(lse_smem.at[slot]) * LOG2E
+        kpos, qpos = k0 + kit.tile_iota(shape, 0), q0 + kit.tile_iota(shape, 1)
         mask = (kpos >= lax.broadcast_in_dim(lo, shape, [1])) & (kpos <= qpos)
         p_t = jnp.where(mask, jnp.exp2(s_t * (scale * LOG2E) - lax.broadcast_in_dim(lse, shape, [1])), 0.0)
         plgpu.barrier_wait(delta_bar.at[slot])
-        ds_t = p_t * (dp_t - lax.broadcast_in_dim(_col_vector(delta_smem.at[slot]), shape, [1]))
+        ds_t = p_t * (dp_t - lax.broadcast_in_dim(kit.load_cols(delta_smem.at[slot]), shape, [1]))
         cast = lambda x: x.astype(q_smem.dtype)
-        dk, dv = _accumulate([dk, dv], [cast(ds_t), cast(p_t)], [q_smem.at[slot], do_smem.at[slot]], staging)
-        _refill(n, steps, stages, fetch)
+        dk, dv = kit.accumulate(
+            [dk, dv], [cast(ds_t), cast(p_t)], [q_smem.at[slot], do_smem.at[slot]], staging
+        )
+        kit.refill_ring(n, steps, stages, fetch)
         return dk, dv
 
-    zeros = lambda ref: plgpu.layout_cast(jnp.zeros(ref.shape, jnp.float32), plgpu.Layout.WGMMA)
+    zeros = lambda ref: kit.full_tile(ref.shape, 0.0)
     dk, dv = lax.fori_loop(0, steps, step, (zeros(k_smem), zeros(v_smem)))
     k_smem[...] = (dk * scale).astype(k_smem.dtype)  # K's and V's last readers are done
     v_smem[...] = dv.astype(v_smem.dtype)
@@ -522,26 +433,26 @@ def own_attention_bwd(
     b = lo.shape[0]
     hq, hkv, nq, nk = rows // b, k.shape[0] // b, seq_pad // qt, seq_pad // ck
     stages = block_sizes.num_stages
-    swz = _swizzled(q.dtype.itemsize)
     lo, lse, delta = lo.reshape(b, seq_pad), lse.reshape(rows, seq_pad), delta.reshape(rows, seq_pad)
     sizes = dict(scale=scale, qt=qt, ck=ck, hq=hq, hkv=hkv, stages=stages)
     common = dict(
         compiler_params=plgpu.CompilerParams(approx_math=True), interpret=mosaic_gpu_interpret(interpret)
     )
     dq = plgpu.kernel(
-        _with_staging(functools.partial(_dq_body, nq=nq, **sizes), (qt, ck), k.dtype, interpret),
+        functools.partial(_dq_body, nq=nq, **sizes),
         out_type=jax.ShapeDtypeStruct((rows, seq_pad, d), q.dtype),
         scratch_types=[
-            plgpu.SMEM((qt, d), q.dtype, transforms=swz),
-            plgpu.SMEM((qt, dv), do.dtype, transforms=swz),
+            kit.swizzled_smem((qt, d), q.dtype),
+            kit.swizzled_smem((qt, dv), do.dtype),
             plgpu.SMEM((qt,), jnp.int32),
             plgpu.SMEM((qt,), jnp.float32),
             plgpu.SMEM((qt,), jnp.float32),
-            plgpu.SMEM((stages, ck, d), k.dtype, transforms=swz),
-            plgpu.SMEM((stages, ck, dv), v.dtype, transforms=swz),
+            kit.swizzled_smem((stages, ck, d), k.dtype),
+            kit.swizzled_smem((stages, ck, dv), v.dtype),
             plgpu.Barrier(num_barriers=5),
             plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_barriers=stages),
+            kit.interpreter_staging((qt, ck), k.dtype, interpret),
         ],
         grid=(rows, nq),
         grid_names=("rows", "tiles"),
@@ -549,22 +460,23 @@ def own_attention_bwd(
         **common,
     )(first, q, lo, do, lse, delta, k, v)
     dk, dvv = plgpu.kernel(
-        _with_staging(functools.partial(_dkv_body, nk=nk, **sizes), (ck, qt), q.dtype, interpret),
+        functools.partial(_dkv_body, nk=nk, **sizes),
         out_type=[
             jax.ShapeDtypeStruct((k.shape[0], seq_pad, d), k.dtype),
             jax.ShapeDtypeStruct((k.shape[0], seq_pad, dv), v.dtype),
         ],
         scratch_types=[
-            plgpu.SMEM((ck, d), k.dtype, transforms=swz),
-            plgpu.SMEM((ck, dv), v.dtype, transforms=swz),
-            plgpu.SMEM((stages, qt, d), q.dtype, transforms=swz),
-            plgpu.SMEM((stages, qt, dv), do.dtype, transforms=swz),
+            kit.swizzled_smem((ck, d), k.dtype),
+            kit.swizzled_smem((ck, dv), v.dtype),
+            kit.swizzled_smem((stages, qt, d), q.dtype),
+            kit.swizzled_smem((stages, qt, dv), do.dtype),
             plgpu.SMEM((stages, qt), jnp.int32),
             plgpu.SMEM((stages, qt), jnp.float32),
             plgpu.SMEM((stages, qt), jnp.float32),
             plgpu.Barrier(num_barriers=2),
-        ]
-        + [plgpu.Barrier(num_barriers=stages)] * 5,
+            *[plgpu.Barrier(num_barriers=stages)] * 5,
+            kit.interpreter_staging((ck, qt), q.dtype, interpret),
+        ],
         grid=(k.shape[0], nk),
         grid_names=("rows", "tiles"),
         kernel_name="moba_own_dkv_mgpu",

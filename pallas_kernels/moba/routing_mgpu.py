@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import mgpu_toolkit as kit
 from pallas_kernels.common import mosaic_gpu_interpret
 from pallas_kernels.moba.routing_common import insert, routing_tables, scores_in_full_f32
 
@@ -50,7 +51,6 @@ def routing_mgpu(q, starts, means, lo, hi, picks: int, *, seq: int, key_dtype, i
     first, end = routing_tables(starts, lo, hi, q_tile=TILE, mean_tile=TILE)
     bounds = jnp.stack([first, end], axis=-1)  # [B * nq, 2]
     starts_f = starts.astype(jnp.float32)
-    row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
 
     def body(
         bounds_ref, q_ref, lo_ref, hi_ref, starts_ref, means_ref, out_ref, q_smem, m_smem, out_smem, bars
@@ -60,23 +60,18 @@ def routing_mgpu(q, starts, means, lo, hi, picks: int, *, seq: int, key_dtype, i
         rows = pl.ds(i * TILE, TILE)
         plgpu.copy_gmem_to_smem(q_ref.at[row_b, rows, h], q_smem, bars.at[0])
         # 64 words from global memory: the plain transfer (jax 0.11.2 has no optimized one for GMEM)
-        lo = plgpu.load(lo_ref.at[row_b, rows], layout=row_layout, optimized=False).astype(jnp.float32)
-        hi = plgpu.load(hi_ref.at[row_b, rows], layout=row_layout, optimized=False).astype(jnp.float32)
+        lo = plgpu.load(lo_ref.at[row_b, rows], layout=kit.ROW, optimized=False).astype(jnp.float32)
+        hi = plgpu.load(hi_ref.at[row_b, rows], layout=kit.ROW, optimized=False).astype(jnp.float32)
         lo, hi = (jax.lax.broadcast_in_dim(x, (TILE, TILE), [0]) for x in (lo, hi))
         plgpu.barrier_wait(bars.at[0])
 
         def step(j, carry):
             best, count = carry
             plgpu.copy_gmem_to_smem(means_ref.at[row_b, kv, pl.ds(j * TILE, TILE)], m_smem, bars.at[1])
-            st = plgpu.load(starts_ref.at[row_b, pl.ds(j * TILE, TILE)], layout=col_layout, optimized=False)
+            st = plgpu.load(starts_ref.at[row_b, pl.ds(j * TILE, TILE)], layout=kit.COL, optimized=False)
             st = jax.lax.broadcast_in_dim(st, (TILE, TILE), [1])  # [Qt, nb] float32 starts
             plgpu.barrier_wait(bars.at[1])
-
-            def scores(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, m_smem.T)
-                return acc_ref[...]
-
-            s = pl.run_scoped(scores, plgpu.ACC((TILE, TILE), jnp.float32))
+            s = kit.matmul(q_smem, m_smem.T, (TILE, TILE))
             candidate = (st >= lo) & (st < hi)
             s = jnp.where(candidate, s, -jnp.inf)
             count = count + jnp.where(candidate, 1.0, 0.0).sum(axis=1)
@@ -87,8 +82,10 @@ def routing_mgpu(q, starts, means, lo, hi, picks: int, *, seq: int, key_dtype, i
                 s = jnp.where(st == jax.lax.broadcast_in_dim(at, s.shape, [0]), -jnp.inf, s)
             return best, count
 
-        full = lambda value: plgpu.layout_cast(jnp.full((TILE,), value, jnp.float32), row_layout)
-        init = ([(full(-jnp.inf), full(float(seq)))] * picks, full(0.0))
+        init = (
+            [(kit.full_rows(TILE, -jnp.inf), kit.full_rows(TILE, float(seq)))] * picks,
+            kit.full_rows(TILE, 0.0),
+        )
         first, end = bounds_ref[row_b * nq + i, 0], bounds_ref[row_b * nq + i, 1]
         best, count = jax.lax.fori_loop(first, end, step, init)
         for slot, (_, start) in enumerate(best):
@@ -97,13 +94,12 @@ def routing_mgpu(q, starts, means, lo, hi, picks: int, *, seq: int, key_dtype, i
         plgpu.copy_smem_to_gmem(out_smem, out_ref.at[row_b, h, :, rows])
         plgpu.wait_smem_to_gmem(0)
 
-    transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     out = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((b, hq, picks, t), jnp.int32),
         scratch_types=[
-            plgpu.SMEM((TILE, d), q.dtype, transforms=transforms),
-            plgpu.SMEM((TILE, d), q.dtype, transforms=transforms),
+            kit.swizzled_smem((TILE, d), q.dtype),
+            kit.swizzled_smem((TILE, d), q.dtype),
             plgpu.SMEM((picks, TILE), jnp.int32),
             plgpu.Barrier(num_barriers=2),
         ],
