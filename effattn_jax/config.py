@@ -300,6 +300,11 @@ class Config:
         return attn.kind, attn.core
 
     @property
+    def uses_moba(self) -> bool:
+        """Whether any layer runs the MoBA core (only then do the moba.* keys matter)."""
+        return any(self.layer_spec(i)[1] == "moba" for i in range(self.model.num_layers))
+
+    @property
     def full_attention_from_step(self) -> int:
         """First step of the MoBA -> dense schedule switch (0 = never)."""
         moba = self.moba
@@ -670,8 +675,7 @@ def _validate_attention(cfg: Config) -> None:
         moba.kv_block,
         "must be a positive multiple of 8 or auto",
     )
-    uses_moba = any(cfg.layer_spec(i)[1] == "moba" for i in range(num_layers))
-    if uses_moba:
+    if cfg.uses_moba:
         _check(
             moba.block_size <= cfg.data.seq_len,
             "moba.block_size",
@@ -795,8 +799,7 @@ def context_split_error(seq_len: int, shards: int, block_size: int | None = None
 
 def moba_block_size(cfg: Config) -> int | None:
     """moba.block_size where a layer uses the MoBA core, else None."""
-    uses = any(cfg.layer_spec(i)[1] == "moba" for i in range(cfg.model.num_layers))
-    return cfg.moba.block_size if uses else None
+    return cfg.moba.block_size if cfg.uses_moba else None
 
 
 def check_context_split(cfg: Config, mesh_sizes: dict[str, int]) -> None:

@@ -8,7 +8,7 @@ from effattn_jax.ops.platform import resolve_impl, target_backend
 
 
 def start_notices(cfg: Config) -> list[str]:
-    if not any(cfg.layer_spec(i)[1] == "moba" for i in range(cfg.model.num_layers)):
+    if not cfg.uses_moba:
         return []
     lines = []
     _, kernel, interpret = resolve_impl(cfg.moba.impl)

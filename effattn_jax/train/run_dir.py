@@ -116,10 +116,6 @@ def _flat(tree: dict, prefix: str = "") -> dict:
     return out
 
 
-def _uses_moba(cfg: Config) -> bool:
-    return any(cfg.layer_spec(i)[1] == "moba" for i in range(cfg.model.num_layers))
-
-
 def config_changes(saved: dict, cfg: Config) -> list[str]:
     """`key: saved -> new` for every difference a resumed run may not make. The moba.* keys count
     only where a MoBA layer does, in the saved run or the new one: a dense run resumes whatever
@@ -128,7 +124,7 @@ def config_changes(saved: dict, cfg: Config) -> list[str]:
     with contextlib.suppress(ConfigError):  # with this version's defaults filled in, as the run will be read
         saved_cfg = config_from_dict(saved)
         saved = saved_cfg.to_dict()
-        moba_counts = _uses_moba(saved_cfg) or _uses_moba(cfg)
+        moba_counts = saved_cfg.uses_moba or cfg.uses_moba
     old, new = _flat(saved), _flat(cfg.to_dict())
     changes = []
     for key in sorted(set(old) | set(new)):
