@@ -26,11 +26,13 @@ def tpu_vmem_limit(blocks: int, scratch: int, temporaries: int) -> int:
     return max(2 * blocks + scratch + temporaries, 16 << 20)
 
 
-def mosaic_gpu_interpret(interpret: bool):
-    """plgpu.kernel's `interpret` for the Mosaic GPU kernels: the GPU interpreter, or None to
-    compile."""
+def mosaic_gpu_interpret(interpret):
+    """plgpu.kernel's `interpret` for the Mosaic GPU kernels: an InterpretGPUParams is used as given
+    (e.g. `detect_races=True`), True runs the GPU interpreter, False compiles (None)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu  # imported only for the Mosaic GPU kernels
 
+    if isinstance(interpret, plgpu.InterpretGPUParams):
+        return interpret
     return plgpu.InterpretGPUParams() if interpret else None
 
 

@@ -59,20 +59,16 @@ def test_slices_equal_xla_and_triton(heads, d):
     "on_race" not in plgpu.InterpretGPUParams.__dataclass_fields__,
     reason=f"jax {jax.__version__}: InterpretGPUParams has no on_race, so its race detector cannot raise",
 )
-def test_no_races_between_the_warpgroups(monkeypatch):
+def test_no_races_between_the_warpgroups():
     """The interpreter's race detector, latent 512 (two compute warpgroups, the first also issuing the
     copies), one slice of 328 slots: 6 steps through 2 ring slots, so the ring wraps. Catches:
     warpgroup 0 refilling a slot before both compute warpgroups released it (dropping its
     consumed-barrier wait)."""
-    monkeypatch.setattr(
-        mgpu,
-        "mosaic_gpu_interpret",
-        lambda interpret: plgpu.InterpretGPUParams(detect_races=True, on_race="raise"),
-    )
+    races = plgpu.InterpretGPUParams(detect_races=True, on_race="raise")
     q_lat, q_rope, lat, kr = _inputs(16, 512, 64, 328, batch=1)
     assert mgpu.stages_for(512, 64, 2) == 2
     out = mla_decode_mgpu(
-        q_lat[:, 0], q_rope[:, 0], lat, kr, jnp.array([328]), 0.1, num_slices=1, interpret=True
+        q_lat[:, 0], q_rope[:, 0], lat, kr, jnp.array([328]), 0.1, num_slices=1, interpret=races
     )
     want = absorbed_attention(q_lat, q_rope, lat, kr, jnp.array([[327]]), 0.1, "xla")[:, 0]
     np.testing.assert_allclose(out, want, **BF16)

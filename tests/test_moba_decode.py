@@ -14,8 +14,14 @@ from flax import nnx
 from effattn_jax.config import load_config
 from effattn_jax.model import Transformer, init_cache
 from effattn_jax.ops.cache import kv_view
-from effattn_jax.ops.moba_decode import empty_block_means, moba_decode_attention, prefill_block_means
+from effattn_jax.ops.moba_decode import (
+    empty_block_means,
+    moba_decode_attention,
+    prefill_block_means,
+    select_blocks,
+)
 from effattn_jax.ops.platform import tracing_for
+from pallas_kernels import registry
 from pallas_kernels.common import gpu_lowering_target
 from pallas_kernels.moba import gpu_decode
 from pallas_kernels.moba.gpu_decode import moba_decode_gpu
@@ -123,9 +129,9 @@ def test_a_step_reads_only_its_blocks(kind):
     assert [s for _, s in _decode_shapes(dense, 1, 4096, False) if 4096 in s]  # the check can fail
 
 
-def _kernel_case(length, block):
-    """A single-token step's inputs: GQA (4 query heads on 2 KV heads), head-major caches, row 0
-    with every pick used and row 1 with two of its three picks unused."""
+def _kernel_inputs(length, block):
+    """A single-token step's view, block means and positions: GQA (4 query heads on 2 KV heads),
+    head-major caches, row 0 with every pick used and row 1 with two of its three picks unused."""
     d = 16
     k, v = (jax.random.normal(jax.random.key(i), (2, 2, length, d)) for i in range(2))
     q = jax.random.normal(jax.random.key(2), (2, 1, 4, d))
@@ -136,10 +142,24 @@ def _kernel_case(length, block):
         block_size=block,
         dtype=k.dtype,
     )
-    positions = jnp.array([[length - 10], [block + 5]])
+    return kv_view(q, k, v), means, jnp.array([[length - 10], [block + 5]])
+
+
+def _kernel_case(length, block):
+    """The step of _kernel_inputs, by `moba.impl`."""
+    view, means, positions = _kernel_inputs(length, block)
     return lambda impl: moba_decode_attention(
-        kv_view(q, k, v), means, positions, block_size=block, top_k=4, scale=0.25, impl=impl
+        view, means, positions, block_size=block, top_k=4, scale=0.25, impl=impl
     )
+
+
+def _tpu_interpreter_step(length, block):
+    """The step of _kernel_inputs through the registry's TPU decode kernel in the TPU interpreter."""
+    view, means, positions = _kernel_inputs(length, block)
+    starts, lo, hi, size = select_blocks(view, means, positions, block_size=block, top_k=4)
+    tables = (x[:, 0] for x in (starts, lo, hi))
+    kernel = registry.kernel("moba", "decode", "tpu")
+    return kernel(view.q[:, 0], *view.caches, *tables, size, 0.25, interpret="tpu")[:, None]
 
 
 @pytest.mark.parametrize("interpret", ["pallas_tpu", "tpu_interpreter"])
@@ -151,13 +171,7 @@ def test_tpu_decode_kernel_matches_xla(length, block, interpret):
     head."""
     step = _kernel_case(length, block)
     if interpret == "tpu_interpreter":
-        from pallas_kernels.moba import tpu_decode
-
-        real = tpu_decode.moba_decode_tpu
-        tpu = lambda *a, **kw: real(*a, **kw | {"interpret": "tpu"})
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(tpu_decode, "moba_decode_tpu", tpu)
-            got = step("pallas_tpu")
+        got = _tpu_interpreter_step(length, block)
     else:
         assert "moba_decode_tpu" in str(jax.make_jaxpr(lambda: step("pallas_tpu"))())  # the kernel ran
         got = step("pallas_tpu")

@@ -16,9 +16,10 @@ from effattn_jax.ops.routing import moba_routing
 from pallas_kernels.common import gpu_lowering_target
 from pallas_kernels.moba import gpu_blocks, mgpu_blocks, parts
 from pallas_kernels.moba.attention import moba_pallas
-from pallas_kernels.moba.kernels import Kernels, moba_kernels
+from pallas_kernels.moba.kernels import Kernels
 from pallas_kernels.moba.parts import gather_rows, past_schedule
 from pallas_kernels.moba.schedule import BlockSizes
+from pallas_kernels.registry import kernel
 
 TILES = BlockSizes(q_tile=64, kv_block=64, past_q_tile=64, key_tile=64)  # Mosaic's smallest: 64 rows
 CASES = {
@@ -117,7 +118,9 @@ def test_moba_with_them_matches_the_reference(name):
     maps keys through differently from the kernel's."""
     q, k, v, r, seg, c, tiles = _case(name, seed=3)
     scale = 64**-0.5
-    mixed = Kernels(own=moba_kernels("triton").own, blocks=moba_kernels("mosaic").blocks)
+    mixed = Kernels(
+        own=kernel("moba", "attention", "triton").own, blocks=kernel("moba", "attention", "mosaic").blocks
+    )
     pallas = lambda q, k, v: moba_pallas(
         q, k, v, r.own_start, r.past_start, c, scale, "gpu", True, tiles, kernels=mixed
     )
@@ -181,17 +184,13 @@ def test_kernels_lower_for_cuda(tiles):
     reason=f"jax {jax.__version__}: InterpretGPUParams has no on_race, so its race detector cannot raise",
 )
 @pytest.mark.slow
-def test_no_races_between_the_warpgroups(monkeypatch):
+def test_no_races_between_the_warpgroups():
     """The interpreter's race detector on every kernel, with rings that wrap and blocks off 8-row
     tiles: the memory warpgroup refills a slot only after the compute warpgroups released it.
     Catches: a missing or misplaced consumed-barrier wait (tried: dropping the memory warpgroup's
     wait raises here)."""
-    monkeypatch.setattr(
-        mgpu_blocks,
-        "mosaic_gpu_interpret",
-        lambda interpret: plgpu.InterpretGPUParams(detect_races=True, on_race="raise"),
-    )
     args, past, do, kw, _ = _kernel_inputs("ring_wraps")
+    kw["interpret"] = plgpu.InterpretGPUParams(detect_races=True, on_race="raise")
     o, lse = mgpu_blocks.block_attention_fwd(*args, **kw)
     lse_rows = jnp.where(past.tiles.rows >= 0, lse, jnp.inf)
     delta = jnp.sum(o * do.astype(jnp.float32), axis=-1)

@@ -51,13 +51,10 @@ def absorbed_attention(q_lat, q_rope, lat, kr, positions, scale: float, impl: st
     if path == "pallas" and q_lat.shape[1] == 1:
         if kernel != "tpu":
             kernel = gpu_choice(impl, q_lat[:, 0], q_rope[:, 0], lat, kr).kernel
-        if kernel == "tpu":
-            from pallas_kernels.mla_decode.tpu import mla_decode_tpu as decode
-        elif kernel == "mosaic":
-            from pallas_kernels.mla_decode.mgpu import mla_decode_mgpu as decode
-        elif kernel == "triton":
-            from pallas_kernels.mla_decode.gpu import mla_decode_gpu as decode
         if kernel is not None:
+            from pallas_kernels import registry
+
+            decode = registry.kernel("mla", "decode", kernel)
             out = decode(q_lat[:, 0], q_rope[:, 0], lat, kr, positions[:, 0] + 1, scale, interpret=interpret)
             return out[:, None]
     logits = jnp.einsum("bthd,bsd->bhts", q_lat, lat, preferred_element_type=jnp.float32)

@@ -87,21 +87,18 @@ def decode_kernel(view: CacheView, size: int, impl: str):
     _, kernel, interpret = resolve_impl(impl)
     if kernel is None or view.caches is None or view.q.shape[1] != 1:
         return None
+    from pallas_kernels import registry
+
     if kernel == "tpu":
         from pallas_kernels.moba import tpu_decode
 
-        ok = tpu_decode.fits(view.length, size)
-        return functools.partial(tpu_decode.moba_decode_tpu, interpret=interpret) if ok else None
-    gpu = gpu_decode_choice(impl, view, size).kernel
-    if gpu == "mosaic":
-        from pallas_kernels.moba.mgpu_decode import moba_decode_mgpu
-
-        return functools.partial(moba_decode_mgpu, interpret=interpret)
-    if gpu == "triton":
-        from pallas_kernels.moba.gpu_decode import moba_decode_gpu
-
-        return functools.partial(moba_decode_gpu, interpret=interpret)
-    return None
+        if not tpu_decode.fits(view.length, size):
+            return None
+    else:
+        kernel = gpu_decode_choice(impl, view, size).kernel
+    if kernel is None:
+        return None
+    return functools.partial(registry.kernel("moba", "decode", kernel), interpret=interpret)
 
 
 def gpu_decode_choice(impl: str, view: CacheView, size: int):

@@ -111,12 +111,12 @@ def routing_kernel(kernel: str | None):
     """The Pallas selection for a routing kernel name, or None: the gate selects in XLA. "gpu_triton":
     pallas_kernels/moba/routing_gpu.py; "gpu_mosaic": routing_mgpu.py (Mosaic GPU, bf16/f16); "tpu":
     routing_tpu.py. Which one a MoBA impl runs: ops/moba.py, routing_kernel_for."""
+    from pallas_kernels import registry
+
     if kernel in GPU_ROUTING_KERNELS:
         return functools.partial(_gpu_selection, backend=kernel.removeprefix("gpu_"))
     if kernel == "tpu":
-        from pallas_kernels.moba.routing_tpu import routing_tpu  # Pallas is imported only when used
-
-        return routing_tpu
+        return registry.kernel("moba", "routing", "tpu")  # Pallas is imported only when used
     if kernel is not None:
         raise ValueError(
             f"routing kernel must be None, 'tpu' or one of {GPU_ROUTING_KERNELS}, got {kernel!r}"
@@ -125,11 +125,12 @@ def routing_kernel(kernel: str | None):
 
 
 def _gpu_selection(q, starts, means, lo, hi, picks, *, seq, key_dtype, interpret=False, backend):
-    from pallas_kernels.moba import routing_gpu, routing_mgpu
+    from pallas_kernels import registry
+    from pallas_kernels.moba import routing_mgpu
 
     if backend == "mosaic" and (reason := routing_mgpu.supports(q, key_dtype, seq)):
         raise ValueError(reason)
-    select = routing_mgpu.routing_mgpu if backend == "mosaic" else routing_gpu.routing_gpu
+    select = registry.kernel("moba", "routing", backend)
     return select(q, starts, means, lo, hi, picks, seq=seq, key_dtype=key_dtype, interpret=interpret)
 
 

@@ -1,6 +1,5 @@
-"""Which modules run the two parts of a MoBA call, per kernel backend: the one registry the kernel
-paths (parts.py) ask. Each backend's imports are written out inside its own function, so the
-import graph sees every kernel while a GPU run imports no TPU code (and the reverse).
+"""Which modules run the two parts of a MoBA call, per kernel backend, and what each must provide.
+pallas_kernels/registry.py registers these loaders as ("moba", "attention", backend).
 
 A kernel backend is "tpu" (tpu_own.py, tpu_blocks.py), "triton" (gpu_own.py, gpu_blocks.py) or
 "mosaic" (mgpu_own.py, mgpu_blocks.py); what each part's module must provide is its protocol
@@ -64,13 +63,3 @@ def mosaic() -> Kernels:
     from pallas_kernels.moba import mgpu_blocks, mgpu_own
 
     return Kernels(mgpu_own, mgpu_blocks)
-
-
-REGISTRY: dict[str, Callable[[], Kernels]] = {"tpu": tpu, "triton": triton, "mosaic": mosaic}
-
-
-def moba_kernels(backend: str) -> Kernels:
-    """The kernels of `backend` ("tpu" | "triton" | "mosaic"), imported on first use."""
-    if backend not in REGISTRY:
-        raise ValueError(f"MoBA kernel backend must be one of {tuple(REGISTRY)}, got {backend!r}")
-    return REGISTRY[backend]()

@@ -21,11 +21,11 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import gpu_dispatch, gpu_memory
+from pallas_kernels import gpu_dispatch, gpu_memory, registry
 from pallas_kernels.common import ALIGN
 from pallas_kernels.gpu_dispatch import GPU_BACKENDS
 from pallas_kernels.moba import tpu_smem
-from pallas_kernels.moba.kernels import Kernels, moba_kernels
+from pallas_kernels.moba.kernels import Kernels
 from pallas_kernels.moba.schedule import BACKENDS, BlockSizes, past_tiles
 
 
@@ -48,7 +48,9 @@ class KernelCall:
     def __post_init__(self):
         if self.kernels is None:
             object.__setattr__(
-                self, "kernels", moba_kernels(self.gpu_kernels or _KERNEL_BACKEND[self.backend])
+                self,
+                "kernels",
+                registry.kernel("moba", "attention", self.gpu_kernels or _KERNEL_BACKEND[self.backend]),
             )
 
     @classmethod
@@ -99,7 +101,7 @@ def gpu_kernels_for(backend: str, sizes: BlockSizes, q, v, *, block_size: int) -
     shape = dict(head_dim=q.shape[-1], v_head_dim=v.shape[-1], dtype=q.dtype)
 
     def mosaic():
-        kernels = moba_kernels("mosaic")
+        kernels = registry.kernel("moba", "attention", "mosaic")
         for module in (kernels.own, kernels.blocks):
             if reason := module.supports(block_sizes=sizes, block_size=block_size, **shape):
                 return reason
