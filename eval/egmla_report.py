@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 EGMLA_WIDTHS = (16, 32, 64, 128)
 # the parameter-matched controls (docs/eg_mla.md, "The control")
-EGMLA_CONTROLS = ("mla_table16", "mla_dc16", "mla_table128")
+EGMLA_CONTROLS = ("mla_table16", "mla_dc16", "mla_table128", "mla_dc16_table16")
 # every configuration a sentence compares, trained at seeds 0 ... 4
 EGMLA_SEEDED = ("mla", "eg_mla_emb16", "eg_mla_proj_emb128", *EGMLA_CONTROLS)
 EGMLA_SEEDS = (1, 2, 3, 4)  # beside the plain name's seed 0
@@ -24,6 +24,7 @@ EGMLA_SEEDS = (1, 2, 3, 4)  # beside the plain name's seed 0
 GATE_GAPS = (
     ("eg_mla_emb16", "mla_table16"),
     ("eg_mla_emb16", "mla_dc16"),
+    ("eg_mla_emb16", "mla_dc16_table16"),  # cache- and table-matched: the decisive control
     ("eg_mla_proj_emb128", "mla_table128"),
 )
 EGMLA_LIMIT = 50  # seeded questions per task at every kept checkpoint

@@ -27,7 +27,8 @@ def run(stem, seed, loss, kind="mla"):
 def test_recipe_runs_every_control_and_five_seeds_of_the_compared_configurations():
     runs = sweep.RECIPES["egmla-cpu"].runs
     assert len(runs) == len(set(runs))
-    for stem in ("mla", "eg_mla_emb16", "eg_mla_proj_emb128", "mla_table16", "mla_dc16", "mla_table128"):
+    compared = ("mla", "eg_mla_emb16", "eg_mla_proj_emb128", "mla_table16", "mla_dc16", "mla_table128")
+    for stem in (*compared, "mla_dc16_table16"):
         assert [r for r in runs if r.split(".")[0] == stem] == [stem] + [
             f"{stem}.seed{k}" for k in (1, 2, 3, 4)
         ]
