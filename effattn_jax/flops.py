@@ -8,7 +8,10 @@ d_qk = qk_nope + qk_rope and d_v = v_head_dim. Keys attended are averaged over
 the positions of a full-length row: t + 1 for dense causal attention; for MoBA
 the own block's causal part plus min(top_k - 1, earlier blocks) full blocks.
 The MoBA gate (S * blocks * D per head) is not counted: it is small next to the
-attention, and the papers do not count it either.
+attention, and the papers do not count it either. DSA attends min(index_topk, t + 1) keys
+(every visible key in its warm-up stage) and its indexer is counted, as it is not small: 2 * Hi *
+Di FLOPs per visible key for the selection's scores (forward only, no gradient), and as much per
+key of its KL loss (the selected keys, or every visible one in the warm-up) times 3.
 Compute for scaling laws, in PFLOP/s-days (1 PFLOP/s-day = 8.64e19 FLOP), is one of
 COMPUTE_MEASURES: `full`, the training FLOPs above (every matmul, the output head and
 attention at its real key count included), or `6nd`, the papers' 6 * N * D with N the
@@ -41,8 +44,12 @@ def peak_flops(device_kind: str) -> float | None:
 
 
 def mean_attended_keys(seq_len: int, core: str, block_size: int = 0, top_k: int = 0) -> float:
+    """Keys a query attends to, averaged over the positions of a full-length row (DSA: `top_k` is
+    dsa.index_topk)."""
     if core == "dense":
         return (seq_len + 1) / 2
+    if core == "dsa":
+        return sum(min(top_k, t + 1) for t in range(seq_len)) / seq_len
     c = block_size
     total = sum(t % c + 1 + min(top_k - 1, t // c) * c for t in range(seq_len))
     return total / seq_len
@@ -57,13 +64,18 @@ def attention_widths(cfg: Config, kind: str) -> tuple[int, int]:
 
 def attention_flops_per_token(cfg: Config) -> float:
     """Score and value matmul FLOPs of one training token (forward + backward), all layers."""
-    attn = 0.0
+    attn, indexer, dsa, s = 0.0, 0.0, cfg.dsa, cfg.data.seq_len
     for layer in range(cfg.model.num_layers):
         kind, core = cfg.layer_spec(layer)
         d_qk, d_v = attention_widths(cfg, kind)
-        keys = mean_attended_keys(cfg.data.seq_len, core, cfg.moba.block_size, cfg.moba.top_k)
+        if core == "dsa":
+            keys = mean_attended_keys(s, "dense" if dsa.stage == "warmup" else "dsa", top_k=dsa.index_topk)
+            per_key = 2 * dsa.index_n_heads * dsa.index_head_dim
+            indexer += per_key * (mean_attended_keys(s, "dense") + 3 * keys)
+        else:
+            keys = mean_attended_keys(s, core, cfg.moba.block_size, cfg.moba.top_k)
         attn += 2 * (d_qk + d_v) * cfg.model.num_heads * keys
-    return 3.0 * attn
+    return 3.0 * attn + indexer
 
 
 def train_flops_per_token(cfg: Config, non_embedding_params: int) -> float:

@@ -18,6 +18,7 @@ from flax.nnx import traversals
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from effattn_jax.attention import CORES, KINDS
+from effattn_jax.attention.indexer import pop_indexer_kl
 from effattn_jax.config import Config
 from effattn_jax.layers import RMSNorm, SwiGLU, param
 from effattn_jax.ops.context_parallel import context_shards
@@ -73,13 +74,15 @@ class Block(nnx.Module):
 
 
 def layer_groups(cfg: Config) -> list[tuple[int, int, list[tuple[int, int]]]]:
-    """Scanned layers: (first layer, count, core runs) per run of layers of one attention kind;
-    the core runs, (offset in the group, count), are scanned one after another. Grouping by kind
-    alone keeps the parameter tree the same when a MoBA -> dense switch changes the cores."""
+    """Scanned layers: (first layer, count, core runs) per run of layers of one attention kind
+    (and one parameter structure: a DSA layer owns an indexer); the core runs, (offset in the
+    group, count), are scanned one after another. Grouping by kind keeps the parameter tree the
+    same when a MoBA -> dense switch changes the cores."""
     specs = [cfg.layer_spec(i) for i in range(cfg.model.num_layers)]
+    params = [(kind, core == "dsa") for kind, core in specs]
     groups = []
-    for i, (kind, core) in enumerate(specs):
-        if not groups or specs[i - 1][0] != kind:
+    for i, (_, core) in enumerate(specs):
+        if not groups or params[i - 1] != params[i]:
             groups.append((i, 0, []))
         start, n, runs = groups[-1]
         if not runs or specs[i - 1][1] != core:
@@ -110,13 +113,19 @@ def _layer(i: int, a):
     return jax.ShapeDtypeStruct(a.shape[1:], a.dtype) if isinstance(a, jax.ShapeDtypeStruct) else a[i]
 
 
-def _scan(graphdef, layers, x, args, remat: bool):
-    """x through the stacked layers in order: one traced layer, not one per layer (compile time)."""
+def _scan(graphdef, layers, carry, args, remat: bool, indexed: bool):
+    """carry through the stacked layers in order: one traced layer, not one per layer (compile
+    time). carry: x, or (x, the indexers' KL loss per token summed so far) where `indexed`."""
 
-    def body(x, layer):
-        return nnx.merge(graphdef, layer)(x, *args), None
+    def body(carry, layer):
+        block = nnx.merge(graphdef, layer)
+        if not indexed:
+            return block(carry, *args), None
+        x, kl = carry
+        x = block(x, *args)
+        return (x, kl + pop_indexer_kl(block)), None
 
-    return jax.lax.scan(jax.checkpoint(body, policy=REMAT_POLICY) if remat else body, x, layers)[0]
+    return jax.lax.scan(jax.checkpoint(body, policy=REMAT_POLICY) if remat else body, carry, layers)[0]
 
 
 class Transformer(nnx.Module):
@@ -142,6 +151,7 @@ class Transformer(nnx.Module):
         self.dtype = jnp.dtype(m.dtype)
         self.remat = m.remat
         self.loss_chunk_tokens = m.loss_chunk_tokens
+        self.dsa_layers = sum(cfg.layer_spec(i)[1] == "dsa" for i in range(m.num_layers))
         self.rules = sharding_rules(cfg)
 
     def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None, positions=None) -> jax.Array:
@@ -158,6 +168,11 @@ class Transformer(nnx.Module):
         `positions` [B, S]: in-document positions (default: from the segment ids); over a
         `context` mesh axis the batch is in the balanced layout and must bring them
         (`ops.context_parallel.balanced_batch`)."""
+        return self.features_and_indexer_kl(tokens, segment_ids, positions)[0]
+
+    def features_and_indexer_kl(self, tokens, segment_ids=None, positions=None):
+        """(`features`, the DSA indexers' KL loss per token [B, S] float32 summed over the DSA
+        layers, or None without one)."""
         if segment_ids is None:
             segment_ids = jnp.ones_like(tokens)
         if positions is None:
@@ -170,22 +185,28 @@ class Transformer(nnx.Module):
         x = jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype)
         x = constrain(x, ("batch", "length", "embed"), self.rules)
 
+        indexed, args = self.dsa_layers > 0, (positions, segment_ids, tokens)
+        carry = (x, jnp.zeros(tokens.shape, jnp.float32)) if indexed else x
         if self.scan_layers:
             for group, runs in zip(self.blocks, self.runs, strict=True):
                 state = nnx.state(group)
                 for graphdef, offset, n in runs:
                     layers = jax.tree.map(lambda a: a[offset : offset + n], state)  # noqa: B023
-                    x = _scan(graphdef, layers, x, (positions, segment_ids, tokens), self.remat)
-            return x
+                    carry = _scan(graphdef, layers, carry, args, self.remat, indexed)
+            return carry if indexed else (carry, None)
 
-        def run(block, x):
-            return block(x, positions, segment_ids, tokens)
+        def run(block, carry):
+            if not indexed:
+                return block(carry, *args)
+            x, kl = carry
+            x = block(x, *args)
+            return x, kl + pop_indexer_kl(block)
 
         if self.remat:
             run = nnx.remat(run, policy=REMAT_POLICY)
         for block in self.blocks:
-            x = run(block, x)
-        return x
+            carry = run(block, carry)
+        return carry if indexed else (carry, None)
 
     def layers(self) -> list[Block]:
         """One Block per layer, in order (with scanned layers: views of the stacked parameters),

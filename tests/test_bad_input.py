@@ -52,6 +52,23 @@ TRAIN_CASES = [
         ["mesh.data=1", "mesh.context=2", "data.seq_len=48", "attention.core=moba", "moba.block_size=8"],
         "with mesh.context=2 it splits into 4 chunks of 12 tokens, which must each be a multiple of moba",
     ),
+    ("DSA top-k not positive", ["attention.core=dsa", "dsa.index_topk=0"], "dsa.index_topk=0: must be > 0"),
+    (
+        "DSA indexer head dim odd",
+        ["attention.core=dsa", "dsa.index_head_dim=33"],
+        "dsa.index_head_dim=33: must be even and at least",
+    ),
+    (
+        "DSA indexer head dim below its RoPE width",
+        ["attention.core=dsa", "dsa.index_head_dim=8", "mla.qk_rope_head_dim=16"],
+        "the indexer's RoPE width mla.qk_rope_head_dim=16",
+    ),
+    (
+        "DSA over a context axis",
+        ["attention.core=dsa", "mesh.data=1", "mesh.context=2"],
+        "mesh.context=2: must be 1 where a layer uses attention.core=dsa",
+    ),
+    ("DSA stage unknown", ["attention.core=dsa", "dsa.stage=dense"], "dsa.stage='dense': allowed: warmup"),
     (
         "two mesh axes filling the devices",
         ["mesh.data=-1", "mesh.context=-1"],

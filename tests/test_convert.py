@@ -159,7 +159,7 @@ def _exports_and_imports_back(tmp_path: Path, name: str) -> dict:
 
 def test_runs_of_this_project_export_and_import_back(tmp_path, capsys):
     """Models of this project: MoBA exports as Llama with its MoBA settings recorded and a note,
-    MLA as DeepSeek-V2; both import back bit for bit; EG-MLA is refused in one line."""
+    MLA as DeepSeek-V2; both import back bit for bit; EG-MLA and DSA are refused in one line."""
     from conftest import TINY_MLA
 
     moba = ["attention.core=moba", "moba.block_size=8", "moba.top_k=2", "model.tie_embeddings=false"]
@@ -180,6 +180,12 @@ def test_runs_of_this_project_export_and_import_back(tmp_path, capsys):
     assert main(["to-hf", "--run", str(tmp_path / "eg"), "--out", str(tmp_path / "eg_hf")]) == 2
     assert "EG-MLA has no Hugging Face equivalent" in capsys.readouterr().err
     assert not (tmp_path / "eg_hf").exists()
+
+    dsa = ["attention.kind=mla", *mla, "attention.core=dsa", "dsa.index_head_dim=8"]
+    saved_fresh_run(tmp_path / "dsa", dsa)  # exported as MLA, its indexers would be lost
+    assert main(["to-hf", "--run", str(tmp_path / "dsa"), "--out", str(tmp_path / "dsa_hf")]) == 2
+    assert "DSA layers (attention.core=dsa): not exported yet" in capsys.readouterr().err
+    assert not (tmp_path / "dsa_hf").exists()
 
 
 def test_mla_with_a_token_table_is_refused_in_one_line(tmp_path, capsys):

@@ -118,6 +118,8 @@ def test_mean_attended_keys():
     assert mean_attended_keys(6, "moba", 2, 2) == pytest.approx(17 / 6)
     # MoBA with top_k covering every block is dense
     assert mean_attended_keys(64, "moba", 8, 8) == mean_attended_keys(64, "dense")
+    assert mean_attended_keys(6, "dsa", top_k=2) == pytest.approx((1 + 2 * 5) / 6)
+    assert mean_attended_keys(64, "dsa", top_k=64) == mean_attended_keys(64, "dense")
 
 
 def counted_attention_flops(cfg, seq_len):

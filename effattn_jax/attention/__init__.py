@@ -9,8 +9,10 @@ generation, with the cache from `module.init_cache`. A core (`Core`) holds the
 training attention `attend(q, k, v, *, segment_ids, scale=None, kv_whole=False)`
 (q [B, S, Hq, D], k/v [B, S, Hkv, D]; `kv_whole`: k/v are already whole over a context
 axis, as MLA's are) and its decoding over a cache (with any cache entries of its own,
-such as MoBA's block means); cores have no parameters, so switching the core never
-changes the parameter tree.
+such as MoBA's block means). Cores have no parameters, so switching between dense and MoBA
+never changes the parameter tree; DSA's core needs the indexer's outputs (`Core.indexed`), so a
+DSA layer owns an `Indexer` (attention/indexer.py), and its core takes `index=` and returns each
+token's KL loss beside the output.
 
 The config layer validates these names from its own lists (ATTENTION_KINDS,
 ATTENTION_CORES in effattn_jax/config.py), which must match the keys here.
@@ -28,6 +30,13 @@ from effattn_jax.attention.eg_mla import EGMLA
 from effattn_jax.attention.mha import MHA
 from effattn_jax.attention.mla import MLA
 from effattn_jax.ops.dense import dense_attention, masked_attention
+from effattn_jax.ops.dsa import (
+    dsa_decode_attention,
+    dsa_reference,
+    dsa_select,
+    indexer_kl_loss,
+    sparse_attention,
+)
 from effattn_jax.ops.moba import BlockSizes, moba_attention
 from effattn_jax.ops.moba_decode import (
     empty_block_means,
@@ -54,6 +63,9 @@ class Core:
     decode: Callable
     init_state: Callable = lambda batch, max_len, heads, dim: {}
     causal_only: bool = False  # every query sees its whole past (lets MLA decode with absorbed weights)
+    # the layer owns an indexer: attend and decode take index=(q_idx, k_idx, weights), and attend
+    # returns (out, the indexer's KL loss per token [B, S])
+    indexed: bool = False
 
 
 def causal_decode(view, cache, positions, *, scale, prefill=False):
@@ -109,4 +121,53 @@ def _moba_core(cfg) -> Core:
     return Core(attend, decode, init_state)
 
 
-CORES = {"dense": _dense_core, "moba": _moba_core}
+def _dsa_core(cfg) -> Core:
+    """DSA (docs/dsa.md): the indexer picks each token's top-k keys. Stage `warmup`: dense
+    attention, the KL over every visible key; `sparse`: attention and KL over the selection."""
+    d, dense = cfg.dsa, _dense_core(cfg)
+    chunk = d.query_chunk or None
+
+    def attend(q, k, v, *, segment_ids, scale=None, kv_whole=False, index):
+        q_idx, k_idx, weights = index
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        kl = functools.partial(indexer_kl_loss, q, k, q_idx, k_idx, weights, segment_ids=segment_ids)
+        if d.stage == "warmup":
+            out = dense.attend(q, k, v, segment_ids=segment_ids, scale=scale, kv_whole=kv_whole)
+            return out, kl(scale=scale, query_chunk=chunk)
+        indices = dsa_select(
+            q_idx, k_idx, weights, top_k=d.index_topk, segment_ids=segment_ids, query_chunk=chunk
+        )
+        if d.impl == "reference":
+            out = dsa_reference(
+                q, k, v, q_idx, k_idx, weights, top_k=d.index_topk, segment_ids=segment_ids, scale=scale
+            )
+        else:
+            out = sparse_attention(q, k, v, indices, scale=scale, query_chunk=chunk)
+        return out, kl(indices=indices, scale=scale, query_chunk=chunk)
+
+    def init_state(batch, max_len, heads, dim):
+        return {"index_keys": jnp.zeros((batch, max_len, d.index_head_dim), cfg.model.dtype)}
+
+    def decode(view, cache, positions, *, scale, prefill=False, index):
+        """The new tokens' indexer keys into the cache, then each query's top-k among the cached
+        keys up to its position; only those rows are read (a prefill runs the training op)."""
+        q_idx, k_idx, weights = index
+        rows = jnp.arange(positions.shape[0])[:, None]
+        keys = cache["index_keys"].at[rows, positions].set(k_idx.astype(cache["index_keys"].dtype))
+        if d.stage == "warmup":
+            return causal_decode(view, cache, positions, scale=scale)[0], {"index_keys": keys}
+        if prefill:
+            t = view.q.shape[1]
+            k, v = view.prompt(t)
+            indices = dsa_select(q_idx, k_idx, weights, top_k=d.index_topk, query_chunk=chunk)
+            out = sparse_attention(
+                view.q, k.astype(view.q.dtype), v.astype(view.q.dtype), indices, scale=scale
+            )
+            return out, {"index_keys": keys}
+        indices = dsa_select(q_idx, keys, weights, top_k=d.index_topk, q_index=positions)
+        return dsa_decode_attention(view, indices, scale), {"index_keys": keys}
+
+    return Core(attend, decode, init_state, indexed=True)
+
+
+CORES = {"dense": _dense_core, "moba": _moba_core, "dsa": _dsa_core}

@@ -7,6 +7,7 @@ import math
 import jax.numpy as jnp
 from flax import nnx
 
+from effattn_jax.attention.indexer import decode_core, indexer_for, run_core
 from effattn_jax.layers import Dense, RMSNorm, apply_rope, rope_of
 from effattn_jax.ops.cache import kv_view
 from effattn_jax.sharding import constrain, sharding_rules
@@ -32,6 +33,7 @@ class MHA(nnx.Module):
         self.core = core
         self.rope = rope_of(m)
         self.rules = sharding_rules(cfg)
+        self.indexer = indexer_for(cfg, core, m.d_model, "embed", rngs)  # DSA's (core=dsa)
 
     def init_cache(self, batch: int, max_len: int, dtype) -> dict:
         """The preallocated decode cache: K and V head-major, [B, KV, L, D] each (see `kv_view`),
@@ -52,7 +54,7 @@ class MHA(nnx.Module):
         """x: [B, S, d_model] -> [B, S, d_model]. `token_ids` is unused by MHA."""
         q, k, v = self.qkv(x, positions)
         q = constrain(q, ("batch", "length", "heads", "head_dim"), self.rules)
-        return self.o(self.core.attend(q, k, v, segment_ids=segment_ids))
+        return self.o(run_core(self, q, k, v, x=x, q_in=x, positions=positions, segment_ids=segment_ids))
 
     def decode(self, x, *, positions, token_ids, cache, absorb: bool = True, prefill: bool = False):
         """New tokens x [B, T, d_model] at `positions` [B, T]: written into the cache, then
@@ -69,5 +71,6 @@ class MHA(nnx.Module):
         write = lambda a, new: a.at[at].set(jnp.swapaxes(new, 1, 2).astype(a.dtype))  # new as [B, KV, T, D]
         cache = cache | {"k": write(cache["k"], k), "v": write(cache["v"], v)}
         view = kv_view(q, cache["k"], cache["v"])
-        out, state = self.core.decode(view, cache, positions, scale=q.shape[-1] ** -0.5, prefill=prefill)
+        scale = q.shape[-1] ** -0.5
+        out, state = decode_core(self, view, cache, positions, x=x, q_in=x, scale=scale, prefill=prefill)
         return self.o(out), cache | state

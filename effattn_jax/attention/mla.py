@@ -17,6 +17,7 @@ import math
 import jax.numpy as jnp
 from flax import nnx
 
+from effattn_jax.attention.indexer import decode_core, indexer_for, run_core
 from effattn_jax.attention.token_table import TokenTable
 from effattn_jax.layers import Dense, RMSNorm, apply_rope, rope_of
 from effattn_jax.ops.cache import CacheView, kv_view, take_slots
@@ -74,6 +75,8 @@ class MLA(nnx.Module):
         # EG-MLA's parameter-matched control (mla.token_table_dim): a table the block adds at its
         # input (Block.with_token_table), made last so the other parameters draw as without it
         self.token_table = TokenTable(cfg, rngs=rngs) if a.token_table_dim else None
+        # DSA's indexer (core=dsa) reads the query latent c' (or h); it draws from its own stream
+        self.indexer = indexer_for(cfg, core, q_in, q_axis, rngs)
 
     def init_kv_up(self, cfg, rngs):
         """The per-head up-projections W_UK, W_UV from the cached latent c."""
@@ -114,13 +117,18 @@ class MLA(nnx.Module):
         """Per-head key (no-RoPE part) [B, S, H, nope] and value [B, S, H, v] from the latent."""
         return self.uk(c), self.uv(c)
 
-    def query(self, x, positions):
-        """(q_nope [B, S, H, nope], RoPE'd q_rope [B, S, H, d_R])."""
-        q = self.q(self.q_norm(self.dq(x)) if self.q_lora else x)
+    def query_input(self, x):
+        """What the query projections read: c' = RMSNorm(W_DQ h) [B, S, q_lora], or h itself."""
+        return self.q_norm(self.dq(x)) if self.q_lora else x
+
+    def query(self, q_in, positions):
+        """(q_nope [B, S, H, nope], RoPE'd q_rope [B, S, H, d_R]) from `query_input`."""
+        q = self.q(q_in)
         return q[..., : self.nope], apply_rope(q[..., self.nope :], positions, self.rope)
 
     def __call__(self, x, *, positions, segment_ids, token_ids=None):
-        q_nope, q_rope = self.query(x, positions)
+        q_in = self.query_input(x)
+        q_nope, q_rope = self.query(q_in, positions)
         c, kr = self.latent(x, positions)
         # over a context axis what is all-gathered is the latent, the RoPE key (and EG-MLA's
         # token ids), not per-head K/V: each shard expands the whole sequence's from them
@@ -131,7 +139,11 @@ class MLA(nnx.Module):
             jnp.concatenate([q_nope, q_rope], axis=-1), ("batch", "length", "heads", "head_dim"), self.rules
         )
         keys = self.full_keys(k_nope, kr)
-        return self.o(self.core.attend(q, keys, v, segment_ids=segment_ids, scale=self.scale, kv_whole=True))
+        out = run_core(
+            self, q, keys, v, x=x, q_in=q_in, positions=positions, segment_ids=segment_ids,
+            scale=self.scale, kv_whole=True,
+        )  # fmt: skip
+        return self.o(out)
 
     def full_keys(self, k_nope, kr):
         """Per-head keys [k_nope ; k^R] with the shared RoPE key broadcast to every head."""
@@ -165,7 +177,9 @@ class MLA(nnx.Module):
         c, kr = self.latent(x, positions)
         rows = jnp.arange(x.shape[0])[:, None]
         cache = self.write_cache(cache, rows, positions, c, kr)
-        q_nope, q_rope = self.query(x, positions)
+        q_in = self.query_input(x)
+        q_nope, q_rope = self.query(q_in, positions)
+        core_args = dict(x=x, q_in=q_in, scale=self.scale, prefill=prefill)
         lat = self.absorbed_latent(cache) if absorb and self.core.causal_only else None
         if lat is not None:
             w_uk, w_uv = self.uk.kernel[...].astype(lat.dtype), self.uv.kernel[...].astype(jnp.float32)
@@ -176,7 +190,7 @@ class MLA(nnx.Module):
         sparse_latent = self.absorbed_width() and not self.core.causal_only  # what a sparse core gates on
         latent = self.latent_view(cache, q_nope, q_rope) if sparse_latent else None
         if absorb and latent is not None:  # a sparse core over the latent: MQA in latent space
-            out, state = self.core.decode(latent, cache, positions, scale=self.scale, prefill=prefill)
+            out, state = decode_core(self, latent, cache, positions, **core_args)
             out = jnp.einsum("bthd,dhv->bthv", out, self.uv.kernel[...].astype(out.dtype))
         else:
             k_nope, v = self.kv_heads(cache["c"], cache.get("token_ids"))
@@ -185,7 +199,7 @@ class MLA(nnx.Module):
             view = kv_view(jnp.concatenate([q_nope, q_rope], axis=-1), head_major(keys), head_major(v))
             if latent is not None:  # the cache keeps the latent gate's means
                 view = view._replace(gate_q=latent.gate_q, gate_keys=latent.gate_keys)
-            out, state = self.core.decode(view, cache, positions, scale=self.scale, prefill=prefill)
+            out, state = decode_core(self, view, cache, positions, **core_args)
         return self.o(out), cache | state
 
     def latent_view(self, cache, q_nope, q_rope) -> CacheView:

@@ -13,6 +13,7 @@ from effattn_jax.checkpoint.reader import (
     restore_config,
     restore_params,
     saved_config,
+    saved_params,
     select_steps,
     shape_changes,
 )
@@ -32,6 +33,7 @@ __all__ = [
     "restore_config",
     "restore_params",
     "saved_config",
+    "saved_params",
     "select_steps",
     "shape_changes",
     "sync",

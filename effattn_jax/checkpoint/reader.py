@@ -118,16 +118,21 @@ def init_source(spec: str) -> tuple[str, int]:
     return run_dir, step
 
 
-def shape_changes(run_dir: str | Path, step: int, abstract: dict) -> list[str]:
+def saved_params(run_dir: str | Path, step: int) -> dict:
+    """The shapes of a kept step's parameters, by the model of the config saved with it."""
+    cfg = load_run_config(run_dir, step).at_step(step)
+    return jax.eval_shape(lambda: nnx.to_pure_dict(nnx.split(new_model(cfg))[1]))
+
+
+def shape_changes(run_dir: str | Path, step: int, abstract: dict, *, fresh=lambda path: False) -> list[str]:
     """`parameter: saved shape -> new shape` for every parameter of `abstract` that a kept step's
     model (by the config saved with it) lacks or holds in another shape, and every one it has
-    that `abstract` lacks."""
-    cfg = load_run_config(run_dir, step).at_step(step)
-    saved = jax.eval_shape(lambda: nnx.to_pure_dict(nnx.split(new_model(cfg))[1]))
-    flat = lambda tree: {"/".join(path): tuple(x.shape) for path, x in leaves_by_path(tree).items()}
-    old, new = flat(saved), flat(abstract)
+    that `abstract` lacks. `fresh(path)` (a tuple of names): parameters the new model may add,
+    initialised rather than restored (DSA's indexers on a dense model)."""
+    old, new = leaves_by_path(saved_params(run_dir, step)), leaves_by_path(abstract)
+    shape = lambda leaves, path: tuple(leaves[path].shape) if path in leaves else "absent"
     return [
-        f"{name}: {old.get(name, 'absent')} -> {new.get(name, 'absent')}"
-        for name in sorted(set(old) | set(new))
-        if old.get(name) != new.get(name)
+        f"{'/'.join(path)}: {shape(old, path)} -> {shape(new, path)}"
+        for path in sorted(set(old) | set(new))
+        if shape(old, path) != shape(new, path) and not (path not in old and fresh(path))
     ]

@@ -153,6 +153,10 @@ def to_hf(run_dir: str | Path, out: str | Path, step: str = "latest") -> list[st
         raise ConvertError(f"{run_dir}: EG-MLA has no Hugging Face equivalent; it is not exported")
     if len(kinds) > 1:
         raise ConvertError(f"{run_dir}: layers of two attention kinds: not exported yet")
+    if any(core == "dsa" for _, core in specs):  # its indexers would be dropped: a different model
+        raise ConvertError(
+            f"{run_dir}: DSA layers (attention.core=dsa): not exported yet (deepseek_v32 comes later)"
+        )
     if cfg.mla.token_table_dim and "mla" in kinds:
         raise ConvertError(
             f"{run_dir}: mla.token_table_dim has no Hugging Face equivalent; it is not exported"

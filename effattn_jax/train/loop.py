@@ -28,6 +28,7 @@ from effattn_jax.sharding import config_mesh
 from effattn_jax.storage import AnyPath
 from effattn_jax.train import run_dir as run_guard
 from effattn_jax.train.gpu_kernels import check_gpu_kernels, runs_gpu_kernels
+from effattn_jax.train.init_from import checked_source, init_params
 from effattn_jax.train.metrics import ScalarWriter
 from effattn_jax.train.nonfinite import FiniteCheck, NonFiniteError
 from effattn_jax.train.notices import start_notices
@@ -103,7 +104,7 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict:
     if runs_gpu_kernels(cfg.moba.impl):  # before anything compiles: one line if they cannot run
         check_gpu_kernels(cfg, jax.devices()[0], interpret=jax.default_backend() != "gpu")
     setup = make_setup(cfg, mesh)
-    init = _init_source(cfg, setup)
+    init = checked_source(cfg, setup)
     train_step = compile_train_step(setup)  # DoesNotFit before the run directory is touched
     if why := unwritable(run_dir):
         raise ConfigError("train.run_dir", str(run_dir), f"cannot be written ({why})")
@@ -117,28 +118,6 @@ def run(cfg: Config, *, stop_at: int | None = None) -> dict:
             record_provenance(run_dir, cfg)
         checkpoint.sync("run directory ready")
         return _train(cfg, corpus, setup, train_step, run_dir, stop_at, init)
-
-
-def _init_source(cfg: Config, setup) -> tuple[str, int] | None:
-    """(run dir, step) of `train.init_from`, checked before anything is written: the step exists
-    and its model's parameters have this config's shapes (the contract; one line if not)."""
-    spec = cfg.train.init_from
-    if not spec:
-        return None
-    try:
-        source = checkpoint.init_source(spec)
-        changes = checkpoint.shape_changes(*source, setup.abstract_state["params"])
-    except checkpoint.CheckpointError as e:
-        raise ConfigError("train.init_from", spec, str(e)) from None
-    if changes:
-        more = f" (and {len(changes) - 3} more)" if len(changes) > 3 else ""
-        raise ConfigError(
-            "train.init_from",
-            spec,
-            f"its parameters do not fit this model: {'; '.join(changes[:3])}{more}; "
-            "a continued run may change the attention core, context length and RoPE base, not shapes",
-        )
-    return source
 
 
 def compile_train_step(setup) -> Callable:
@@ -168,9 +147,7 @@ def _start_state(checkpoints, setup, data_iter, init: tuple[str, int] | None) ->
     parameters or a fresh initialization."""
     step, state = checkpoints.restore_latest(setup.abstract_state, data_iter)
     if state is None:
-        abstract = setup.abstract_state["params"]  # the step was verified by _init_source
-        params = checkpoint.restore_params(*init, abstract, verified=True) if init else None
-        return 0, init_state(setup, params), False
+        return 0, init_state(setup, init_params(setup, init) if init else None), False
     if state["opt_state"] is None:
         state = init_state(setup, state["params"]) | {"step": jnp.asarray(step, jnp.int32)}
     return step, state, True

@@ -22,7 +22,8 @@ from effattn_jax.sharding import logical_to_spec, sharding_rules
 
 
 def make_optimizer(cfg: Config) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """AdamW with linear warmup + cosine decay and global-norm clipping; no decay on vectors (norm scales)."""
+    """AdamW with linear warmup + cosine decay and global-norm clipping; no decay on vectors (norm
+    scales)."""
     t = cfg.train
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0,
@@ -32,9 +33,48 @@ def make_optimizer(cfg: Config) -> tuple[optax.GradientTransformation, optax.Sch
         end_value=t.lr * t.min_lr_ratio,
     )
     decay_mask = lambda params: jax.tree.map(lambda p: p.ndim > 1, params)
-    parts = [optax.clip_by_global_norm(t.grad_clip)] if t.grad_clip > 0 else []
-    parts.append(optax.adamw(schedule, b1=t.b1, b2=t.b2, weight_decay=t.weight_decay, mask=decay_mask))
-    return optax.chain(*parts), schedule
+    adamw = optax.adamw(schedule, b1=t.b1, b2=t.b2, weight_decay=t.weight_decay, mask=decay_mask)
+    if not cfg.uses_dsa:
+        clip = [optax.clip_by_global_norm(t.grad_clip)] if t.grad_clip > 0 else []
+        return optax.chain(*clip, adamw), schedule
+    # DSA (docs/dsa.md, "Training"): the indexers and the rest each clipped by their own norm (a
+    # joint clip would let one shrink the other's update); the warm-up freezes the rest
+    clip = [clip_indexers_apart(t.grad_clip)] if t.grad_clip > 0 else []
+    freeze = [keep_only_indexers()] if cfg.dsa.stage == "warmup" else []
+    return optax.chain(*clip, adamw, *freeze), schedule
+
+
+def in_indexer(path) -> bool:
+    """Whether a parameter's key path lies in a DSA indexer."""
+    return any(getattr(key, "key", None) == "indexer" for key in path)
+
+
+def _split_by_indexer(tree):
+    """(the indexers' leaves, the other leaves), each a list."""
+    pairs = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return [x for p, x in pairs if in_indexer(p)], [x for p, x in pairs if not in_indexer(p)]
+
+
+def clip_indexers_apart(max_norm: float) -> optax.GradientTransformation:
+    """clip_by_global_norm applied to the indexers' gradients and to the rest's separately."""
+
+    def update(updates, state, params=None):
+        norms = [optax.tree.norm(part) for part in _split_by_indexer(updates)]
+        factors = [jnp.minimum(1.0, max_norm / jnp.maximum(n, 1e-30)) for n in norms]
+        scale = lambda path, g: g * factors[0 if in_indexer(path) else 1].astype(g.dtype)
+        return jax.tree_util.tree_map_with_path(scale, updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+def keep_only_indexers() -> optax.GradientTransformation:
+    """Zero every update outside the DSA indexers (the warm-up stage's frozen model)."""
+
+    def update(updates, state, params=None):
+        keep = lambda path, u: u if in_indexer(path) else jnp.zeros_like(u)
+        return jax.tree_util.tree_map_with_path(keep, updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
 @dataclass

@@ -18,22 +18,31 @@ from effattn_jax.train.state import TrainSetup
 
 
 def loss_sums(model, batch) -> tuple[jax.Array, jax.Array]:
-    """(sum of masked token NLL, number of masked tokens) for one batch, float32. The output
-    head runs chunked (`model.loss_chunk_tokens`): the [B, S, vocab] logits are never held.
-    Over a `context` mesh axis the batch is first laid out in the balanced order (a sum over
-    tokens does not mind their order), and the loss runs over each shard's tokens as rows."""
+    """(sum of masked token NLL, number of masked tokens) for one batch, float32."""
+    nll, _, tokens = loss_terms(model, batch)
+    return nll, tokens
+
+
+def loss_terms(model, batch) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(sum of masked token NLL, sum of the DSA indexers' KL loss over the same tokens averaged
+    over the DSA layers (0 without one), number of masked tokens), float32. The output head runs
+    chunked (`model.loss_chunk_tokens`): the [B, S, vocab] logits are never held. Over a
+    `context` mesh axis the batch is first laid out in the balanced order (a sum over tokens does
+    not mind their order), and the loss runs over each shard's tokens as rows."""
     batch = balanced_batch(batch)
     mask, inputs = batch["loss_mask"], (batch["inputs"], batch["segment_ids"], batch["positions"])
+    x, kl = model.features_and_indexer_kl(*inputs)
+    kl_sum = jnp.zeros(()) if kl is None else jnp.sum(kl * mask) / model.dsa_layers
     if not model.loss_chunk_tokens:
-        logits = model(*inputs)
+        logits = constrain(model.logits(x), ("batch", "length", "vocab"), model.rules)
         nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-        return jnp.sum(nll * mask), jnp.sum(mask)
-    x = model.final_norm(model.features(*inputs))
+        return jnp.sum(nll * mask), kl_sum, jnp.sum(mask)
+    x = model.final_norm(x)
     (x, rows), (targets, _), (weights, _) = (shard_rows(a, model.rules) for a in (x, batch["targets"], mask))
     total = chunked_cross_entropy(
         x, model.output_projection(), targets, weights, chunk_tokens=model.loss_chunk_tokens, rows=rows
     )
-    return total, jnp.sum(mask)
+    return total, kl_sum, jnp.sum(mask)
 
 
 def split_micro_batches(batch: dict, accum: int, rules) -> dict:
@@ -55,28 +64,35 @@ def make_train_step(setup: TrainSetup):
     """state, batch -> (state, metrics). Batch leaves are [batch, seq]; with
     `train.grad_accum` = A the batch is split into A micro-batches whose summed
     gradients are normalised by the total token count (same as one big batch). `nonfinite` in
-    the metrics is 1 for a step whose loss or gradient is not finite (`train.nonfinite`)."""
+    the metrics is 1 for a step whose loss or gradient is not finite (`train.nonfinite`). With a
+    DSA layer the objective adds `dsa.kl_weight` times the indexers' KL loss (alone in the
+    warm-up stage), and the metrics its mean, `indexer_kl`; `loss` is the LM loss throughout."""
     accum, rules = setup.cfg.train.grad_accum, sharding_rules(setup.cfg)
     skip_nonfinite = setup.cfg.train.nonfinite == "skip"
 
+    dsa = setup.cfg.dsa
+    lm_weight = 0.0 if dsa.stage == "warmup" else 1.0  # the warm-up trains the indexer alone
+
+    def objective(params, micro):
+        nll, kl, tokens = loss_terms(setup.model(params), micro)
+        return lm_weight * nll + dsa.kl_weight * kl, (nll, kl, tokens)
+
     def micro_grads(params, micro):
-        (loss_sum, tokens), grads = jax.value_and_grad(
-            lambda p: loss_sums(setup.model(p), micro), has_aux=True
-        )(params)
-        return loss_sum, tokens, grads
+        (_, sums), grads = jax.value_and_grad(objective, has_aux=True)(params, micro)
+        return sums, grads
 
     def step(state, batch):
         params = state["params"]
         with jax.sharding.use_abstract_mesh(setup.mesh.abstract_mesh):
             if accum == 1:
-                loss_sum, tokens, grads = micro_grads(params, batch)
+                (loss_sum, kl_sum, tokens), grads = micro_grads(params, batch)
             else:
 
                 def body(carry, micro):
                     return jax.tree.map(jnp.add, carry, micro_grads(params, micro)), None
 
-                zero = (jnp.zeros(()), jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
-                (loss_sum, tokens, grads), _ = jax.lax.scan(
+                zero = ((jnp.zeros(()),) * 3, jax.tree.map(jnp.zeros_like, params))
+                ((loss_sum, kl_sum, tokens), grads), _ = jax.lax.scan(
                     body, zero, split_micro_batches(batch, accum, rules)
                 )
         tokens = jnp.maximum(tokens, 1.0)
@@ -95,6 +111,8 @@ def make_train_step(setup: TrainSetup):
             "tokens": tokens,
             "nonfinite": 1 - finite.astype(jnp.int32),
         }
+        if setup.cfg.uses_dsa:
+            metrics["indexer_kl"] = kl_sum / tokens
         return new, metrics
 
     replicated = NamedSharding(setup.mesh, PartitionSpec())

@@ -37,6 +37,8 @@ class Throughput:
             "model_flops_per_sec": flops_per_sec,
             **counters,
         }
+        if "indexer_kl" in logged:  # a DSA model's indexer loss (train/step.py)
+            scalars["indexer_kl"] = logged["indexer_kl"]
         mfu = {"mfu": flops_per_sec / self.peak} if self.peak else {}  # of every device's peak bf16 rate
         self.writer.scalars(step, scalars | mfu)
         shown = {"mfu": f"{mfu['mfu']:.1%}"} if mfu else {}

@@ -1,0 +1,189 @@
+"""DSA as a core (`attention.core=dsa`, docs/dsa.md): the layers' indexer, both training stages,
+the KL loss's reach, decoding over the cache, the cache figure and the optimizer's split."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import TINY_MLA, saved_fresh_run, tiny_overrides
+from flax import nnx
+
+from effattn_jax import checkpoint
+from effattn_jax.config import load_config
+from effattn_jax.flops import attention_flops_per_token, mean_attended_keys
+from effattn_jax.model import Transformer, init_cache, new_model
+from effattn_jax.train.loop import run
+from effattn_jax.train.metrics import read_scalars
+from effattn_jax.train.state import clip_indexers_apart, in_indexer, keep_only_indexers
+from effattn_jax.train.step import loss_terms
+from eval.decoding import kv_cache_report
+
+DSA = ["attention.core=dsa", "dsa.index_n_heads=3", "dsa.index_head_dim=8", "dsa.index_topk=5"]
+KINDS = {"mha": ["model.num_kv_heads=2"], "mla": ["attention.kind=mla"], "eg_mla": ["attention.kind=eg_mla"]}
+
+
+def model_for(*overrides, seed=0):
+    return Transformer(load_config(None, TINY_MLA + list(overrides)), rngs=nnx.Rngs(seed))
+
+
+def _without_indexers(model):
+    """The model's parameters outside its indexers, by path."""
+    pairs = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.state(model, nnx.Param)))[0]
+    return {jax.tree_util.keystr(p): x for p, x in pairs if not in_indexer(p)}
+
+
+def _packed():
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, 128, (2, 24)))
+    seg = jnp.asarray(np.repeat([[1, 2]], [13, 11], axis=1).reshape(1, 24).repeat(2, 0))
+    return tokens, seg
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_topk_over_the_sequence_is_the_dense_model(kind):
+    """The indexer is made last, so the other parameters are the dense model's; with top-k at least
+    the sequence (sparse stage) or in the warm-up stage the logits are the dense model's. Catches:
+    the indexer drawing before the attention's weights, a core that drops a key."""
+    dense = model_for(*KINDS[kind])
+    tokens, seg = _packed()
+    want = dense(tokens, seg)
+    for stage_args in (["dsa.index_topk=24"], ["dsa.stage=warmup"]):
+        dsa = model_for(*KINDS[kind], *DSA, *stage_args)
+        rest, dense_params = _without_indexers(dsa), _without_indexers(dense)
+        assert rest.keys() == dense_params.keys()
+        for name, x in rest.items():
+            np.testing.assert_array_equal(x, dense_params[name])
+        np.testing.assert_allclose(dsa(tokens, seg), want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("scan", [True, False], ids=["scanned", "unrolled"])
+def test_sparse_model_equals_its_dense_mask_reference(scan):
+    """Top-5 of 13 and 11 tokens: the XLA path (gathered rows) equals the dense-mask reference, and
+    differs from dense attention; the KL reaches the model's output per token, the same either way."""
+    base = [*KINDS["mla"], *DSA, f"model.scan_layers={scan}"]
+    tokens, seg = _packed()
+    xla, ref = model_for(*base), model_for(*base, "dsa.impl=reference")
+    got, want = xla.features_and_indexer_kl(tokens, seg), ref.features_and_indexer_kl(tokens, seg)
+    np.testing.assert_allclose(got[0], want[0], atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(got[1], want[1], atol=1e-6, rtol=1e-5)
+    assert got[1].shape == tokens.shape and float(got[1].min()) >= 0 and float(got[1].max()) > 0
+    dense = model_for(*KINDS["mla"], f"model.scan_layers={scan}")
+    assert not np.allclose(dense.features(tokens, seg), got[0], atol=1e-3)
+    assert not nnx.state(xla, nnx.Intermediate)  # what the layers sowed was collected
+
+
+@pytest.mark.parametrize("stage", ["warmup", "sparse"])
+def test_lm_loss_never_reaches_the_indexer_and_kl_only_reaches_it(stage):
+    """d(LM)/d(indexer) is exactly 0 and d(KL)/d(rest) is exactly 0; d(KL)/d(indexer) is not."""
+    model = model_for(*KINDS["mla"], *DSA, "dsa.index_topk=4", f"dsa.stage={stage}")
+    graphdef, params = nnx.split(model)
+    tokens, seg = _packed()
+    batch = {"inputs": tokens, "targets": jnp.roll(tokens, -1, 1), "segment_ids": seg}
+    batch["loss_mask"] = jnp.ones(tokens.shape, jnp.float32)
+
+    def terms(p, which):
+        nll, kl, _ = loss_terms(nnx.merge(graphdef, p), batch)
+        return nll if which == "lm" else kl
+
+    for which, zero_in_indexer in (("lm", True), ("kl", False)):
+        grads = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(jax.grad(terms)(params, which)))[0]
+        for path, g in grads:
+            if in_indexer(path) == zero_in_indexer:
+                assert not np.any(np.asarray(g)), (which, jax.tree_util.keystr(path))
+        assert [path for path, g in grads if np.any(np.asarray(g))], which
+
+
+def test_optimizer_clips_apart_and_the_warmup_freezes_the_rest():
+    """Each group is clipped by its own norm (a huge model gradient leaves the indexer's alone); the
+    warm-up's update is zero outside the indexers."""
+    grads = {"attn": {"indexer": {"w": jnp.full((4,), 0.1)}, "q": jnp.full((4,), 100.0)}}
+    clipped, _ = clip_indexers_apart(1.0).update(grads, optax.EmptyState())
+    np.testing.assert_allclose(clipped["attn"]["indexer"]["w"], 0.1)
+    assert float(optax.tree.norm(clipped["attn"]["q"])) == pytest.approx(1.0)
+    kept, _ = keep_only_indexers().update(grads, optax.EmptyState())
+    assert float(jnp.abs(kept["attn"]["q"]).max()) == 0
+    np.testing.assert_array_equal(kept["attn"]["indexer"]["w"], grads["attn"]["indexer"]["w"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_decode_equals_packed_forward(kind):
+    """Two packed documents decoded as two rows: a right-padded prefill, a 3-token step, then single
+    tokens, against the packed forward, top-5 (so the selection matters from the sixth token)."""
+    model = model_for(*KINDS[kind], *DSA)
+    la, lb = 13, 11
+    tokens, seg = _packed()
+    graphdef, params = nnx.split(model)
+    want = np.asarray(jax.jit(lambda p, t, s: nnx.merge(graphdef, p)(t, s))(params, tokens[:1], seg[:1]))[0]
+    want = [want[:la], want[la:]]
+    decode = jax.jit(
+        lambda p, t, pos, c, prefill: nnx.merge(graphdef, p).decode(t, pos, c, prefill=prefill),
+        static_argnames="prefill",
+    )
+    rows = np.zeros((2, 16), np.int32)
+    rows[0, :la], rows[1, :lb] = np.asarray(tokens[0, :la]), np.asarray(tokens[0, la:])
+    caches, got = init_cache(model, 2, 16), [[], []]
+
+    def run(start, ends, caches, prefill=False):
+        t = max(ends) - start[0] if prefill else ends[0] - start[0]
+        pos = np.stack([np.arange(s, s + t) for s in start]).astype(np.int32)
+        logits, caches = decode(
+            params, jnp.asarray(np.take_along_axis(rows, pos, 1)), jnp.asarray(pos), caches, prefill=prefill
+        )
+        for r in range(2):
+            got[r].extend(np.asarray(logits[r, : ends[r] - start[r]]))
+        return caches
+
+    caches = run([0, 0], [4, 6], caches, prefill=True)
+    caches = run([4, 6], [7, 9], caches)
+    for step in range(2):
+        caches = run([7 + step, 9 + step], [8 + step, 10 + step], caches)
+    np.testing.assert_allclose(np.stack(got[0]), want[0][:9], atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(np.stack(got[1]), want[1][:11], atol=1e-4, rtol=1e-4)
+
+
+def test_cache_holds_the_indexer_key():
+    """Per token per layer: MLA's d_c + d_R, plus the indexer key's Di."""
+    mla = kv_cache_report(load_config(None, TINY_MLA + KINDS["mla"]))["kv_elements_per_token"]
+    dsa = kv_cache_report(load_config(None, TINY_MLA + KINDS["mla"] + DSA))["kv_elements_per_token"]
+    assert mla == 2 * (16 + 4) and dsa == mla + 2 * 8
+
+
+def test_flops_count_the_selected_keys_and_the_indexer():
+    """Per layer: attention over min(K, t + 1) keys (every visible key in the warm-up), plus the
+    indexer's 2 Hi Di per visible key (selection) and 3 x 2 Hi Di per key of its KL."""
+    base = TINY_MLA + KINDS["mla"] + DSA + ["data.seq_len=8"]
+    per_key, width = 2 * 3 * 8, 2 * (12 + 6) * 4  # 2 Hi Di; 2 (d_qk + d_v) H
+    visible, selected = 4.5, mean_attended_keys(8, "dsa", top_k=5)
+    for stage, keys in (("sparse", selected), ("warmup", visible)):
+        cfg = load_config(None, [*base, f"dsa.stage={stage}"])
+        want = 2 * (3 * width * keys + per_key * (visible + 3 * keys))
+        assert attention_flops_per_token(cfg) == pytest.approx(want)
+
+
+@pytest.mark.slow
+def test_warmup_starts_from_a_dense_run_and_trains_only_the_indexers(tmp_path, corpus_dir):
+    """train.init_from a dense run's step into dsa.stage=warmup: the indexers start fresh, everything
+    else is the source's and stays so; the indexers move and `indexer_kl` is logged. Catches: a
+    dense source refused for lacking indexers, frozen weights moving (weight decay included)."""
+    src = tmp_path / "dense"
+    saved_fresh_run(src, ["attention.kind=mla"])
+    dsa = [*KINDS["mla"], *DSA, "dsa.index_head_dim=16", "dsa.stage=warmup", f"train.init_from={src}"]
+    cfg = load_config(None, tiny_overrides(corpus_dir, tmp_path / "dsa", **{"train.steps": 2}) + dsa)
+    run(cfg)
+    (_, _, before), (_, _, after) = (
+        checkpoint.load_params(src, 0),
+        checkpoint.load_params(tmp_path / "dsa", 2),
+    )
+    flat = lambda params: {
+        jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0]
+    }
+    before, after = flat(before), flat(after)
+    indexers = {name for name in after if "indexer" in name}
+    assert indexers and set(after) - indexers == set(before)
+    for name, x in before.items():
+        np.testing.assert_array_equal(after[name], x, err_msg=name)
+    fresh = flat(nnx.to_pure_dict(nnx.state(new_model(cfg), nnx.Param)))
+    assert any(not np.array_equal(after[name], fresh[name]) for name in indexers)
+    assert "indexer_kl" in read_scalars(tmp_path / "dsa")
