@@ -110,10 +110,12 @@ def test_the_one_parser_names_the_script_and_errs_in_one_line(capsys):
 
 
 def test_attention_json_has_the_documented_keys(capsys):
-    attention.main("--seqs 128 --heads 1 --head-dim 8 --block-size 32 --repeats 1 --json".split())
+    argv = "--seqs 128 --heads 1 --head-dim 8 --block-size 32 --dsa-top-k 16 --repeats 1 --json"
+    attention.main(argv.split())
     (row,) = json.loads(capsys.readouterr().out)
-    assert set(row) == {"seq", "dense_ms", "moba_ms", "speedup", "dense_bytes", "moba_bytes"}
-    assert row["dense_bytes"] > 0 and row["moba_ms"] > 0
+    times = {"dense_ms", "moba_ms", "dsa_ms", "speedup", "dsa_speedup"}
+    assert set(row) == {"seq", *times, "dense_bytes", "moba_bytes", "dsa_bytes"}
+    assert row["dense_bytes"] > 0 and row["moba_ms"] > 0 and row["dsa_ms"] > 0
 
 
 CHATTY = "import sys; sys.stderr.write('x' * 200_000 + 'the end'); sys.exit({code})"

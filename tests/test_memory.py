@@ -99,6 +99,8 @@ def test_bench_attention_skips_a_case_that_cannot_fit(capsys):
         "64",
         "--repeats",
         "1",
+        "--programs",
+        "dense,moba",
     ]
     bench_attention.main(args)
     rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| ")]
