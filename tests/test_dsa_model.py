@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import TINY_MLA, saved_fresh_run, tiny_overrides
+from conftest import ROOT, TINY_MLA, saved_fresh_run, tiny_overrides
 from flax import nnx
 
 from effattn_jax import checkpoint
@@ -187,3 +187,15 @@ def test_warmup_starts_from_a_dense_run_and_trains_only_the_indexers(tmp_path, c
     fresh = flat(nnx.to_pure_dict(nnx.state(new_model(cfg), nnx.Param)))
     assert any(not np.array_equal(after[name], fresh[name]) for name in indexers)
     assert "indexer_kl" in read_scalars(tmp_path / "dsa")
+
+
+def test_paper_config_has_v32s_attention_shapes():
+    """configs/dsa/paper: V3.2's MLA and indexer shapes; the cache adds the 128-wide indexer key to
+    MLA's 512 + 64 in each of the 24 layers; the warm-up differs only in its stage and schedule."""
+    cfg = load_config(ROOT / "configs/dsa/paper/dsa_v32_shapes.yaml")
+    m = cfg.mla
+    assert (m.kv_lora_rank, m.q_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim) == (512, 1536, 128, 64)
+    assert (cfg.dsa.index_n_heads, cfg.dsa.index_head_dim, cfg.dsa.index_topk) == (64, 128, 2048)
+    assert kv_cache_report(cfg)["kv_elements_per_token"] == 24 * (512 + 64 + 128)
+    warmup = load_config(ROOT / "configs/dsa/paper/dsa_v32_shapes_warmup.yaml")
+    assert warmup.dsa.stage == "warmup" and (warmup.train.lr, warmup.train.steps) == (1e-3, 1000)
