@@ -9,7 +9,7 @@ followed by layer normalization") — our reading, chosen with `eg_mla.gate_at`:
 * latent (default): c~ = LN(W_U c * E_l[x]) of width d_e (E_l: [vocab, d_e],
   one per layer), then k_i = [W_UK,i c~ ; k^R], v_i = W_UV,i c~. Keeps MLA's
   weight absorption over c~; a decode step then costs what MLA's would with a
-  d_e-wide latent (measured 1.5-8.9x MLA at 16K context for d_e 16-128 against
+  d_e-wide latent (measured 1.5-10x MLA at 16K context for d_e 16-128 against
   d_c 48: close to MLA only where d_e is close to MLA's latent width).
 * projected (a hypothesis): c~ = LN(W_U c * W_G E_l[x]) of a fixed width d_g
   (`eg_mla.projected_dim`), K/V from c~ as in latent. For decoding, E_l W_G folds
