@@ -23,6 +23,8 @@ is that config with `train.seed=k` (the repeats that give gaps their intervals);
   1,024 positions.
 - lr-sweep-1k: the 1K set's 53K model (full attention) at a few (lr, warm-up) settings, 3 seeds
   each (eval/lr_sweep.py): the schedule of the MoBA sets, chosen for seeds that agree.
+- dsa-1k (eval/dsa_report.py): DSA against moba-scaling-1k's full attention and MoBA at 53K and
+  107K, 3 seeds
 - egmla-cpu (eval/egmla_report.py): MHA, MLA and EG-MLA with 4 gate-table widths
   (configs/egmla/cpu/), the projected gate at the same widths (docs/eg_mla.md), the
   parameter-matched controls (MLA plus a non-gating table matched to emb16 and to the projected
@@ -47,6 +49,7 @@ import sys
 import time
 from pathlib import Path
 
+from eval.dsa_report import draw_dsa_comparison, dsa_runs  # noqa: F401 (recipes name them)
 from eval.egmla_report import draw_egmla_report, egmla_runs, summarize_report  # noqa: F401 (recipes name them)
 from eval.lr_sweep import draw_lr_sweep, summarize_final_loss  # noqa: F401 (recipes name them)
 from eval.scaling_figure import draw_moba_scaling, lower_envelope, seed_gaps  # noqa: F401 (recipes name them)
@@ -99,6 +102,7 @@ RECIPES = {
         "summarize_report",
         "draw_egmla_report",
     ),
+    "dsa-1k": Recipe("configs/moba/cpu/scaling", dsa_runs(), "summarize_losses", "draw_dsa_comparison"),
     "lr-sweep-1k": Recipe(
         "configs/moba/cpu/scaling",
         tuple(
