@@ -28,13 +28,13 @@ is that config with `train.seed=k` (the repeats that give gaps their intervals);
 - egmla-cpu (eval/egmla_report.py): MHA, MLA and EG-MLA with 4 gate-table widths
   (configs/egmla/cpu/), the projected gate at the same widths (docs/eg_mla.md), the
   parameter-matched controls (MLA plus a non-gating table matched to emb16 and to the projected
-  emb128; MLA at EG-MLA's latent width 16), and seeds 1-4 of MLA, EG-MLA emb16, the projected
-  emb128 and the three controls; the EG-MLA paper's four panels (`eval report`): accuracy vs
-  tokens at every kept checkpoint (50 seeded questions per task, per-task figures and chance
-  levels kept), validation loss over every token vs table size, KV cache, decode latency at 16K
-  context (3 repeats, each kept with its commit; `--remeasure-decode` measures again); report.md
-  adds the seed-paired loss gaps to MLA and what the gate buys over its controls, with t-based
-  95 % intervals.
+  emb128; MLA at EG-MLA's latent width 16, alone and with emb16's table added), and seeds 1-4 of
+  MLA, EG-MLA emb16, the projected emb128 and the four controls; the EG-MLA paper's four panels
+  (`eval report`): accuracy vs tokens at every kept checkpoint (50 seeded questions per task,
+  per-task figures and chance levels kept), validation loss over every token vs table size, KV
+  cache, decode latency at 16K context (3 repeats, each kept with its commit; `--remeasure-decode`
+  measures again); report.md adds the seed-paired loss gaps to MLA and what the gate buys over its
+  controls, with t-based 95 % intervals.
 """
 
 from __future__ import annotations
