@@ -113,17 +113,22 @@ def _layer(i: int, a):
     return jax.ShapeDtypeStruct(a.shape[1:], a.dtype) if isinstance(a, jax.ShapeDtypeStruct) else a[i]
 
 
+def _through(block, carry, args, indexed: bool):
+    """carry through one block: x, or (x, the indexers' KL loss per token summed so far) where
+    `indexed` (what the block's indexer sowed is collected, so the model keeps no intermediates)."""
+    if not indexed:
+        return block(carry, *args)
+    x, kl = carry
+    x = block(x, *args)
+    return x, kl + pop_indexer_kl(block)
+
+
 def _scan(graphdef, layers, carry, args, remat: bool, indexed: bool):
-    """carry through the stacked layers in order: one traced layer, not one per layer (compile
-    time). carry: x, or (x, the indexers' KL loss per token summed so far) where `indexed`."""
+    """carry (see `_through`) through the stacked layers in order: one traced layer, not one per
+    layer (compile time)."""
 
     def body(carry, layer):
-        block = nnx.merge(graphdef, layer)
-        if not indexed:
-            return block(carry, *args), None
-        x, kl = carry
-        x = block(x, *args)
-        return (x, kl + pop_indexer_kl(block)), None
+        return _through(nnx.merge(graphdef, layer), carry, args, indexed), None
 
     return jax.lax.scan(jax.checkpoint(body, policy=REMAT_POLICY) if remat else body, carry, layers)[0]
 
@@ -196,11 +201,7 @@ class Transformer(nnx.Module):
             return carry if indexed else (carry, None)
 
         def run(block, carry):
-            if not indexed:
-                return block(carry, *args)
-            x, kl = carry
-            x = block(x, *args)
-            return x, kl + pop_indexer_kl(block)
+            return _through(block, carry, args, indexed)
 
         if self.remat:
             run = nnx.remat(run, policy=REMAT_POLICY)
