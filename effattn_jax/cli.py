@@ -57,3 +57,9 @@ def probability(text: str) -> float:
 
 def non_negative_float(text: str) -> float:
     return _checked(float, text, lambda v: v >= 0.0, "a number >= 0")
+
+
+def subset_of(names: tuple[str, ...]):
+    """A converter of 'a,b' to a tuple: a comma-separated subset of `names`."""
+    allowed = f"a comma-separated subset of {','.join(names)}"
+    return lambda text: _checked(lambda t: tuple(t.split(",")), text, lambda v: set(v) <= set(names), allowed)

@@ -20,13 +20,11 @@ dsa_bytes}, a program that cannot fit left out and named with its reason in `ski
 
 from __future__ import annotations
 
-import argparse
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from effattn_jax.cli import positive_int, positive_int_list
+from effattn_jax.cli import positive_int, positive_int_list, subset_of
 from effattn_jax.memory import DoesNotFit, check_fits, program_bytes
 from effattn_jax.ops.dsa import dsa_attention
 from effattn_jax.ops.moba import moba_attention
@@ -115,13 +113,6 @@ def _cells(row: dict) -> str:
 NAMES = ("dense", "moba", "dsa")
 
 
-def _programs(text: str) -> tuple[str, ...]:
-    names = tuple(text.split(","))
-    if not names or set(names) - set(NAMES):
-        raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated subset of {','.join(NAMES)}")
-    return names
-
-
 def main(argv=None):
     p = common.parser(__doc__, __file__)
     p.add_argument("--seqs", type=positive_int_list, default=[2048, 4096, 8192, 16384])
@@ -130,7 +121,7 @@ def main(argv=None):
     p.add_argument("--block-size", type=positive_int, default=512)
     p.add_argument("--top-k", type=positive_int, default=3)
     p.add_argument("--dsa-top-k", type=positive_int, default=1536)
-    p.add_argument("--programs", type=_programs, default=NAMES, help="which of dense,moba,dsa to run")
+    p.add_argument("--programs", type=subset_of(NAMES), default=NAMES, help="which of dense,moba,dsa to run")
     p.add_argument("--impl", default="xla")
     p.add_argument("--repeats", type=positive_int, default=3)
     p.add_argument("--dtype", default="float32")
