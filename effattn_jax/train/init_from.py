@@ -41,7 +41,7 @@ def fresh_indexer(path: tuple[str, ...]) -> bool:
 
 
 def init_params(setup, init: tuple[str, int]) -> dict:
-    """`train.init_from`'s parameters (the step was verified by _init_source); DSA indexers the
+    """`train.init_from`'s parameters (the step was verified by `checked_source`); DSA indexers the
     source lacks keep this model's fresh initialization."""
     abstract = setup.abstract_state["params"]
     saved = leaves_by_path(checkpoint.saved_params(*init))
