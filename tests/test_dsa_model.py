@@ -13,10 +13,17 @@ from effattn_jax import checkpoint
 from effattn_jax.config import load_config
 from effattn_jax.flops import attention_flops_per_token, mean_attended_keys
 from effattn_jax.model import Transformer, init_cache, new_model
+from effattn_jax.sharding import make_mesh
 from effattn_jax.train.loop import run
 from effattn_jax.train.metrics import read_scalars
-from effattn_jax.train.state import clip_indexers_apart, in_indexer, keep_only_indexers
-from effattn_jax.train.step import loss_terms
+from effattn_jax.train.state import (
+    clip_indexers_apart,
+    in_indexer,
+    init_state,
+    keep_only_indexers,
+    make_setup,
+)
+from effattn_jax.train.step import loss_terms, make_train_step
 from eval.decoding import kv_cache_report
 
 DSA = ["attention.core=dsa", "dsa.index_n_heads=3", "dsa.index_head_dim=8", "dsa.index_topk=5"]
@@ -199,3 +206,21 @@ def test_paper_config_has_v32s_attention_shapes():
     assert kv_cache_report(cfg)["kv_elements_per_token"] == 24 * (512 + 64 + 128)
     warmup = load_config(ROOT / "configs/dsa/paper/dsa_v32_shapes_warmup.yaml")
     assert warmup.dsa.stage == "warmup" and (warmup.train.lr, warmup.train.steps) == (1e-3, 1000)
+
+
+@pytest.mark.slow
+def test_warmup_key_leaves_a_model_without_dsa_layers_training_on_its_lm_loss(tmp_path):
+    """dsa.stage=warmup only means something where a layer runs DSA: a dense model given it still
+    trains every parameter on its LM loss. Catches: the warm-up's objective (KL alone) applied to a
+    model with no indexer, which would leave it untrained."""
+    cfg = load_config(None, [*TINY_MLA, "dsa.stage=warmup", "data.seq_len=16", "data.batch_size=2"])
+    setup = make_setup(cfg, make_mesh(1, 1, 1))
+    state = init_state(setup)
+    tokens, seg = _packed()
+    batch = {"inputs": tokens[:, :16], "targets": tokens[:, 1:17], "segment_ids": seg[:, :16]}
+    batch["loss_mask"] = jnp.ones((2, 16), jnp.float32)
+    before = jax.tree.leaves(jax.device_get(state["params"]))
+    step = make_train_step(setup)
+    new, metrics = step(*step(state, batch)[:1], batch)  # the schedule's first step has lr 0
+    assert float(metrics["grad_norm"]) > 0 and "indexer_kl" not in metrics
+    assert any(not np.array_equal(a, b) for a, b in zip(before, jax.tree.leaves(new["params"]), strict=True))

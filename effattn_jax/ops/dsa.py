@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from effattn_jax.config import DSA_IMPLS
 from effattn_jax.ops.dense import causal_segment_mask, masked_attention
+from effattn_jax.ops.moba_decode import attend_blocks
 
 CHUNK_BYTES = 1 << 28  # the largest intermediate of one query chunk, when no chunk size is given
 MAX_CHUNK = 512  # queries per chunk at most, when no chunk size is given
@@ -164,17 +165,12 @@ def sparse_attention(q, k, v, indices, *, scale=None, query_chunk=None):
 
 def dsa_decode_attention(view, indices, scale):
     """Decoding: each query of a CacheView (q [B, T, H, D]) over its selected cache slots
-    indices [B, T, K] (-1: none) -> [B, T, H, Dv]. Only those rows are fetched (`view.fetch`, one
-    slot per pick, from each query head's KV head)."""
-    q = view.q
-    b, t, h, d = q.shape
+    indices [B, T, K] (-1: none) -> [B, T, H, Dv]. Only those rows are fetched: each pick is a
+    one-slot block for `moba_decode.attend_blocks`, valid where the pick is."""
+    b, t, h, _ = view.q.shape
     starts = jnp.broadcast_to(jnp.maximum(indices, 0)[:, :, None, :], (b, t, h, indices.shape[-1]))
-    keys, values = (x[..., 0, :] for x in view.fetch(starts, 1))  # [B, T, H, K, D|Dv]
-    logits = jnp.einsum("bthd,bthkd->bthk", q, keys, preferred_element_type=jnp.float32) * scale
-    logits = jnp.where((indices >= 0)[:, :, None, :], logits, -jnp.inf)
-    weights = jax.nn.softmax(logits, axis=-1)
-    out = jnp.einsum("bthk,bthkv->bthv", weights, values.astype(jnp.float32))
-    return out.astype(q.dtype)
+    last = jnp.where((indices >= 0)[:, :, None, :], starts, -1)  # an unused pick has no valid slot
+    return attend_blocks(view, starts, starts, last, 1, scale)
 
 
 def dsa_reference_mask(q_idx, k_idx, weights, *, top_k: int, segment_ids=None, scale=None):

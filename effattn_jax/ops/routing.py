@@ -111,12 +111,12 @@ def routing_kernel(kernel: str | None):
     """The Pallas selection for a routing kernel name, or None: the gate selects in XLA. "gpu_triton":
     pallas_kernels/moba/routing_gpu.py; "gpu_mosaic": routing_mgpu.py (Mosaic GPU, bf16/f16); "tpu":
     routing_tpu.py. Which one a MoBA impl runs: ops/moba.py, routing_kernel_for."""
-    from pallas_kernels import registry
-
     if kernel in GPU_ROUTING_KERNELS:
         return functools.partial(_gpu_selection, backend=kernel.removeprefix("gpu_"))
     if kernel == "tpu":
-        return registry.kernel("moba", "routing", "tpu")  # Pallas is imported only when used
+        from pallas_kernels import registry  # Pallas is imported only when used
+
+        return registry.kernel("moba", "routing", "tpu")
     if kernel is not None:
         raise ValueError(
             f"routing kernel must be None, 'tpu' or one of {GPU_ROUTING_KERNELS}, got {kernel!r}"

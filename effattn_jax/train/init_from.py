@@ -9,7 +9,7 @@ import jax
 from effattn_jax import checkpoint
 from effattn_jax.config import Config, ConfigError
 from effattn_jax.sharding import leaves_by_path
-from effattn_jax.train.state import init_state
+from effattn_jax.train.state import fresh_params, in_indexer
 
 
 def checked_source(cfg: Config, setup) -> tuple[str, int] | None:
@@ -20,7 +20,7 @@ def checked_source(cfg: Config, setup) -> tuple[str, int] | None:
         return None
     try:
         source = checkpoint.init_source(spec)
-        changes = checkpoint.shape_changes(*source, setup.abstract_state["params"], fresh=fresh_indexer)
+        changes = checkpoint.shape_changes(*source, setup.abstract_state["params"], fresh=in_indexer)
     except checkpoint.CheckpointError as e:
         raise ConfigError("train.init_from", spec, str(e)) from None
     if changes:
@@ -35,23 +35,17 @@ def checked_source(cfg: Config, setup) -> tuple[str, int] | None:
     return source
 
 
-def fresh_indexer(path: tuple[str, ...]) -> bool:
-    """Whether a parameter is a DSA indexer's: a run whose source lacks them starts them fresh."""
-    return "indexer" in path
-
-
 def init_params(setup, init: tuple[str, int]) -> dict:
     """`train.init_from`'s parameters (the step was verified by `checked_source`); DSA indexers the
     source lacks keep this model's fresh initialization."""
     abstract = setup.abstract_state["params"]
     saved = leaves_by_path(checkpoint.saved_params(*init))
-    fresh = {path for path in leaves_by_path(abstract) if path not in saved and fresh_indexer(path)}
+    fresh = {path for path in leaves_by_path(abstract) if path not in saved and in_indexer(path)}
     if not fresh:
         return checkpoint.restore_params(*init, abstract, verified=True)
     restored = leaves_by_path(checkpoint.restore_params(*init, _drop(abstract, fresh), verified=True))
-    initial = init_state(setup)["params"]
     pick = lambda path, x: restored.get(tuple(str(getattr(k, "key", k)) for k in path), x)
-    return jax.tree_util.tree_map_with_path(pick, initial)
+    return jax.tree_util.tree_map_with_path(pick, fresh_params(setup))
 
 
 def _drop(tree: dict, paths: set, prefix=()) -> dict:

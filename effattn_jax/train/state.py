@@ -45,8 +45,8 @@ def make_optimizer(cfg: Config) -> tuple[optax.GradientTransformation, optax.Sch
 
 
 def in_indexer(path) -> bool:
-    """Whether a parameter's key path lies in a DSA indexer."""
-    return any(getattr(key, "key", None) == "indexer" for key in path)
+    """Whether a parameter's path (jax key path, or names as strings) lies in a DSA indexer."""
+    return any(str(getattr(key, "key", key)) == "indexer" for key in path)
 
 
 def _split_by_indexer(tree):
@@ -142,7 +142,19 @@ def init_state(setup: TrainSetup, params: dict | None = None) -> dict:
         params = nnx.to_pure_dict(nnx.split(new_model(setup.cfg))[1])
         return {"params": params, "opt_state": setup.tx.init(params), "step": jnp.zeros((), jnp.int32)}
 
-    init = jax.jit(init, out_shardings=setup.state_shardings)
+    return _run_once(setup, init, setup.state_shardings)
+
+
+def fresh_params(setup: TrainSetup) -> dict:
+    """A fresh initialization of the parameters alone (no optimizer state), into their shardings."""
+    return _run_once(
+        setup, lambda: nnx.to_pure_dict(nnx.split(new_model(setup.cfg))[1]), setup.state_shardings["params"]
+    )
+
+
+def _run_once(setup: TrainSetup, fn, shardings):
+    """fn() jitted into `shardings` and run once."""
+    init = jax.jit(fn, out_shardings=shardings)
     if setup.mesh.devices.flat[0].platform == "cpu":
         # The program runs once. XLA:CPU's LLVM optimisation of its random draws (a threefry per
         # parameter) took 15 s of compile for the 3-layer test models, against 2.6 s unoptimised;

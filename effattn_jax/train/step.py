@@ -71,11 +71,12 @@ def make_train_step(setup: TrainSetup):
     skip_nonfinite = setup.cfg.train.nonfinite == "skip"
 
     dsa = setup.cfg.dsa
-    lm_weight = 0.0 if dsa.stage == "warmup" else 1.0  # the warm-up trains the indexer alone
+    warmup = setup.cfg.uses_dsa and dsa.stage == "warmup"  # the indexers alone train
 
     def objective(params, micro):
         nll, kl, tokens = loss_terms(setup.model(params), micro)
-        return lm_weight * nll + dsa.kl_weight * kl, (nll, kl, tokens)
+        # in the warm-up the LM loss is only reported: left out of the objective, it costs no backward
+        return dsa.kl_weight * kl + (0.0 if warmup else nll), (nll, kl, tokens)
 
     def micro_grads(params, micro):
         (_, sums), grads = jax.value_and_grad(objective, has_aux=True)(params, micro)
