@@ -21,6 +21,11 @@ is that config with `train.seed=k` (the repeats that give gaps their intervals);
 - moba-scaling-4k: 2 sizes x {full, MoBA} at 4,096-token rows, block 256, top-3 (the paper's
   geometry; configs/moba/cpu/scaling_4k/), seeds 0-4 of each: the trailing loss over the last
   1,024 positions.
+- moba-ladder-1k (eval/ladder.py): five sizes growing width and depth together, 13K-250K
+  non-embedding parameters at about 20 tokens each (configs/moba/cpu/ladder/); the learning rate
+  tuned per size on full attention (3 rates x 2 seeds), then full attention and MoBA at 3 seeds on
+  it; the ordering check, then fits with t intervals, leave-one-size-out ranges and seed-paired
+  slope and loss gaps.
 - lr-sweep-1k: the 1K set's 53K model (full attention) at a few (lr, warm-up) settings, 3 seeds
   each (eval/lr_sweep.py): the schedule of the MoBA sets, chosen for seeds that agree.
 - dsa-1k (eval/dsa_report.py): DSA against moba-scaling-1k's full attention and MoBA at 53K and
@@ -51,6 +56,7 @@ from pathlib import Path
 
 from eval.dsa_report import draw_dsa_comparison, dsa_runs  # noqa: F401 (recipes name them)
 from eval.egmla_report import draw_egmla_report, egmla_runs, summarize_report  # noqa: F401 (recipes name them)
+from eval.ladder import draw_ladder, ladder_runs  # noqa: F401 (recipes name them)
 from eval.lr_sweep import draw_lr_sweep, summarize_final_loss  # noqa: F401 (recipes name them)
 from eval.scaling_figure import draw_moba_scaling, lower_envelope, seed_gaps  # noqa: F401 (recipes name them)
 
@@ -96,6 +102,7 @@ RECIPES = {
         "summarize_losses",
         "draw_moba_scaling",
     ),
+    "moba-ladder-1k": Recipe("configs/moba/cpu/ladder", ladder_runs(), "summarize_losses", "draw_ladder"),
     "egmla-cpu": Recipe(
         "configs/egmla/cpu",
         egmla_runs(),
@@ -163,6 +170,8 @@ def summarize_losses(run_dir: Path) -> dict:
         "block_size": cfg.moba.block_size,
         "top_k": cfg.moba.top_k,
         "seed": cfg.train.seed,
+        "lr": cfg.train.lr,
+        "warmup_steps": cfg.train.warmup_steps,
         "non_embedding_params": n,
         "tokens_per_param": last["tokens"] / n,
         **{k: last[k] for k in ("step", "tokens", "pflops_days", "pflops_days_6nd", "loss")},
