@@ -28,6 +28,7 @@ FAMILIES = (
     "deepseek_v2",
     "deepseek_v3",
     "deepseek_v2_eps",  # rms_norm_eps 1e-5: MLA's latent norms keep 1e-6; DeepSeek's EOS name
+    "deepseek_v32",  # DSA: an indexer per layer, each query on its top-4 of 10 tokens
     "llama_eos_list",  # eos_token_id a list
 )
 
@@ -53,6 +54,36 @@ def test_converted_model_matches_the_reference(family, tmp_path, capsys):
     assert greedy[0] == reference["greedy"]
     tok, _, path = load_tokenizer(cfg.data.tokenizer, cfg.data.eos_ids)
     assert path == out / "tokenizer.json" and tok.get_vocab_size(True) <= cfg.model.vocab_size
+
+
+def test_deepseek_v32_selects_as_transformers_and_is_dense_with_every_key_selected(tmp_path, monkeypatch):
+    """The converted V3.2 model's indexers pick the reference's top-4 on every layer (the slots
+    past a query's visible keys aside: -1 here, masked there); with index_topk at least the prompt
+    its logits are the reference's dense ones within 1e-5."""
+    from effattn_jax.attention.indexer import Indexer
+    from effattn_jax.ops.dsa import dsa_select
+
+    fixture = FIXTURES / "deepseek_v32"
+    ids = np.asarray([json.loads((fixture / "reference.json").read_text())["ids"]], np.int32)
+    seen = []
+    call = Indexer.__call__
+    monkeypatch.setattr(Indexer, "__call__", lambda self, *a: seen.append(call(self, *a)) or seen[-1])
+    assert main(["from-hf", "--model", str(fixture), "--out", str(tmp_path / "run")]) == 0
+    cfg, graphdef, params = checkpoint.load_params(tmp_path / "run", 0)
+    nnx.merge(graphdef, params)(ids)  # eagerly: each layer's indexer outputs land in `seen`
+    want = np.load(fixture / "reference_topk.npy")  # [layers, S, top-k]
+    assert len(seen) == cfg.model.num_layers == want.shape[0]
+    for layer, (q_idx, k_idx, weights) in enumerate(seen):
+        got = np.asarray(dsa_select(q_idx, k_idx, weights, top_k=cfg.dsa.index_topk))[0]
+        for t in range(got.shape[0]):
+            visible = min(t + 1, got.shape[1])
+            assert list(got[t, :visible]) == list(want[layer, t, :visible]), (layer, t)
+            assert (got[t, visible:] == -1).all()
+    dense = tmp_path / "dense"
+    assert main(["from-hf", "--model", str(fixture), "--out", str(dense), "dsa.index_topk=64"]) == 0
+    cfg, graphdef, params = checkpoint.load_params(dense, 0)
+    logits = np.asarray(jax.jit(lambda m, t: m(t))(nnx.merge(graphdef, params), ids))[0]
+    assert np.abs(logits - np.load(fixture / "reference_logits_dense.npy")).max() < 1e-5
 
 
 EOS = {  # what each model's own files declare (generation_config.json first), recorded as data.eos_ids
@@ -159,7 +190,8 @@ def _exports_and_imports_back(tmp_path: Path, name: str) -> dict:
 
 def test_runs_of_this_project_export_and_import_back(tmp_path, capsys):
     """Models of this project: MoBA exports as Llama with its MoBA settings recorded and a note,
-    MLA as DeepSeek-V2; both import back bit for bit; EG-MLA and DSA are refused in one line."""
+    MLA as DeepSeek-V2, DSA on MLA as DeepSeek-V3.2; each imports back bit for bit; EG-MLA, and
+    DSA without a query latent, are refused in one line."""
     from conftest import TINY_MLA
 
     moba = ["attention.core=moba", "moba.block_size=8", "moba.top_k=2", "model.tie_embeddings=false"]
@@ -182,10 +214,15 @@ def test_runs_of_this_project_export_and_import_back(tmp_path, capsys):
     assert not (tmp_path / "eg_hf").exists()
 
     dsa = ["attention.kind=mla", *mla, "attention.core=dsa", "dsa.index_head_dim=8"]
-    saved_fresh_run(tmp_path / "dsa", dsa)  # exported as MLA, its indexers would be lost
-    assert main(["to-hf", "--run", str(tmp_path / "dsa"), "--out", str(tmp_path / "dsa_hf")]) == 2
-    assert "DSA layers (attention.core=dsa): not exported yet" in capsys.readouterr().err
-    assert not (tmp_path / "dsa_hf").exists()
+    saved_fresh_run(tmp_path / "dsa", [*dsa, "mla.q_lora_rank=12"])
+    hf = _exports_and_imports_back(tmp_path, "dsa")
+    assert hf["architectures"] == ["DeepseekV32ForCausalLM"] and hf["index_head_dim"] == 8
+
+    saved_fresh_run(tmp_path / "dsa_no_q_latent", dsa)  # V3.2's indexer reads the query latent
+    capsys.readouterr()
+    assert main(["to-hf", "--run", str(tmp_path / "dsa_no_q_latent"), "--out", str(tmp_path / "x_hf")]) == 2
+    assert "DSA exports as DeepSeek-V3.2" in capsys.readouterr().err
+    assert not (tmp_path / "x_hf").exists()
 
 
 def test_mla_with_a_token_table_is_refused_in_one_line(tmp_path, capsys):
@@ -407,6 +444,27 @@ def test_a_converted_model_resumes_in_place_and_trains_on_as_moba(tmp_path, corp
     result = run(load_config(None, tiny_overrides(corpus_dir, tmp_path / "moba", **keys)))
     assert result["step"] == 2 and np.isfinite(result["val_loss"])
     assert f"started from the parameters of {converted} step 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "change, says",
+    [
+        (_edit_config(q_lora_rank=None), "no 'q_lora_rank'; a DeepseekV32ForCausalLM config needs it"),
+        (_edit_config(mlp_layer_types=["dense", "sparse"]), "layers 1-1 are mixture-of-experts layers"),
+        (None, "dsa.index_head_dim=16: .*config.json fixes it \\(8\\)"),
+    ],
+    ids=["no-q-latent", "moe-layer", "indexer-width-override"],
+)
+def test_deepseek_v32_that_cannot_convert_is_refused_in_one_line(tmp_path, capsys, change, says):
+    out = tmp_path / "out"
+    if change is None:  # the fixture as it is, an override against its weights' shapes
+        args = ["--model", str(FIXTURES / "deepseek_v32"), "--out", str(out), "dsa.index_head_dim=16"]
+    else:
+        args = ["--model", str(_broken(tmp_path, change, "deepseek_v32")), "--out", str(out)]
+    assert main(["from-hf", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and re.search(says, err), err
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("command", ["from-hf", "to-hf"])

@@ -15,6 +15,7 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",  # RMSNorm of each q and k head
     "DeepseekV2ForCausalLM": "deepseek",  # MLA; layers with a dense MLP only
     "DeepseekV3ForCausalLM": "deepseek",
+    "DeepseekV32ForCausalLM": "deepseek",  # and DSA on every layer (`is_dsa`)
 }
 
 HF_CONFIG = "hf_config.json"  # a converted run's source config.json (its family, for to-hf)
@@ -29,6 +30,7 @@ SIZE_KEYS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_s
              "max_position_embeddings")  # fmt: skip
 MLA_SIZE_KEYS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 OPTIONAL_SIZE_KEYS = ("num_key_value_heads", "head_dim", "q_lora_rank")
+DSA_SIZE_KEYS = ("index_n_heads", "index_head_dim", "index_topk", "q_lora_rank")  # its indexer reads c'
 
 
 def read_hf_config(model_dir: Path) -> dict:
@@ -54,10 +56,14 @@ def read_hf_config(model_dir: Path) -> dict:
 def _check_sizes(hf: dict, path: Path) -> None:
     """ConvertError, one line naming the key, where a size config.json must give is missing or not a
     positive integer (an interrupted download or a hand edit)."""
-    required = SIZE_KEYS + (MLA_SIZE_KEYS if family(hf) == "deepseek" else ())
+    required = (
+        SIZE_KEYS
+        + (MLA_SIZE_KEYS if family(hf) == "deepseek" else ())
+        + (DSA_SIZE_KEYS if is_dsa(hf) else ())
+    )
     for key in required + OPTIONAL_SIZE_KEYS:
         value = hf.get(key)
-        if value is None and key in OPTIONAL_SIZE_KEYS:
+        if value is None and key in OPTIONAL_SIZE_KEYS and key not in required:
             continue
         if value is None:
             raise ConvertError(f"{path}: no {key!r}; a {hf['architectures'][0]} config needs it (an integer)")
@@ -119,6 +125,13 @@ def config_overrides(hf: dict, model_dir: Path) -> dict:
             "mla.qk_rope_head_dim": hf["qk_rope_head_dim"],
             "mla.v_head_dim": hf["v_head_dim"],
         }
+    if is_dsa(hf):
+        keys |= {
+            "attention.core": "dsa",
+            "dsa.index_n_heads": hf["index_n_heads"],
+            "dsa.index_head_dim": hf["index_head_dim"],
+            "dsa.index_topk": hf["index_topk"],
+        }
     return keys | (_rope_keys(kind, scaling) if kind in ROPE_KEYS else {})
 
 
@@ -126,6 +139,8 @@ def _moe_layers(hf: dict) -> list[int]:
     """The DeepSeek layers whose MLP is a mixture of experts (first_k_dense_replace on)."""
     if family(hf) != "deepseek" or not hf.get("n_routed_experts"):
         return []
+    if types := hf.get("mlp_layer_types"):  # DeepSeek-V3.2 names each layer's MLP
+        return [i for i, kind in enumerate(types) if kind != "dense"]
     first, every = hf.get("first_k_dense_replace", 0), hf.get("moe_layer_freq", 1)
     return [i for i in range(hf["num_hidden_layers"]) if i >= first and i % every == 0]
 
@@ -163,6 +178,11 @@ def family(hf: dict) -> str:
     return ARCHITECTURES[hf["architectures"][0]]
 
 
+def is_dsa(hf: dict) -> bool:
+    """DeepSeek-V3.2: MLA with DSA's indexer on every layer (attention.core=dsa)."""
+    return hf["architectures"][0] == "DeepseekV32ForCausalLM"
+
+
 LLAMA = {  # what an exported model that did not come from Hugging Face declares besides its sizes
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
@@ -187,16 +207,21 @@ DEEPSEEK = LLAMA | {  # an MLA model of this project, as DeepSeek-V2 (every MLP 
 }
 
 
-def base_config(cfg, source: dict | None, mla: bool) -> dict:
+DEEPSEEK_V32 = DEEPSEEK | {"architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32"}
+
+
+def base_config(cfg, source: dict | None, mla: bool, dsa: bool = False) -> dict:
     """The family an export declares: the one it was converted from when its architecture still
-    fits, else the one the model's architecture names (DeepSeek-V2 for MLA, Qwen3 with q/k
-    norms, Qwen2 with q/k/v biases, else Llama)."""
+    fits, else the one the model's architecture names (DeepSeek-V3.2 for MLA with DSA, DeepSeek-V2
+    for MLA, Qwen3 with q/k norms, Qwen2 with q/k/v biases, else Llama)."""
     m = cfg.model
     if m.qkv_bias and m.qk_norm:
         raise ConvertError("model.qkv_bias with model.qk_norm: no Hugging Face family has both")
     want = "deepseek" if mla else "qwen3" if m.qk_norm else "qwen2" if m.qkv_bias else "llama"
-    if source is not None and family(source).replace("mistral", "llama") == want:
+    if source is not None and family(source).replace("mistral", "llama") == want and is_dsa(source) == dsa:
         return source
+    if dsa:
+        return DEEPSEEK_V32
     return {"deepseek": DEEPSEEK, **QWEN}.get(want, LLAMA)
 
 
@@ -228,6 +253,15 @@ def hf_config_of(cfg, base: dict) -> dict:
             "head_dim": mla.qk_rope_head_dim,
             "num_key_value_heads": m.num_heads,
             "first_k_dense_replace": m.num_layers,  # every MLP dense
+        }
+        if "mlp_layer_types" in hf:
+            hf["mlp_layer_types"] = ["dense"] * m.num_layers
+    if is_dsa(hf):
+        hf |= {
+            "index_n_heads": cfg.dsa.index_n_heads,
+            "index_head_dim": cfg.dsa.index_head_dim,
+            "index_topk": cfg.dsa.index_topk,
+            "layer_types": ["indexed_attention"] * m.num_layers,
         }
     scaling = {"rope_type": m.rope_scaling or "default"}
     scaling |= {hf_key: getattr(m, ours) for hf_key, ours in ROPE_KEYS.get(m.rope_scaling, {}).items()}

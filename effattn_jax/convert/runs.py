@@ -82,7 +82,8 @@ def check_fixed_keys(keys: dict, overrides, model_dir: Path) -> None:
     """ConvertError, one line, where an override changes what the checkpoint fixes: its sizes, its
     attention kind and RoPE (`config_overrides`' model.*, mla.* and attention.kind keys); the core,
     data, training and everything else stay the user's."""
-    fixed = sorted(k for k in keys if k.startswith(("model.", "mla.")) or k == "attention.kind")
+    shaped = ("model.", "mla.", "dsa.index_n_heads", "dsa.index_head_dim")  # the weights' shapes
+    fixed = sorted(k for k in keys if k.startswith(shaped) or k == "attention.kind")
     for override in overrides:
         key, _, value = override.partition("=")
         if key in fixed and value != str(keys[key]):
@@ -153,9 +154,11 @@ def to_hf(run_dir: str | Path, out: str | Path, step: str = "latest") -> list[st
         raise ConvertError(f"{run_dir}: EG-MLA has no Hugging Face equivalent; it is not exported")
     if len(kinds) > 1:
         raise ConvertError(f"{run_dir}: layers of two attention kinds: not exported yet")
-    if any(core == "dsa" for _, core in specs):  # its indexers would be dropped: a different model
+    dsa = [core == "dsa" for _, core in specs]
+    if any(dsa) and not (all(dsa) and kinds == {"mla"} and cfg.mla.q_lora_rank):
         raise ConvertError(
-            f"{run_dir}: DSA layers (attention.core=dsa): not exported yet (deepseek_v32 comes later)"
+            f"{run_dir}: DSA exports as DeepSeek-V3.2, which runs it on every layer of MLA with a query "
+            "latent (attention.kind=mla, mla.q_lora_rank > 0); this model's DSA layers are not that"
         )
     if cfg.mla.token_table_dim and "mla" in kinds:
         raise ConvertError(
@@ -163,7 +166,7 @@ def to_hf(run_dir: str | Path, out: str | Path, step: str = "latest") -> list[st
         )
     source = storage.path(run_dir) / HF_CONFIG
     converted = json.loads(storage.read_text(source)) if source.exists() else None
-    hf = hf_config_of(cfg, base_config(cfg, converted, mla=kinds == {"mla"}))
+    hf = hf_config_of(cfg, base_config(cfg, converted, mla=kinds == {"mla"}, dsa=all(dsa)))
     notes = []
     if moba := [i for i, (_, core) in enumerate(specs) if core == "moba"]:
         hf["effattn_moba"] = {"layers": moba, "block_size": cfg.moba.block_size, "top_k": cfg.moba.top_k}

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from effattn_jax.convert.hf_config import ConvertError, family
+from effattn_jax.convert.hf_config import ConvertError, family, is_dsa
 from effattn_jax.sharding import leaves_by_path
 
 IGNORED = (".rotary_emb.inv_freq",)  # buffers some checkpoints carry; recomputed here
@@ -130,6 +130,15 @@ def file_shapes(hf: dict) -> dict[str, tuple[int, ...]]:
         }
         if hf.get("q_lora_rank"):
             attn |= {"q_a_proj.weight": (q_in, d), "q_a_layernorm.weight": (q_in,)}
+    if is_dsa(hf):
+        hi, di = hf["index_n_heads"], hf["index_head_dim"]
+        attn |= {
+            "indexer.wq_b.weight": (hi * di, hf["q_lora_rank"]),
+            "indexer.wk.weight": (di, d),
+            "indexer.k_norm.weight": (di,),
+            "indexer.k_norm.bias": (di,),
+            "indexer.weights_proj.weight": (hi, d),
+        }
     per_layer = {f"self_attn.{k}": shape for k, shape in attn.items()} | {
         "mlp.gate_proj.weight": (mlp, d),
         "mlp.up_proj.weight": (mlp, d),
@@ -230,6 +239,19 @@ def _mla_layouts(hf: dict) -> dict:
         }
     else:
         out["self_attn.q_proj.weight"] = (("attn", "q", "kernel"), q, None)
+    if is_dsa(hf):  # the indexer rotates halves of its first channels, as this model does: no reorder
+        hi, di = hf["index_n_heads"], hf["index_head_dim"]
+        out |= {
+            "self_attn.indexer.wq_b.weight": (
+                ("attn", "indexer", "wq_b", "kernel"),
+                lambda w: w.T.reshape(-1, hi, di),
+                None,
+            ),
+            "self_attn.indexer.wk.weight": (("attn", "indexer", "wk", "kernel"), t, None),
+            "self_attn.indexer.k_norm.weight": (("attn", "indexer", "k_norm", "scale"), lambda w: w, None),
+            "self_attn.indexer.k_norm.bias": (("attn", "indexer", "k_norm", "bias"), lambda w: w, None),
+            "self_attn.indexer.weights_proj.weight": (("attn", "indexer", "weights_proj", "kernel"), t, None),
+        }
     return out
 
 
@@ -260,6 +282,13 @@ def mla_tensors(flat: Mapping, hf: dict) -> Iterator[tuple[str, np.ndarray]]:
         out[name + "kv_b_proj.weight"] = np.concatenate([uk, uv], axis=1).reshape(-1, uk.shape[-1])
         o = p("o", "kernel")  # [H, v, D]
         out[name + "o_proj.weight"] = o.reshape(-1, o.shape[-1]).T
+        if is_dsa(hf):
+            wq_b = p("indexer", "wq_b", "kernel")  # [q_lora, Hi, Di]
+            out[name + "indexer.wq_b.weight"] = wq_b.reshape(wq_b.shape[0], -1).T
+            out[name + "indexer.wk.weight"] = p("indexer", "wk", "kernel").T
+            out[name + "indexer.k_norm.weight"] = p("indexer", "k_norm", "scale")
+            out[name + "indexer.k_norm.bias"] = p("indexer", "k_norm", "bias")
+            out[name + "indexer.weights_proj.weight"] = p("indexer", "weights_proj", "kernel").T
         yield from out.items()
 
 
