@@ -43,7 +43,9 @@ COMPUTES = {"full": "pflops_days", "6nd": "pflops_days_6nd"}
 def ladder_runs(tuned: dict[str, str] | None = None) -> tuple[str, ...]:
     """The tuning runs, smallest size first, then the ladder's further runs at each tuned size."""
     tuned = LADDER_TUNED if tuned is None else tuned
-    tuning = [f"full_{size}.lr{lr}.seed{k}" for size in LADDER_SIZES for lr in LADDER_LRS for k in TUNING_SEEDS]
+    tuning = [
+        f"full_{size}.lr{lr}.seed{k}" for size in LADDER_SIZES for lr in LADDER_LRS for k in TUNING_SEEDS
+    ]
     rest = [
         name
         for size in LADDER_SIZES
@@ -70,7 +72,12 @@ def tuning_table(summaries: list[dict]) -> dict[str, list[dict]]:
     table = {}
     for size in [z for z in LADDER_SIZES if z in rows]:
         entries = [
-            {"lr": lr, "seeds": sorted(by), "losses": [by[k] for k in sorted(by)], "mean": statistics.fmean(by.values())}
+            {
+                "lr": lr,
+                "seeds": sorted(by),
+                "losses": [by[k] for k in sorted(by)],
+                "mean": statistics.fmean(by.values()),
+            }
             for lr, by in sorted(rows[size].items())
         ]
         complete = [e for e in entries if e["seeds"] == list(TUNING_SEEDS)]
@@ -86,7 +93,9 @@ def ladder_set(summaries: list[dict], tuned: dict[str, str]) -> list[dict]:
     return [
         s
         for s in summaries
-        if (size := _size(s)) in tuned and math.isclose(s["lr"], float(tuned[size])) and s["seed"] in LADDER_SEEDS
+        if (size := _size(s)) in tuned
+        and math.isclose(s["lr"], float(tuned[size]))
+        and s["seed"] in LADDER_SEEDS
     ]
 
 
@@ -107,7 +116,8 @@ def ordering(runs: list[dict]) -> list[str]:
         for small, large in zip(sizes, sizes[1:], strict=False):
             if by_size[large] >= by_size[small]:
                 problems.append(
-                    f"{kind}: {large:,} params ends at {by_size[large]:.4f}, not below {small:,} params' {by_size[small]:.4f}"
+                    f"{kind}: {large:,} params ends at {by_size[large]:.4f}, "
+                    f"not below {small:,} params' {by_size[small]:.4f}"
                 )
     return problems
 
@@ -121,7 +131,12 @@ def _fit(compute: list[float], loss: list[float]) -> dict:
     fit = fit_power_law(compute, loss)
     dof = fit["points"] - 2
     half = float(t.ppf(0.975, dof)) * fit["b_stderr"] if dof > 0 else float("nan")
-    return {"a": fit["a"], "b": fit["b"], "b_stderr": fit["b_stderr"], "b_t95": [fit["b"] - half, fit["b"] + half]}
+    return {
+        "a": fit["a"],
+        "b": fit["b"],
+        "b_stderr": fit["b_stderr"],
+        "b_t95": [fit["b"] - half, fit["b"] + half],
+    }
 
 
 def kind_fit(runs: list[dict], measure, compute_key: str) -> dict:
@@ -146,7 +161,11 @@ def paired_slope_gap(full: list[dict], moba: list[dict], measure, compute_key: s
     seeds = [
         k
         for k in LADDER_SEEDS
-        if all(any(s["seed"] == k and s["non_embedding_params"] == n for s in runs) for runs in (full, moba) for n in sizes)
+        if all(
+            any(s["seed"] == k and s["non_embedding_params"] == n for s in runs)
+            for runs in (full, moba)
+            for n in sizes
+        )
     ]
     if len(seeds) < 2 or len(sizes) < 3:
         return None
@@ -204,13 +223,18 @@ def fit_report_lines(record: dict) -> list[str]:
                 k = f[kind]
                 loo = k.get("b_leave_one_size_out")
                 lines.append(
-                    f"- {loss}, {compute}, {kind}: L = {k['a']:.4g}·C^{k['b']:.4f}, b t95 {_interval(k['b_t95'])}"
+                    f"- {loss}, {compute}, {kind}: L = {k['a']:.4g}·C^{k['b']:.4f}, "
+                    f"b t95 {_interval(k['b_t95'])}"
                     + (f", leaving one size out {_interval(loo)}" if loo else "")
                 )
             gap = f["slope_gap"]
             lines.append(
                 f"- {loss}, {compute}, b_MoBA − b_full: "
-                + ("no seed has every size of both kinds" if gap is None else f"{gap['mean']:+.4f} (t95 {_interval(gap['t95'])}, seeds {gap['seeds']})")
+                + (
+                    "no seed has every size of both kinds"
+                    if gap is None
+                    else f"{gap['mean']:+.4f} (t95 {_interval(gap['t95'])}, seeds {gap['seeds']})"
+                )
             )
     for loss, rows in record["gaps"].items():
         for r in rows:
@@ -228,7 +252,12 @@ def draw_ladder(summaries: list[dict], out: Path, tuned: dict[str, str] | None =
     tuned = LADDER_TUNED if tuned is None else tuned
     table = tuning_table(summaries)
     chosen = {size: next((r["lr"] for r in rows if r["chosen"]), None) for size, rows in table.items()}
-    report = ["# moba-ladder-1k", "", "## Tuning (full attention, final loss over every validation token)", ""]
+    report = [
+        "# moba-ladder-1k",
+        "",
+        "## Tuning (full attention, final loss over every validation token)",
+        "",
+    ]
     report += tuning_lines(table)
     mismatch = [
         f"{size}: LADDER_TUNED says {lr}, the tuning runs choose {chosen.get(size)}"
@@ -238,7 +267,9 @@ def draw_ladder(summaries: list[dict], out: Path, tuned: dict[str, str] | None =
     record: dict = {"tuning": table, "chosen": chosen, "mismatch": mismatch}
     runs = ladder_set(summaries, tuned)
     kinds_sizes = {(CORES[s["core"]], s["non_embedding_params"]) for s in runs}
-    complete = sorted({n for _, n in kinds_sizes if ("full", n) in kinds_sizes and ("moba", n) in kinds_sizes})
+    complete = sorted(
+        {n for _, n in kinds_sizes if ("full", n) in kinds_sizes and ("moba", n) in kinds_sizes}
+    )
     runs = [s for s in runs if s["non_embedding_params"] in complete]
     record["sizes"] = complete
     record["order_problems"] = problems = ordering(runs)
