@@ -64,9 +64,9 @@ TRAIN_CASES = [
         "the indexer's RoPE width mla.qk_rope_head_dim=16",
     ),
     (
-        "DSA over a context axis",
-        ["attention.core=dsa", "mesh.data=1", "mesh.context=2"],
-        "mesh.context=2: must be 1 where a layer uses attention.core=dsa",
+        "DSA's reference over a context axis",
+        ["attention.core=dsa", "dsa.impl=reference", "mesh.data=1", "mesh.context=2"],
+        "dsa.impl='reference': with mesh.context=2: auto or xla",
     ),
     ("DSA stage unknown", ["attention.core=dsa", "dsa.stage=dense"], "dsa.stage='dense': allowed: warmup"),
     (

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from effattn_jax.attention.eg_mla import EGMLA
 from effattn_jax.attention.mha import MHA
 from effattn_jax.attention.mla import MLA
+from effattn_jax.ops.context_parallel import context_shards
 from effattn_jax.ops.dense import dense_attention, masked_attention
 from effattn_jax.ops.dsa import (
     dsa_decode_attention,
@@ -37,6 +38,7 @@ from effattn_jax.ops.dsa import (
     indexer_kl_loss,
     sparse_attention,
 )
+from effattn_jax.ops.dsa_context import dsa_context_attention
 from effattn_jax.ops.moba import BlockSizes, moba_attention
 from effattn_jax.ops.moba_decode import (
     empty_block_means,
@@ -124,13 +126,18 @@ def _moba_core(cfg) -> Core:
 def _dsa_core(cfg) -> Core:
     """DSA (docs/dsa.md): the indexer picks each token's top-k keys. Stage `warmup`: dense
     attention, the KL over every visible key; `sparse`: attention and KL over the selection."""
-    d, dense = cfg.dsa, _dense_core(cfg)
+    d, dense, rules = cfg.dsa, _dense_core(cfg), sharding_rules(cfg)
     chunk = d.query_chunk or None
 
     def attend(q, k, v, *, segment_ids, scale=None, kv_whole=False, index):
         q_idx, k_idx, weights = index
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         kl = functools.partial(indexer_kl_loss, q, k, q_idx, k_idx, weights, segment_ids=segment_ids)
+        if context_shards() > 1:
+            return dsa_context_attention(
+                q, k, v, q_idx, k_idx, weights, top_k=d.index_topk, stage=d.stage, segment_ids=segment_ids,
+                scale=scale, rules=rules, kv_whole=kv_whole, query_chunk=chunk,
+            )  # fmt: skip
         if d.stage == "warmup":
             out = dense.attend(q, k, v, segment_ids=segment_ids, scale=scale, kv_whole=kv_whole)
             return out, kl(scale=scale, query_chunk=chunk)

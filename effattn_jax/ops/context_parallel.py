@@ -57,10 +57,10 @@ def balanced_batch(batch: dict) -> dict:
 def sequence_order(x: jax.Array) -> jax.Array:
     """[B, S, ...] in the balanced order (of the current context axis) -> in sequence order."""
     n = context_shards()
-    return x if n == 1 else _to_sequence_order(x, n)
+    return x if n == 1 else to_sequence_order(x, n)
 
 
-def _to_sequence_order(x, n: int):
+def to_sequence_order(x, n: int):
     """The balanced layout's inverse as a reshape: shard i's two chunks are i and 2N-1-i."""
     b, s = x.shape[:2]
     x = x.reshape(b, n, 2, s // (2 * n), *x.shape[2:])
@@ -110,7 +110,7 @@ def context_attention(local: LocalAttention, q, k, v, segment_ids, rules: Rules 
         chunk = k.shape[1] // (2 * n)
         i = jax.lax.axis_index(AXIS)
         firsts = (i * chunk, (2 * n - 1 - i) * chunk)
-        k, v, k_seg = (_to_sequence_order(x, n) for x in (k, v, k_seg))
+        k, v, k_seg = (to_sequence_order(x, n) for x in (k, v, k_seg))
         if not has_segments:
             q_seg = k_seg = None
         return local(q, k, v, q_seg, k_seg, firsts)

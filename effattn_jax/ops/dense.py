@@ -49,7 +49,7 @@ def masked_attention(q, k, v, mask, scale, *, heads_first: bool = False):
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, hq, v.shape[-1]).astype(q.dtype)
 
 
-def _local_attention(q, k, v, q_segments, k_segments, firsts, *, scale):
+def local_attention(q, k, v, q_segments, k_segments, firsts, *, scale):
     """A context shard's queries [B, T, Hq, D] (runs starting at `firsts`) over every key [B, S]:
     causal by sequence position, within the document."""
     b, s = k.shape[:2]
@@ -61,7 +61,7 @@ def _local_attention(q, k, v, q_segments, k_segments, firsts, *, scale):
 
 
 def _local_splash(q, k, v, q_segments, k_segments, firsts, *, scale, interpret):
-    """`_local_attention` through splash: the shard's first run of C queries (at i C) sees keys
+    """`local_attention` through splash: the shard's first run of C queries (at i C) sees keys
     [0, (i + 1) C), its second (at (2N - 1 - i) C) keys [0, (2N - i) C). Each goes to the kernel
     as a window of static length ending at its last query (N C and 2N C keys: the causal mask
     of each is static), the keys before position 0 padded under a segment id no query has.
@@ -128,7 +128,7 @@ def dense_attention(
         if path == "splash":  # interpreted off TPU (tests)
             local = functools.partial(_local_splash, scale=scale, interpret=target_backend() != "tpu")
         elif path == "xla" or impl == "auto":  # auto on GPU: cuDNN takes whole sequences only
-            local = functools.partial(_local_attention, scale=scale)
+            local = functools.partial(local_attention, scale=scale)
         else:
             raise ValueError(f"dense attention impl={impl!r} does not run over a context axis; use xla")
         return context_attention(local, q, k, v, segment_ids, rules, kv_whole)

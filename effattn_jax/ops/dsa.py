@@ -269,6 +269,7 @@ def indexer_kl_loss(
     segment_ids=None,
     scale=None,
     index_scale=None,
+    q_index=None,
     query_chunk=None,
 ):
     """The indexer's training signal (docs/dsa.md, "Training"): per query, KL(p || softmax(I)),
@@ -277,13 +278,13 @@ def indexer_kl_loss(
     `dsa_attention`. `indices` None: the dense warm-up, over every visible key (main attention
     dense); `indices` [B, T, K] from `dsa_select`: the sparse stage, over the selected keys only.
     Gradients reach q_idx, k_idx and weights only. Chunked like the attention: no [T, S] array
-    beyond a chunk's."""
+    beyond a chunk's. `q_index` [B, T]: the queries' positions among the keys (as `dsa_select`)."""
     q, k = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
     b, t, h, d = q.shape
     s, hkv = k.shape[1], k.shape[2]
     hi, di = q_idx.shape[2:]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    pos = _q_index(None, b, t)
+    pos = _q_index(q_index, b, t)
     if indices is None:
         chunk = _query_chunk(t, 4 * b * s * (h + hi + 4), query_chunk)
 
