@@ -30,7 +30,8 @@ class CacheView(NamedTuple):
     [B, T, Hq, nb], size): (k, v) [B, T, Hq, nb, size, D|Dv], each query head's blocks from
     its own KV head; gate_keys(slots [B, N]): [B, N, Hg, Dg] the keys the gate averages;
     caches: the raw head-major (k, v) [B, Hkv, L, D|Dv] where the cache is plain K/V (what a
-    decode kernel reads), else None."""
+    decode kernel reads), else None; kv_heads: the KV heads that fetch reads from (the latent
+    view's one row serves every query head)."""
 
     q: jax.Array
     gate_q: jax.Array
@@ -40,6 +41,7 @@ class CacheView(NamedTuple):
     fetch: Callable
     gate_keys: Callable
     caches: tuple | None = None
+    kv_heads: int = 1
 
 
 def kv_view(q, k_cache, v_cache) -> CacheView:
@@ -57,6 +59,7 @@ def kv_view(q, k_cache, v_cache) -> CacheView:
         fetch=lambda starts, size: (head_blocks(k_cache, starts, size), head_blocks(v_cache, starts, size)),
         gate_keys=lambda slots: token_major(take_slots(k_cache, slots, axis=2)),
         caches=(k_cache, v_cache),
+        kv_heads=k_cache.shape[1],
     )
 
 

@@ -18,7 +18,6 @@ import jax.numpy as jnp
 
 from effattn_jax.config import DSA_IMPLS
 from effattn_jax.ops.dense import causal_segment_mask, masked_attention
-from effattn_jax.ops.moba_decode import attend_blocks
 
 CHUNK_BYTES = 1 << 28  # the largest intermediate of one query chunk, when no chunk size is given
 MAX_CHUNK = 512  # queries per chunk at most, when no chunk size is given
@@ -165,12 +164,19 @@ def sparse_attention(q, k, v, indices, *, scale=None, query_chunk=None):
 
 def dsa_decode_attention(view, indices, scale):
     """Decoding: each query of a CacheView (q [B, T, H, D]) over its selected cache slots
-    indices [B, T, K] (-1: none) -> [B, T, H, Dv]. Only those rows are fetched: each pick is a
-    one-slot block for `moba_decode.attend_blocks`, valid where the pick is."""
-    b, t, h, _ = view.q.shape
-    starts = jnp.broadcast_to(jnp.maximum(indices, 0)[:, :, None, :], (b, t, h, indices.shape[-1]))
-    last = jnp.where((indices >= 0)[:, :, None, :], starts, -1)  # an unused pick has no valid slot
-    return attend_blocks(view, starts, starts, last, 1, scale)
+    indices [B, T, K] (-1: none) -> [B, T, H, Dv]. Only those rows are fetched, once per KV head:
+    the selection is shared by every query head, so a latent cache (one KV head) reads each
+    selected row once for all heads, as V3.2's absorbed decode does."""
+    b, t, h, d = view.q.shape
+    hkv, kk = view.kv_heads, indices.shape[-1]
+    starts = jnp.broadcast_to(jnp.maximum(indices, 0)[:, :, None, :], (b, t, hkv, kk))
+    keys, values = (x[..., 0, :] for x in view.fetch(starts, 1))  # [B, T, Hkv, K, D | Dv]
+    q = view.q.reshape(b, t, hkv, h // hkv, d)
+    logits = jnp.einsum("btkgd,btknd->btkgn", q, keys.astype(q.dtype), preferred_element_type=jnp.float32)
+    logits = jnp.where((indices >= 0)[:, :, None, None, :], logits * scale, -jnp.inf)
+    p = jax.nn.softmax(logits, axis=-1)  # a decoding query always has a pick: itself is visible
+    out = jnp.einsum("btkgn,btknv->btkgv", p, values.astype(jnp.float32))
+    return out.reshape(b, t, h, -1).astype(view.q.dtype)
 
 
 def dsa_reference_mask(q_idx, k_idx, weights, *, top_k: int, segment_ids=None, scale=None):
