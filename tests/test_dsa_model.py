@@ -196,7 +196,7 @@ def test_warmup_starts_from_a_dense_run_and_trains_only_the_indexers(tmp_path, c
     assert "indexer_kl" in read_scalars(tmp_path / "dsa")
 
 
-def test_paper_config_has_v32s_attention_shapes():
+def test_paper_configs_have_v32s_attention_shapes():
     """configs/dsa/paper: V3.2's MLA and indexer shapes; the cache adds the 128-wide indexer key to
     MLA's 512 + 64 in each of the 24 layers; the warm-up differs only in its stage and schedule."""
     cfg = load_config(ROOT / "configs/dsa/paper/dsa_v32_shapes.yaml")
@@ -206,6 +206,8 @@ def test_paper_config_has_v32s_attention_shapes():
     assert kv_cache_report(cfg)["kv_elements_per_token"] == 24 * (512 + 64 + 128)
     warmup = load_config(ROOT / "configs/dsa/paper/dsa_v32_shapes_warmup.yaml")
     assert warmup.dsa.stage == "warmup" and (warmup.train.lr, warmup.train.steps) == (1e-3, 1000)
+    long = load_config(ROOT / "configs/dsa/paper/dsa_v32_1m.yaml")
+    assert (long.data.seq_len, long.mesh.context, long.dsa, long.mla) == (1 << 20, -1, cfg.dsa, cfg.mla)
 
 
 @pytest.mark.slow
