@@ -198,7 +198,8 @@ def test_warmup_starts_from_a_dense_run_and_trains_only_the_indexers(tmp_path, c
 
 def test_paper_configs_have_v32s_attention_shapes():
     """configs/dsa/paper: V3.2's MLA and indexer shapes; the cache adds the 128-wide indexer key to
-    MLA's 512 + 64 in each of the 24 layers; the warm-up differs only in its stage and schedule."""
+    MLA's 512 + 64 in each of the 24 layers; the warm-up differs only in its stage and schedule,
+    the 1M config in its length over the context axis."""
     cfg = load_config(ROOT / "configs/dsa/paper/dsa_v32_shapes.yaml")
     m = cfg.mla
     assert (m.kv_lora_rank, m.q_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim) == (512, 1536, 128, 64)
