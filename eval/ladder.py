@@ -17,6 +17,9 @@ Stages, one recipe (a finished run is skipped, so rerunning after a stage only a
    seed's runs fitted alone, the differences' t interval); MoBA − full per size, paired by seed,
    beside the paper's 0.003 (its laws' intercepts at matched compute). The figure is the MoBA
    scaling figure (eval/scaling_figure.py) of the ladder's runs.
+
+moba-ladder-4k (configs/moba/cpu/ladder_4k/) runs the same stages on the three smallest sizes at
+4,096-token rows (LADDER_4K_TUNED), for the trailing-loss comparison at longer rows.
 """
 
 from __future__ import annotations
@@ -29,26 +32,26 @@ from pathlib import Path
 from eval.stats import t_interval
 
 LADDER_SIZES = ("13k", "30k", "60k", "107k", "250k")
+LADDER_4K_SIZES = LADDER_SIZES[:3]  # moba-ladder-4k: the three smallest at 4,096-token rows
 LADDER_LRS = ("3e-3", "1e-2", "3e-2")
 TUNING_SEEDS = (0, 1)
 LADDER_SEEDS = (0, 1, 2)
 # size -> the learning rate the tuning runs chose (tuning.md): filled in once they have run
 LADDER_TUNED: dict[str, str] = {}
+LADDER_4K_TUNED: dict[str, str] = {}  # the same for moba-ladder-4k
 PAPER_GAP = 0.003  # MoBA - full at matched compute: the paper's two laws' intercepts (2.625 - 2.622)
 CORES = {"dense": "full", "moba": "moba"}
 LOSSES = {"overall": lambda s: s["every_token"]["loss"], "trailing": lambda s: s["trailing"]["loss"]}
 COMPUTES = {"full": "pflops_days", "6nd": "pflops_days_6nd"}
 
 
-def ladder_runs(tuned: dict[str, str] | None = None) -> tuple[str, ...]:
+def ladder_runs(tuned: dict[str, str] | None = None, sizes=LADDER_SIZES) -> tuple[str, ...]:
     """The tuning runs, smallest size first, then the ladder's further runs at each tuned size."""
     tuned = LADDER_TUNED if tuned is None else tuned
-    tuning = [
-        f"full_{size}.lr{lr}.seed{k}" for size in LADDER_SIZES for lr in LADDER_LRS for k in TUNING_SEEDS
-    ]
+    tuning = [f"full_{size}.lr{lr}.seed{k}" for size in sizes for lr in LADDER_LRS for k in TUNING_SEEDS]
     rest = [
         name
-        for size in LADDER_SIZES
+        for size in sizes
         if size in tuned
         for name in (
             f"full_{size}.lr{tuned[size]}.seed{max(TUNING_SEEDS) + 1}",
@@ -246,21 +249,31 @@ def fit_report_lines(record: dict) -> list[str]:
     return lines
 
 
-def draw_ladder(summaries: list[dict], out: Path, tuned: dict[str, str] | None = None) -> dict:
+def ladder_4k_runs() -> tuple[str, ...]:
+    return ladder_runs(LADDER_4K_TUNED, LADDER_4K_SIZES)
+
+
+def draw_ladder_4k(summaries: list[dict], out: Path) -> dict:
+    return draw_ladder(summaries, out, LADDER_4K_TUNED, recipe="moba-ladder-4k")
+
+
+def draw_ladder(
+    summaries: list[dict], out: Path, tuned: dict[str, str] | None = None, recipe: str = "moba-ladder-1k"
+) -> dict:
     """tuning.md always; once sizes are tuned, the ordering check, and when the ladder orders with
     at least three sizes of both kinds, ladder.json, ladder.md's fits and the scaling figure."""
     tuned = LADDER_TUNED if tuned is None else tuned
     table = tuning_table(summaries)
     chosen = {size: next((r["lr"] for r in rows if r["chosen"]), None) for size, rows in table.items()}
     report = [
-        "# moba-ladder-1k",
+        f"# {recipe}",
         "",
         "## Tuning (full attention, final loss over every validation token)",
         "",
     ]
     report += tuning_lines(table)
     mismatch = [
-        f"{size}: LADDER_TUNED says {lr}, the tuning runs choose {chosen.get(size)}"
+        f"{size}: the committed choice is {lr}, the tuning runs choose {chosen.get(size)}"
         for size, lr in tuned.items()
         if chosen.get(size) is None or not math.isclose(chosen[size], float(lr))
     ]

@@ -26,6 +26,9 @@ is that config with `train.seed=k` (the repeats that give gaps their intervals);
   tuned per size on full attention (3 rates x 2 seeds), then full attention and MoBA at 3 seeds on
   it; the ordering check, then fits with t intervals, leave-one-size-out ranges and seed-paired
   slope and loss gaps.
+- moba-ladder-4k: the same on moba-ladder-1k's three smallest sizes at 4,096-token rows, MoBA
+  blocks of 256 (configs/moba/cpu/ladder_4k/), each size tuned again: the trailing loss at
+  longer rows on sizes that order.
 - lr-sweep-1k: the 1K set's 53K model (full attention) at a few (lr, warm-up) settings, 3 seeds
   each (eval/lr_sweep.py): the schedule of the MoBA sets, chosen for seeds that agree.
 - dsa-1k (eval/dsa_report.py): DSA against moba-scaling-1k's full attention and MoBA at 53K and
@@ -56,7 +59,7 @@ from pathlib import Path
 
 from eval.dsa_report import draw_dsa_comparison, dsa_runs  # noqa: F401 (recipes name them)
 from eval.egmla_report import draw_egmla_report, egmla_runs, summarize_report  # noqa: F401 (recipes name them)
-from eval.ladder import draw_ladder, ladder_runs  # noqa: F401 (recipes name them)
+from eval.ladder import draw_ladder, draw_ladder_4k, ladder_4k_runs, ladder_runs  # noqa: F401 (recipes name them)
 from eval.lr_sweep import draw_lr_sweep, summarize_final_loss  # noqa: F401 (recipes name them)
 from eval.scaling_figure import draw_moba_scaling, lower_envelope, seed_gaps  # noqa: F401 (recipes name them)
 
@@ -103,6 +106,9 @@ RECIPES = {
         "draw_moba_scaling",
     ),
     "moba-ladder-1k": Recipe("configs/moba/cpu/ladder", ladder_runs(), "summarize_losses", "draw_ladder"),
+    "moba-ladder-4k": Recipe(
+        "configs/moba/cpu/ladder_4k", ladder_4k_runs(), "summarize_losses", "draw_ladder_4k"
+    ),
     "egmla-cpu": Recipe(
         "configs/egmla/cpu",
         egmla_runs(),

@@ -57,6 +57,21 @@ def test_runs_name_existing_configs_and_the_tuned_stage_adds_seeds():
         assert overrides[0].startswith("train.lr=")
 
 
+def test_the_4k_arm_is_the_three_smallest_sizes_at_4k_rows():
+    """The same models and about the same tokens as the 1K ladder's, rows of 4,096 in blocks of 256."""
+    from effattn_jax.config import load_config
+
+    assert sweep.RECIPES["moba-ladder-4k"].runs == ladder.ladder_runs({}, ladder.LADDER_4K_SIZES)
+    tokens = lambda c: c.train.steps * c.data.batch_size * c.data.seq_len
+    for size in ladder.LADDER_4K_SIZES:
+        for core in ("full", "moba"):
+            long = load_config(sweep.REPO / f"configs/moba/cpu/ladder_4k/{core}_{size}.yaml")
+            short = load_config(sweep.REPO / f"configs/moba/cpu/ladder/{core}_{size}.yaml")
+            assert long.model == short.model and long.attention == short.attention
+            assert (long.data.seq_len, long.data.batch_size, long.moba.block_size) == (4096, 1, 256)
+            assert 1.0 <= tokens(long) / tokens(short) < 1.04 and long.train.steps % 8 == 0
+
+
 def test_configs_grow_width_and_depth_at_about_20_tokens_per_parameter():
     from effattn_jax.config import load_config
     from eval.runs import model_param_counts
@@ -147,4 +162,4 @@ def test_fits_recover_known_laws_and_pair_the_slopes_by_seed(tmp_path):
 def test_a_tuned_lr_the_data_does_not_choose_is_reported(tmp_path):
     runs = _ladder(lambda core, n, k: 5 - 0.1 * math.log(n))
     record = ladder.draw_ladder(runs, tmp_path, tuned={"13k": "3e-3"})
-    assert record["mismatch"] == ["13k: LADDER_TUNED says 3e-3, the tuning runs choose 0.01"]
+    assert record["mismatch"] == ["13k: the committed choice is 3e-3, the tuning runs choose 0.01"]
