@@ -39,7 +39,9 @@ MOBA_IMPLS = (
 DENSE_IMPLS = ("auto", "xla", "splash", "cudnn")  # effattn_jax.ops.dense
 MLA_DECODE_IMPLS = tuple(i for i in MOBA_IMPLS if i != "reference")  # effattn_jax.ops.mla_decode
 EG_MLA_GATE_AT = ("latent", "heads", "projected")
-DSA_IMPLS = ("auto", "reference", "xla")  # effattn_jax.ops.dsa; auto: xla (kernels come later)
+# effattn_jax.ops.dsa; auto: xla (no DSA kernel has run on a GPU yet); pallas_triton: the selection in
+# XLA, the attention over it by the Triton kernel (pallas_kernels/dsa/triton.py; interpreted off GPU)
+DSA_IMPLS = ("auto", "reference", "xla", "pallas_triton")
 DSA_STAGES = ("warmup", "sparse")  # docs/dsa.md, "Training"
 
 
@@ -732,7 +734,8 @@ def _validate_dsa(cfg: Config) -> None:
             cfg.mesh.context == 1 or dsa.impl != "reference",
             "dsa.impl",
             dsa.impl,
-            f"with mesh.context={cfg.mesh.context}: auto or xla (the reference builds whole [S, S] masks)",
+            f"with mesh.context={cfg.mesh.context}: auto, xla or pallas_triton (the reference builds "
+            "whole [S, S] masks)",
         )
 
 

@@ -6,6 +6,7 @@ while a GPU run imports no TPU code (and the reverse).
   ("moba", "routing", b)    the fused gate's selection (routing_{tpu,gpu,mgpu}.py)
   ("moba", "decode", b)     a single-token step over a K/V cache ({tpu,gpu,mgpu}_decode.py)
   ("mla", "decode", b)      a single-token step in latent space (mla_decode/{tpu,gpu,mgpu}.py)
+  ("dsa", "attention", b)   b = triton: attention over each query's selected keys (dsa/triton.py)
 
 Every routing entry takes (q, starts, means, lo, hi, picks, *, seq, key_dtype, interpret); every
 decode entry the arguments of its family's XLA step and `interpret`. Which backend runs is decided
@@ -74,6 +75,12 @@ def _mla_decode_mosaic():
     return mla_decode_mgpu
 
 
+def _dsa_attention_triton():
+    from pallas_kernels.dsa.triton import sparse_attention_gpu
+
+    return sparse_attention_gpu
+
+
 REGISTRY: dict[tuple[str, str, str], Callable[[], Any]] = {
     ("moba", "attention", "tpu"): moba_attention.tpu,
     ("moba", "attention", "triton"): moba_attention.triton,
@@ -87,6 +94,7 @@ REGISTRY: dict[tuple[str, str, str], Callable[[], Any]] = {
     ("mla", "decode", "tpu"): _mla_decode_tpu,
     ("mla", "decode", "triton"): _mla_decode_triton,
     ("mla", "decode", "mosaic"): _mla_decode_mosaic,
+    ("dsa", "attention", "triton"): _dsa_attention_triton,
 }
 
 

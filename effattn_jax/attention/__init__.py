@@ -35,8 +35,8 @@ from effattn_jax.ops.dsa import (
     dsa_decode_attention,
     dsa_reference,
     dsa_select,
+    dsa_sparse_attention,
     indexer_kl_loss,
-    sparse_attention,
 )
 from effattn_jax.ops.dsa_context import dsa_context_attention
 from effattn_jax.ops.moba import BlockSizes, moba_attention
@@ -128,6 +128,7 @@ def _dsa_core(cfg) -> Core:
     attention, the KL over every visible key; `sparse`: attention and KL over the selection."""
     d, dense, rules = cfg.dsa, _dense_core(cfg), sharding_rules(cfg)
     chunk = d.query_chunk or None
+    sparse = dsa_sparse_attention(d.impl, chunk)
 
     def attend(q, k, v, *, segment_ids, scale=None, kv_whole=False, index):
         q_idx, k_idx, weights = index
@@ -136,7 +137,7 @@ def _dsa_core(cfg) -> Core:
         if context_shards() > 1:
             return dsa_context_attention(
                 q, k, v, q_idx, k_idx, weights, top_k=d.index_topk, stage=d.stage, segment_ids=segment_ids,
-                scale=scale, rules=rules, kv_whole=kv_whole, query_chunk=chunk,
+                scale=scale, rules=rules, kv_whole=kv_whole, query_chunk=chunk, sparse=sparse,
             )  # fmt: skip
         if d.stage == "warmup":
             out = dense.attend(q, k, v, segment_ids=segment_ids, scale=scale, kv_whole=kv_whole)
@@ -149,7 +150,7 @@ def _dsa_core(cfg) -> Core:
                 q, k, v, q_idx, k_idx, weights, top_k=d.index_topk, segment_ids=segment_ids, scale=scale
             )
         else:
-            out = sparse_attention(q, k, v, indices, scale=scale, query_chunk=chunk)
+            out = sparse(q, k, v, indices, scale=scale)
         return out, kl(indices=indices, scale=scale, query_chunk=chunk)
 
     def init_state(batch, max_len, heads, dim):
@@ -167,9 +168,7 @@ def _dsa_core(cfg) -> Core:
             t = view.q.shape[1]
             k, v = view.prompt(t)
             indices = dsa_select(q_idx, k_idx, weights, top_k=d.index_topk, query_chunk=chunk)
-            out = sparse_attention(
-                view.q, k.astype(view.q.dtype), v.astype(view.q.dtype), indices, scale=scale
-            )
+            out = sparse(view.q, k.astype(view.q.dtype), v.astype(view.q.dtype), indices, scale=scale)
             return out, {"index_keys": keys}
         indices = dsa_select(q_idx, keys, weights, top_k=d.index_topk, q_index=positions)
         return dsa_decode_attention(view, indices, scale), {"index_keys": keys}

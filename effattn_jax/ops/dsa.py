@@ -11,6 +11,7 @@ it no gradient.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -160,6 +161,19 @@ def sparse_attention(q, k, v, indices, *, scale=None, query_chunk=None):
         return (o / jnp.where(l > 0, l, 1.0)).reshape(qc.shape[:3] + (dv,)).astype(q.dtype)
 
     return _map_chunks(attend, chunk, q, indices)
+
+
+def dsa_sparse_attention(impl: str, query_chunk=None):
+    """The attention over a selection that `impl` runs, (q, k, v, indices, *, scale) -> out: the XLA
+    path (`sparse_attention`) for auto, xla and reference, else the kernel of that backend
+    (pallas_triton: interpreted off GPU)."""
+    if impl in ("auto", "xla", "reference"):
+        return functools.partial(sparse_attention, query_chunk=query_chunk)
+    from effattn_jax.ops.platform import resolve_impl
+    from pallas_kernels.registry import kernel
+
+    _, backend, interpret = resolve_impl(impl)
+    return functools.partial(kernel("dsa", "attention", backend), interpret=interpret)
 
 
 def dsa_decode_attention(view, indices, scale):

@@ -26,12 +26,15 @@ from effattn_jax.sharding import Rules, context_mesh, logical_to_spec
 
 def dsa_context_attention(
     q, k, v, q_idx, k_idx, weights, *, top_k, stage, segment_ids, scale, rules: Rules | None,
-    kv_whole=False, query_chunk=None,
+    kv_whole=False, query_chunk=None, sparse=None,
 ):  # fmt: skip
     """(out [B, S, H, Dv], the indexer's KL per query [B, S]) of DSA over the context axis; every
     input in the balanced layout (k and v whole on every shard with `kv_whole`, as MLA expands
     them). `stage` warmup: dense attention, the KL over every visible key; sparse: both over the
-    top_k selection."""
+    top_k selection. `sparse(q, k, v, indices, *, scale)`: the attention over the selection
+    (default `sparse_attention`, the XLA path)."""
+    if sparse is None:
+        sparse = functools.partial(sparse_attention, query_chunk=query_chunk)
     mesh = context_mesh()
     n = dict(mesh.shape)[AXIS]
     batch = logical_to_spec(("batch",), q.shape[:1], mesh.shape, rules)[0] if rules is not None else None
@@ -61,7 +64,7 @@ def dsa_context_attention(
         indices = dsa_select(
             q_idx, k_idx, weights, top_k=top_k, segment_ids=seg, q_index=q_index, query_chunk=query_chunk
         )
-        return sparse_attention(q, k, v, indices, scale=scale, query_chunk=query_chunk), kl(indices=indices)
+        return sparse(q, k, v, indices, scale=scale), kl(indices=indices)
 
     return jax.shard_map(
         body,

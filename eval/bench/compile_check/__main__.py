@@ -33,7 +33,7 @@ from eval.bench.compile_check.cases import ROOT, Case, accepted, build, cases, p
 HERE = Path(__file__).resolve().parent
 TARGETS = {"h100": (HERE / "h100_sxm.txtpb", 232_448), "a100": (HERE / "a100_sxm.txtpb", 166_912)}
 CHILD_TIMEOUT_S = 600
-PALLAS_KERNELS = ("moba_", "mla_")  # the names of this project's kernels in a compiled module
+PALLAS_KERNELS = ("moba_", "mla_", "dsa_")  # the names of this project's kernels in a compiled module
 
 
 def _child_env(args, extra: dict) -> dict:

@@ -21,7 +21,7 @@ TRAIN_LAYERS = 2  # a train step's layers (dense ones in XLA): every kernel of t
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    family: str  # moba_attention | moba_routing | moba_decode | mla_decode | train_step
+    family: str  # moba_attention | moba_routing | moba_decode | mla_decode | dsa_attention | train_step
     backend: str  # mosaic | triton | auto (a train step: what `auto` picks)
     kind: str  # auto | edge | planted
     shape: tuple = ()  # the family's sizes, as key/value pairs
@@ -71,6 +71,14 @@ def cases() -> list[Case]:
                                  ((128, 64, 128), 2, 128, 64), ((64, 128, 128), 2, 128, 128)]:  # fmt: skip
         out.append(_case("moba_attention", "mosaic", "edge", d=d, dv=dv, dtype="bfloat16", block=512,
                          tiles=tiles, stages=stages))  # fmt: skip
+    # DSA's sparse attention (Triton only): V3.2's per-head q/k width 128 + 64 and v 128, MLA's KV
+    # head per query head, top-2,048; and GQA at head dim 128, 8 query heads a KV head
+    out.append(
+        _case("dsa_attention", "triton", "auto", d=192, dv=128, heads=16, kv_heads=16, dtype="bfloat16")
+    )
+    out.append(
+        _case("dsa_attention", "triton", "edge", d=128, dv=128, heads=16, kv_heads=2, dtype="bfloat16")
+    )
     for config in GPU_CONFIGS:
         out.append(_case("train_step", "auto", "auto", config=config.stem))
     return out
@@ -178,6 +186,18 @@ def build(case: Case, mesh=None):
         args = (sd((b, h, s["latent"]), dt), sd((b, h, s["rope"]), dt), sd((b, length, s["latent"]), dt),
                 sd((b, length, s["rope"]), dt), sd((b,), "int32"))  # fmt: skip
         return fn, args
+    if case.family == "dsa_attention":
+        from pallas_kernels.dsa.triton import sparse_attention_gpu
+
+        seq, picks = 4096, 2048
+
+        def loss(q, k, v, indices):
+            return sparse_attention_gpu(q, k, v, indices).astype(jnp.float32).sum()
+
+        fn = jax.grad(loss, argnums=(0, 1, 2))
+        heads = lambda n, width: sd((1, seq, n, width), s["dtype"])
+        q, k, v = heads(s["heads"], s["d"]), heads(s["kv_heads"], s["d"]), heads(s["kv_heads"], s["dv"])
+        return fn, (q, k, v, sd((1, seq, picks), "int32"))
     raise ValueError(f"no function for {case.family}")
 
 

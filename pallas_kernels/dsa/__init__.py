@@ -1,0 +1,1 @@
+"""DSA kernels: sparse attention over each query's selected keys (docs/dsa.md)."""
