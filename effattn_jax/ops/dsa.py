@@ -169,11 +169,15 @@ def dsa_sparse_attention(impl: str, query_chunk=None):
     (pallas_triton: interpreted off GPU)."""
     if impl in ("auto", "xla", "reference"):
         return functools.partial(sparse_attention, query_chunk=query_chunk)
-    from effattn_jax.ops.platform import resolve_impl
-    from pallas_kernels.registry import kernel
 
-    _, backend, interpret = resolve_impl(impl)
-    return functools.partial(kernel("dsa", "attention", backend), interpret=interpret)
+    def run(q, k, v, indices, *, scale=None):  # the backend is resolved where it traces (AOT too)
+        from effattn_jax.ops.platform import resolve_impl
+        from pallas_kernels.registry import kernel
+
+        _, backend, interpret = resolve_impl(impl)
+        return kernel("dsa", "attention", backend)(q, k, v, indices, scale=scale, interpret=interpret)
+
+    return run
 
 
 def dsa_decode_attention(view, indices, scale):

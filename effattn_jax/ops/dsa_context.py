@@ -1,4 +1,4 @@
-"""DSA over a `context` mesh axis (docs/dsa.md, "Context parallelism"): each shard's queries
+"""DSA over a `context` mesh axis (docs/context_parallel.md, "DSA"): each shard's queries
 select among, and attend to, the whole sequence's keys.
 
 As for the other cores (ops/context_parallel.py) the sequence is in the causally balanced layout
