@@ -62,6 +62,17 @@ def test_start_up_check_rejects_chunks_that_split_a_block():
     check_context_split(cfg, {"context": 1})  # one shard: anything goes
 
 
+def packed_batch() -> dict:
+    """A training batch of 2 rows of 64 tokens with packed_segments' documents, 10 % unscored."""
+    rng = np.random.default_rng(1)
+    return {
+        "inputs": rng.integers(0, 128, (2, 64), dtype=np.int32),
+        "targets": rng.integers(0, 128, (2, 64), dtype=np.int32),
+        "segment_ids": packed_segments(2, 64),
+        "loss_mask": (rng.random((2, 64)) < 0.9).astype(np.float32),
+    }
+
+
 def assert_matches_one_device(op, reference, s: int, seg_of, seed: int):
     """op(q, k, v, seg, rules) over mesh (data=2, context=4), its inputs in the balanced layout,
     against reference(q, k, v, seg) on one device: the output and dq, dk, dv (batch 2, GQA: 2
@@ -131,14 +142,7 @@ def test_model_loss_and_gradients_over_context_shards():
     sizes = ["model.num_layers=3", "model.num_kv_heads=2", "data.seq_len=64", "data.batch_size=2"]
     layers = ["attention.layers=[mha:moba,mla:dense,eg_mla:moba]", "moba.block_size=4", "moba.top_k=3"]
     cfg = load_config(None, TINY_MLA + layers + sizes)
-    rng = np.random.default_rng(1)
-    batch = {
-        "inputs": rng.integers(0, 128, (2, 64), dtype=np.int32),
-        "targets": rng.integers(0, 128, (2, 64), dtype=np.int32),
-        "segment_ids": packed_segments(2, 64),
-        "loss_mask": (rng.random((2, 64)) < 0.9).astype(np.float32),
-    }
-    results = []
+    batch, results = packed_batch(), []
     for context in (1, 4):
         setup = make_setup(cfg, make_mesh(2, 1, 1, context=context))
         params = init_state(setup)["params"]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from conftest import TINY_MLA
 from jax.sharding import NamedSharding, PartitionSpec
-from test_context_parallel import packed_segments
+from test_context_parallel import packed_batch, packed_segments
 
 from effattn_jax.config import load_config
 from effattn_jax.ops.context_parallel import balanced_order
@@ -80,14 +80,7 @@ def test_model_terms_and_gradients_over_context_shards(stage):
     # init_std 0.2: peaked attention, so the KL is far from 0 and a wrong selection shows in it
     sizes = ["model.num_layers=2", "data.seq_len=64", "data.batch_size=2", "model.init_std=0.2"]
     cfg = load_config(None, TINY_MLA + layers + dsa + sizes)
-    rng = np.random.default_rng(1)
-    batch = {
-        "inputs": rng.integers(0, 128, (2, 64), dtype=np.int32),
-        "targets": rng.integers(0, 128, (2, 64), dtype=np.int32),
-        "segment_ids": packed_segments(2, 64),
-        "loss_mask": (rng.random((2, 64)) < 0.9).astype(np.float32),
-    }
-    results = []
+    batch, results = packed_batch(), []
     for context in (1, 4):
         setup = make_setup(cfg, make_mesh(2, 1, 1, context=context))
         params = init_state(setup)["params"]
