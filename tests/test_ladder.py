@@ -88,6 +88,8 @@ def test_configs_grow_width_and_depth_at_about_20_tokens_per_parameter():
         assert tokens / n <= 20.2 or tokens < 520_000  # about 20 each, or the floor
         assert tokens <= 2 * 2_690_000  # at most two passes over the training speeches
         assert full.train.warmup_steps == full.train.steps // 4 and full.train.steps % 8 == 0
+        if size in ladder.LADDER_TUNED:  # a user's run of the config trains on the tuned schedule
+            assert full.train.lr == float(ladder.LADDER_TUNED[size])
         shapes.append((full.model.d_model, full.model.num_layers))
     assert shapes == sorted(shapes) and shapes[0] < shapes[-1]
     assert all(a[0] < b[0] or a[1] < b[1] for a, b in zip(shapes, shapes[1:], strict=False))
@@ -163,3 +165,18 @@ def test_a_tuned_lr_the_data_does_not_choose_is_reported(tmp_path):
     runs = _ladder(lambda core, n, k: 5 - 0.1 * math.log(n))
     record = ladder.draw_ladder(runs, tmp_path, tuned={"13k": "3e-3"})
     assert record["mismatch"] == ["13k: the committed choice is 3e-3, the tuning runs choose 0.01"]
+
+
+def test_the_committed_choices_are_the_committed_tuning_runs_lowest_means():
+    """LADDER_TUNED against results/moba-ladder-1k: each tuned size's lr is the lowest mean there."""
+    summaries = [
+        json.loads(p.read_text()) for p in (sweep.REPO / "results/moba-ladder-1k").glob("full_*.json")
+    ]
+    chosen = {
+        size: next(r["lr"] for r in rows if r["chosen"])
+        for size, rows in ladder.tuning_table(summaries).items()
+        if any(r["chosen"] for r in rows)
+    }
+    assert {size: float(lr) for size, lr in ladder.LADDER_TUNED.items()} == {
+        size: chosen[size] for size in ladder.LADDER_TUNED
+    }
