@@ -71,7 +71,7 @@ PYTHON_LOWER ?= $(shell for p in python3.12 \
 	"$$p" $(PY_IS_312) >/dev/null 2>&1 && { echo "$$p"; break; }; done)
 KERNEL_TESTS := $(sort $(wildcard tests/test_moba_mgpu_*.py tests/test_moba_decode*.py \
 	tests/test_mla_decode*.py tests/test_moba_pallas.py tests/test_moba_routing_kernel.py \
-	tests/test_moba_smem.py tests/test_gpu_memory.py))
+	tests/test_moba_smem.py tests/test_gpu_memory.py tests/test_dsa_kernels.py))
 
 $(LOWER_STAMP): pyproject.toml constraints.txt
 	$(if $(PYTHON_LOWER),,$(error no Python 3.12 found (python3.12, pyenv); run make PYTHON_LOWER=/path/to/python3.12))
