@@ -6,6 +6,8 @@ shapes users run, where interpret mode on a CPU cannot reach (it forgives what h
   dK and dV (each relative to its largest entry).
 - The decode kernels against their XLA steps at 16 and 128 heads: the absorbed MLA step over the
   latent, and MoBA's sparse step (GQA, 4 query heads per KV head).
+- DSA's sparse attention kernel against the XLA path (`sparse_attention`), forward and gradients,
+  over a causal selection that `dsa_select` makes from random indexer outputs.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from effattn_jax.ops.cache import kv_view
+from effattn_jax.ops.dsa import dsa_select, dsa_sparse_attention
 from effattn_jax.ops.mla_decode import absorbed_attention
 from effattn_jax.ops.moba import moba_attention
 from effattn_jax.ops.moba_decode import empty_block_means, moba_decode_attention, prefill_block_means
@@ -64,6 +67,30 @@ def moba_case(*, seq, heads, kv_heads, head_dim, block, top_k, docs, dtype, impl
         "max_rel_diff": max(diffs),
         "loss_dq_dk_dv_rel_diff": diffs,
     }
+
+
+def dsa_case(*, seq, heads, kv_heads, head_dim, v_head_dim, top_k, dtype, impl, index_heads=4) -> dict:
+    """The kernel (`impl`) against the XLA path: loss and gradients of sum(out * w), w random."""
+    keys = jax.random.split(jax.random.key(seq + heads + top_k), 7)
+    q = jax.random.normal(keys[0], (1, seq, heads, head_dim), dtype)
+    k = jax.random.normal(keys[1], (1, seq, kv_heads, head_dim), dtype)
+    v = jax.random.normal(keys[2], (1, seq, kv_heads, v_head_dim), dtype)
+    w = jax.random.normal(keys[3], (1, seq, heads, v_head_dim), jnp.float32)
+    q_idx = jax.random.normal(keys[4], (1, seq, index_heads, 32), jnp.float32)
+    k_idx = jax.random.normal(keys[5], (1, seq, 32), jnp.float32)
+    weights = jax.random.normal(keys[6], (1, seq, index_heads), jnp.float32)
+    indices = jax.jit(lambda *x: dsa_select(*x, top_k=top_k))(q_idx, k_idx, weights)
+
+    def grads(impl):
+        attend = dsa_sparse_attention(impl)
+        loss = lambda q, k, v: jnp.sum(attend(q, k, v, indices, scale=head_dim**-0.5).astype(jnp.float32) * w)
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+    got, want = jax.tree.leaves(grads(impl)), jax.tree.leaves(grads("xla"))
+    diffs = [relative_difference(a, b) for a, b in zip(got, want, strict=True)]
+    return {"check": "dsa", "impl": impl, "seq": seq, "heads": heads, "kv_heads": kv_heads,
+            "head_dim": head_dim, "v_head_dim": v_head_dim, "top_k": top_k, "dtype": jnp.dtype(dtype).name,
+            "max_rel_diff": max(diffs), "loss_dq_dk_dv_rel_diff": diffs}  # fmt: skip
 
 
 def mla_decode_case(*, heads, context, batch, latent, rope, dtype, impl) -> dict:

@@ -14,7 +14,8 @@ says so in the JSON; the transformers section's share, 0.3, comes on top of the 
 sum to the budget):
 - correctness: the compiled kernels against the references (eval/bench/gpu_checks.py): MoBA
   forward and gradients at 8K, bf16 (packed documents with GQA, top-k 1, top-k covering every
-  block), and the MLA and MoBA decode kernels against XLA at 16 and 128 heads.
+  block), the MLA and MoBA decode kernels against XLA at 16 and 128 heads, and DSA's sparse
+  attention kernel against its XLA path at 8K, top-2,048 (V3.2's per-head widths; GQA).
 - attention: MoBA (Pallas GPU kernels: `pallas_gpu`, and beside it the Mosaic GPU kernels on Hopper
   and the Triton kernels, whichever it is not) against cuDNN flash attention, forward + backward, bf16,
   head dim 128, block-local routing, alternated, for three shapes: batch 1 with 16 heads, block
@@ -126,6 +127,10 @@ FULL = {
         mla=dict(context=4096, batch=2, latent=512, rope=64, dtype=jnp.bfloat16),
         moba_decode=dict(context=8192, block=512, head_dim=128, dtype=jnp.bfloat16),
         heads=[16, 128],
+        # DSA: V3.2's per-head widths with MLA's KV head per query head, and GQA; top-2,048 of 8K
+        dsa=[dict(seq=8192, heads=16, kv_heads=kv, head_dim=d, v_head_dim=128, top_k=2048, dtype=jnp.bfloat16)
+             for kv, d in ((16, 192), (2, 128))],
+        dsa_impls=["pallas_triton"],
         tol=3e-2,
     ),
     "attention": dict(head_dim=128, dense="cudnn", tiles=BlockSizes(), repeats=3, long_repeats=1, shapes=[
@@ -161,6 +166,8 @@ DRY = {
         mla=dict(context=64, batch=2, latent=16, rope=8, dtype=jnp.float32),
         moba_decode=dict(context=128, block=32, head_dim=16, dtype=jnp.float32),
         heads=[4, 8],
+        dsa=[dict(seq=128, heads=4, kv_heads=2, head_dim=16, v_head_dim=8, top_k=24, dtype=jnp.float32)],
+        dsa_impls=["pallas_triton"],
         tol=1e-4,
     ),
     "attention": dict(head_dim=16, dense="xla", tiles=BlockSizes(q_tile=16, kv_block=16, past_q_tile=16),
@@ -368,6 +375,7 @@ def correctness(suite: Suite, rows: list, p: dict) -> None:
             cases.append(("mla_decode", gpu_checks.mla_decode_case, dict(p["mla"], heads=heads, impl=impl)))
             kw = dict(p["moba_decode"], heads=heads, impl=impl)
             cases.append(("moba_decode", gpu_checks.moba_decode_case, kw))
+    cases += [("dsa", gpu_checks.dsa_case, c | {"impl": impl}) for impl in p["dsa_impls"] for c in p["dsa"]]
     for name, check, kw in cases:
         if not suite.time_left():
             suite.add(rows, {"check": name, "skipped": "time budget"})
