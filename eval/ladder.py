@@ -272,10 +272,10 @@ def draw_ladder(
         "",
     ]
     report += tuning_lines(table)
-    mismatch = [
-        f"{size}: the committed choice is {lr}, the tuning runs choose {chosen.get(size)}"
+    mismatch = [  # sizes whose tuning runs are among the summaries (`--only` may leave them out)
+        f"{size}: the committed choice is {lr}, the tuning runs choose {chosen[size]}"
         for size, lr in tuned.items()
-        if chosen.get(size) is None or not math.isclose(chosen[size], float(lr))
+        if size in chosen and (chosen[size] is None or not math.isclose(chosen[size], float(lr)))
     ]
     record: dict = {"tuning": table, "chosen": chosen, "mismatch": mismatch}
     runs = ladder_set(summaries, tuned)
