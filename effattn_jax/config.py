@@ -40,7 +40,8 @@ DENSE_IMPLS = ("auto", "xla", "splash", "cudnn")  # effattn_jax.ops.dense
 MLA_DECODE_IMPLS = tuple(i for i in MOBA_IMPLS if i != "reference")  # effattn_jax.ops.mla_decode
 EG_MLA_GATE_AT = ("latent", "heads", "projected")
 # effattn_jax.ops.dsa; auto: xla (no DSA kernel has run on a GPU yet); pallas_triton: the selection in
-# XLA, the attention over it by the Triton kernel (pallas_kernels/dsa/triton.py; interpreted off GPU)
+# XLA, the attention over it and MLA's decode step by the Triton kernels (pallas_kernels/dsa/;
+# interpreted off GPU)
 DSA_IMPLS = ("auto", "reference", "xla", "pallas_triton")
 DSA_STAGES = ("warmup", "sparse")  # docs/dsa.md, "Training"
 

@@ -7,6 +7,7 @@ while a GPU run imports no TPU code (and the reverse).
   ("moba", "decode", b)     a single-token step over a K/V cache ({tpu,gpu,mgpu}_decode.py)
   ("mla", "decode", b)      a single-token step in latent space (mla_decode/{tpu,gpu,mgpu}.py)
   ("dsa", "attention", b)   b = triton: attention over each query's selected keys (dsa/triton.py)
+  ("dsa", "decode", b)      b = triton: a decode step over the selected latent rows (dsa/triton_decode.py)
 
 Every routing entry takes (q, starts, means, lo, hi, picks, *, seq, key_dtype, interpret); every
 decode entry the arguments of its family's XLA step and `interpret`. Which backend runs is decided
@@ -81,6 +82,12 @@ def _dsa_attention_triton():
     return sparse_attention_gpu
 
 
+def _dsa_decode_triton():
+    from pallas_kernels.dsa.triton_decode import sparse_latent_decode_gpu
+
+    return sparse_latent_decode_gpu
+
+
 REGISTRY: dict[tuple[str, str, str], Callable[[], Any]] = {
     ("moba", "attention", "tpu"): moba_attention.tpu,
     ("moba", "attention", "triton"): moba_attention.triton,
@@ -95,6 +102,7 @@ REGISTRY: dict[tuple[str, str, str], Callable[[], Any]] = {
     ("mla", "decode", "triton"): _mla_decode_triton,
     ("mla", "decode", "mosaic"): _mla_decode_mosaic,
     ("dsa", "attention", "triton"): _dsa_attention_triton,
+    ("dsa", "decode", "triton"): _dsa_decode_triton,
 }
 
 

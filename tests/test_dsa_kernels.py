@@ -1,6 +1,7 @@
-"""DSA's Triton sparse-attention kernel (pallas_kernels/dsa/triton.py): interpreted, it equals the XLA
-path (`sparse_attention`) in output and gradients on random selections; it lowers for CUDA; a model
-with `dsa.impl=pallas_triton` equals one with the XLA path, also over context shards."""
+"""DSA's Triton kernels (pallas_kernels/dsa/): interpreted, the sparse attention equals the XLA path
+(`sparse_attention`) in output and gradients on random selections, and a model with
+`dsa.impl=pallas_triton` equals one on the XLA path, in training and in decoding (the latent decode
+kernel); both kernels lower for CUDA."""
 
 import re
 
@@ -12,10 +13,11 @@ from conftest import TINY_MLA
 from flax import nnx
 
 from effattn_jax.config import load_config
-from effattn_jax.model import Transformer
+from effattn_jax.model import Transformer, init_cache
 from effattn_jax.ops.dsa import sparse_attention
 from pallas_kernels.common import gpu_lowering_target
 from pallas_kernels.dsa.triton import CHUNK, sparse_attention_gpu
+from pallas_kernels.dsa.triton_decode import sparse_latent_decode_gpu
 from pallas_kernels.registry import kernel
 
 
@@ -98,3 +100,65 @@ def test_a_model_on_the_kernel_equals_the_xla_path(kind):
     np.testing.assert_allclose(got_kl, want_kl, rtol=1e-4, atol=1e-6)  # KL of a fresh model: ~1e-5 a token
     for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+
+
+def test_latent_decode_on_the_kernel_equals_the_xla_step():
+    """An MLA model with DSA (latent 32, RoPE 16: widths the kernel takes), top-5: a 6-token prefill,
+    then 3 single-token steps, on the decode kernel (interpreted) and on the XLA step: the same
+    logits at every step. Catches: the latent rows or their RoPE keys gathered at the wrong slots,
+    the scale or the key split (q_lat . c + q_rope . k^R) wrong, an unused pick attended."""
+    widths = ["attention.kind=mla", "mla.kv_lora_rank=32", "mla.qk_rope_head_dim=16"]
+    dsa = ["attention.core=dsa", "dsa.index_n_heads=2", "dsa.index_head_dim=16", "dsa.index_topk=5"]
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 128, (2, 9)), jnp.int32)
+
+    def decode(impl):
+        cfg = load_config(None, TINY_MLA + widths + dsa + [f"dsa.impl={impl}"])
+        model = Transformer(cfg, rngs=nnx.Rngs(0))
+        graphdef, params = nnx.split(model)
+        step = jax.jit(
+            lambda p, t, pos, c, prefill: nnx.merge(graphdef, p).decode(t, pos, c, prefill=prefill),
+            static_argnames="prefill",
+        )
+        caches, logits = init_cache(model, 2, 32), []
+        for start, end in ((0, 6), (6, 7), (7, 8), (8, 9)):
+            pos = jnp.broadcast_to(jnp.arange(start, end, dtype=jnp.int32), (2, end - start))
+            out, caches = step(params, tokens[:, start:end], pos, caches, prefill=start == 0)
+            logits.append(np.asarray(out))
+        return logits
+
+    for got, want in zip(decode("pallas_triton"), decode("xla"), strict=True):
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+def test_latent_decode_kernel_over_groups_of_heads():
+    """20 heads (two programs of 16, the second padded), picks over two chunks with unused ones:
+    the kernel equals attention over the gathered [c ; k^R] rows written out in numpy."""
+    rng = np.random.default_rng(0)
+    b, t, h, length, dc, dr, picks = 2, 3, 20, 80, 32, 16, 40
+    ql, qr = (jnp.asarray(rng.standard_normal((b, t, h, w)), jnp.float32) for w in (dc, dr))
+    lat, kr = (jnp.asarray(rng.standard_normal((b, length, w)), jnp.float32) for w in (dc, dr))
+    idx = _selection(rng, b, t, length, picks)
+    got = sparse_latent_decode_gpu(ql, qr, lat, kr, idx, scale=0.2, interpret=True)
+    rows = lambda x: np.take_along_axis(np.asarray(x)[:, None], np.maximum(np.asarray(idx), 0)[..., None], 2)
+    keys, values = np.concatenate([rows(lat), rows(kr)], -1), rows(lat)  # [B, T, K, .]
+    s = np.einsum("bthw,btkw->bthk", np.concatenate([ql, qr], -1), keys) * 0.2
+    s = np.where((np.asarray(idx) >= 0)[:, :, None, :], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p = np.where(np.isfinite(s), p, 0) / np.maximum(
+        np.where(np.isfinite(s), p, 0).sum(-1, keepdims=True), 1e-30
+    )
+    want = np.einsum("bthk,btkd->bthd", p, values)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_latent_decode_lowers_for_cuda():
+    """The decode kernel lowers to Triton for CUDA at V3.2's latent (512 + 64), 128 heads, top-2,048."""
+    sd = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+    step = lambda *x: sparse_latent_decode_gpu(*x, scale=0.1)
+    triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+    with gpu_lowering_target():
+        exported = jax.export.export(jax.jit(step), platforms=["cuda"], disabled_checks=[triton])(
+            sd(2, 1, 128, 512), sd(2, 1, 128, 64), sd(2, 8192, 512), sd(2, 8192, 64),
+            jax.ShapeDtypeStruct((2, 1, 2048), jnp.int32),
+        )  # fmt: skip
+    assert re.findall(r'name = "(dsa_\w+)"', exported.mlir_module()) == ["dsa_latent_decode"]

@@ -171,7 +171,7 @@ def _dsa_core(cfg) -> Core:
             out = sparse(view.q, k.astype(view.q.dtype), v.astype(view.q.dtype), indices, scale=scale)
             return out, {"index_keys": keys}
         indices = dsa_select(q_idx, keys, weights, top_k=d.index_topk, q_index=positions)
-        return dsa_decode_attention(view, indices, scale), {"index_keys": keys}
+        return dsa_decode_attention(view, indices, scale, d.impl), {"index_keys": keys}
 
     return Core(attend, decode, init_state, indexed=True)
 

@@ -69,6 +69,8 @@ class EGMLA(MLA):
             self.c_ln = LayerNorm(width, eps=m.norm_eps)
             self.init_up_projections(cfg, rngs, width, axis)  # W_UK, W_UV from the gated latent
 
+    latent_rows_as_cached = False
+
     def absorbed_latent(self, cache):
         """latent, projected: c~ recomputed from (c, token id) for every cached token; heads: none."""
         if self.gate_at == "heads":

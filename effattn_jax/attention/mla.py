@@ -162,6 +162,8 @@ class MLA(nnx.Module):
 
         return cache | {"c": write(cache["c"], c), "kr": write(cache["kr"], kr)}
 
+    latent_rows_as_cached = True  # absorbed_latent is the cache's c itself (EG-MLA's is recomputed)
+
     def absorbed_latent(self, cache):
         """The latent that attention can run over with absorbed weights [B, L, d]; None if impossible."""
         return cache["c"]
@@ -230,4 +232,5 @@ class MLA(nnx.Module):
             prompt=prompt,
             fetch=fetch,
             gate_keys=lambda slots: rows(slots)[0],
+            latent=(cache["c"], cache["kr"]) if self.latent_rows_as_cached else None,
         )

@@ -31,7 +31,8 @@ class CacheView(NamedTuple):
     its own KV head; gate_keys(slots [B, N]): [B, N, Hg, Dg] the keys the gate averages;
     caches: the raw head-major (k, v) [B, Hkv, L, D|Dv] where the cache is plain K/V (what a
     decode kernel reads), else None; kv_heads: the KV heads that fetch reads from (the latent
-    view's one row serves every query head)."""
+    view's one row serves every query head); latent: (c [B, L, d_c], k^R [B, L, d_R]) where the
+    latent view's keys are [c ; k^R] and values c as cached (MLA: a kernel gathers them), else None."""
 
     q: jax.Array
     gate_q: jax.Array
@@ -42,6 +43,7 @@ class CacheView(NamedTuple):
     gate_keys: Callable
     caches: tuple | None = None
     kv_heads: int = 1
+    latent: tuple | None = None
 
 
 def kv_view(q, k_cache, v_cache) -> CacheView:

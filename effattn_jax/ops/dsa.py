@@ -180,11 +180,23 @@ def dsa_sparse_attention(impl: str, query_chunk=None):
     return run
 
 
-def dsa_decode_attention(view, indices, scale):
+def dsa_decode_attention(view, indices, scale, impl: str = "xla"):
     """Decoding: each query of a CacheView (q [B, T, H, D]) over its selected cache slots
     indices [B, T, K] (-1: none) -> [B, T, H, Dv]. Only those rows are fetched, once per KV head:
     the selection is shared by every query head, so a latent cache (one KV head) reads each
-    selected row once for all heads, as V3.2's absorbed decode does."""
+    selected row once for all heads, as V3.2's absorbed decode does. `impl` pallas_triton: MLA's
+    latent cache (`view.latent`) through the Triton kernel where its widths suit it."""
+    if impl not in ("auto", "xla", "reference") and view.latent is not None:
+        from effattn_jax.ops.platform import resolve_impl
+        from pallas_kernels.dsa.triton_decode import supports
+        from pallas_kernels.registry import kernel
+
+        lat, kr = view.latent
+        if supports(lat.shape[-1], kr.shape[-1]):
+            _, backend, interpret = resolve_impl(impl)
+            q_lat, q_rope = view.q[..., : lat.shape[-1]], view.q[..., lat.shape[-1] :]
+            step = kernel("dsa", "decode", backend)
+            return step(q_lat, q_rope, lat, kr, indices, scale=scale, interpret=interpret)
     b, t, h, d = view.q.shape
     hkv, kk = view.kv_heads, indices.shape[-1]
     starts = jnp.broadcast_to(jnp.maximum(indices, 0)[:, :, None, :], (b, t, hkv, kk))

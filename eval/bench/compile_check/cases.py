@@ -21,7 +21,8 @@ TRAIN_LAYERS = 2  # a train step's layers (dense ones in XLA): every kernel of t
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    family: str  # moba_attention | moba_routing | moba_decode | mla_decode | dsa_attention | train_step
+    # moba_attention | moba_routing | moba_decode | mla_decode | dsa_attention | dsa_decode | train_step
+    family: str
     backend: str  # mosaic | triton | auto (a train step: what `auto` picks)
     kind: str  # auto | edge | planted
     shape: tuple = ()  # the family's sizes, as key/value pairs
@@ -79,6 +80,10 @@ def cases() -> list[Case]:
     out.append(
         _case("dsa_attention", "triton", "edge", d=128, dv=128, heads=16, kv_heads=2, dtype="bfloat16")
     )
+    # DSA's decode over the selected latent rows: V3.2's latent 512 + 64 at 128 and 16 heads, top-2,048
+    for heads in (128, 16):
+        out.append(_case("dsa_decode", "triton", "auto" if heads == 128 else "edge", heads=heads, latent=512,
+                         rope=64, dtype="bfloat16"))  # fmt: skip
     for config in GPU_CONFIGS:
         out.append(_case("train_step", "auto", "auto", config=config.stem))
     return out
@@ -198,6 +203,14 @@ def build(case: Case, mesh=None):
         heads = lambda n, width: sd((1, seq, n, width), s["dtype"])
         q, k, v = heads(s["heads"], s["d"]), heads(s["kv_heads"], s["d"]), heads(s["kv_heads"], s["dv"])
         return fn, (q, k, v, sd((1, seq, picks), "int32"))
+    if case.family == "dsa_decode":
+        from pallas_kernels.dsa.triton_decode import sparse_latent_decode_gpu
+
+        b, h, length, dt = 2, s["heads"], 8192, s["dtype"]
+        fn = lambda *x: sparse_latent_decode_gpu(*x, scale=0.1)
+        query, cache = (lambda w: sd((b, 1, h, w), dt)), (lambda w: sd((b, length, w), dt))
+        widths = (s["latent"], s["rope"])
+        return fn, (*map(query, widths), *map(cache, widths), sd((b, 1, 2048), "int32"))
     raise ValueError(f"no function for {case.family}")
 
 
