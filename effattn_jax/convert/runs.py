@@ -80,8 +80,9 @@ def make_out(out) -> None:
 
 def check_fixed_keys(keys: dict, overrides, model_dir: Path) -> None:
     """ConvertError, one line, where an override changes what the checkpoint fixes: its sizes, its
-    attention kind and RoPE (`config_overrides`' model.*, mla.* and attention.kind keys); the core,
-    data, training and everything else stay the user's."""
+    attention kind and RoPE (`config_overrides`' model.*, mla.* and attention.kind keys) and DSA's
+    indexer widths; the core, the indexer's top-k, data, training and everything else stay the
+    user's."""
     shaped = ("model.", "mla.", "dsa.index_n_heads", "dsa.index_head_dim")  # the weights' shapes
     fixed = sorted(k for k in keys if k.startswith(shaped) or k == "attention.kind")
     for override in overrides:
