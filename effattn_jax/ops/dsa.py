@@ -163,21 +163,26 @@ def sparse_attention(q, k, v, indices, *, scale=None, query_chunk=None):
     return _map_chunks(attend, chunk, q, indices)
 
 
+XLA_IMPLS = ("auto", "xla", "reference")  # the impls that run no DSA kernel
+
+
+def _kernel(impl: str, part: str):
+    """The registered DSA kernel for `part` of impl's backend, its `interpret` bound (interpreted
+    off its hardware). Called where the op traces, so an AOT target's backend is the one used."""
+    from effattn_jax.ops.platform import resolve_impl
+    from pallas_kernels.registry import kernel
+
+    _, backend, interpret = resolve_impl(impl)
+    return functools.partial(kernel("dsa", part, backend), interpret=interpret)
+
+
 def dsa_sparse_attention(impl: str, query_chunk=None):
     """The attention over a selection that `impl` runs, (q, k, v, indices, *, scale) -> out: the XLA
     path (`sparse_attention`) for auto, xla and reference, else the kernel of that backend
     (pallas_triton: interpreted off GPU)."""
-    if impl in ("auto", "xla", "reference"):
+    if impl in XLA_IMPLS:
         return functools.partial(sparse_attention, query_chunk=query_chunk)
-
-    def run(q, k, v, indices, *, scale=None):  # the backend is resolved where it traces (AOT too)
-        from effattn_jax.ops.platform import resolve_impl
-        from pallas_kernels.registry import kernel
-
-        _, backend, interpret = resolve_impl(impl)
-        return kernel("dsa", "attention", backend)(q, k, v, indices, scale=scale, interpret=interpret)
-
-    return run
+    return lambda q, k, v, indices, *, scale=None: _kernel(impl, "attention")(q, k, v, indices, scale=scale)
 
 
 def dsa_decode_attention(view, indices, scale, impl: str = "xla"):
@@ -186,17 +191,13 @@ def dsa_decode_attention(view, indices, scale, impl: str = "xla"):
     the selection is shared by every query head, so a latent cache (one KV head) reads each
     selected row once for all heads, as V3.2's absorbed decode does. `impl` pallas_triton: MLA's
     latent cache (`view.latent`) through the Triton kernel where its widths suit it."""
-    if impl not in ("auto", "xla", "reference") and view.latent is not None:
-        from effattn_jax.ops.platform import resolve_impl
+    if impl not in XLA_IMPLS and view.latent is not None:
         from pallas_kernels.dsa.triton_decode import supports
-        from pallas_kernels.registry import kernel
 
         lat, kr = view.latent
         if supports(lat.shape[-1], kr.shape[-1]):
-            _, backend, interpret = resolve_impl(impl)
             q_lat, q_rope = view.q[..., : lat.shape[-1]], view.q[..., lat.shape[-1] :]
-            step = kernel("dsa", "decode", backend)
-            return step(q_lat, q_rope, lat, kr, indices, scale=scale, interpret=interpret)
+            return _kernel(impl, "decode")(q_lat, q_rope, lat, kr, indices, scale=scale)
     b, t, h, d = view.q.shape
     hkv, kk = view.kv_heads, indices.shape[-1]
     starts = jnp.broadcast_to(jnp.maximum(indices, 0)[:, :, None, :], (b, t, hkv, kk))

@@ -139,17 +139,20 @@ def init_state(setup: TrainSetup, params: dict | None = None) -> dict:
         return jax.jit(start, out_shardings=setup.state_shardings)(params)
 
     def init():
-        params = nnx.to_pure_dict(nnx.split(new_model(setup.cfg))[1])
+        params = _new_params(setup.cfg)
         return {"params": params, "opt_state": setup.tx.init(params), "step": jnp.zeros((), jnp.int32)}
 
     return _run_once(setup, init, setup.state_shardings)
 
 
+def _new_params(cfg: Config) -> dict:
+    """A new model's parameters as a pure dict (traced inside the jitted initialisations)."""
+    return nnx.to_pure_dict(nnx.split(new_model(cfg))[1])
+
+
 def fresh_params(setup: TrainSetup) -> dict:
     """A fresh initialization of the parameters alone (no optimizer state), into their shardings."""
-    return _run_once(
-        setup, lambda: nnx.to_pure_dict(nnx.split(new_model(setup.cfg))[1]), setup.state_shardings["params"]
-    )
+    return _run_once(setup, lambda: _new_params(setup.cfg), setup.state_shardings["params"])
 
 
 def _run_once(setup: TrainSetup, fn, shardings):
