@@ -39,10 +39,11 @@ MOBA_IMPLS = (
 DENSE_IMPLS = ("auto", "xla", "splash", "cudnn")  # effattn_jax.ops.dense
 MLA_DECODE_IMPLS = tuple(i for i in MOBA_IMPLS if i != "reference")  # effattn_jax.ops.mla_decode
 EG_MLA_GATE_AT = ("latent", "heads", "projected")
-# effattn_jax.ops.dsa; auto: xla (no DSA kernel has run on a GPU yet); pallas_triton: the selection in
-# XLA, the attention over it and MLA's decode step by the Triton kernels (pallas_kernels/dsa/;
-# interpreted off GPU)
-DSA_IMPLS = ("auto", "reference", "xla", "pallas_triton")
+# effattn_jax.ops.dsa; auto: xla (no DSA kernel has run on a GPU or a TPU yet); pallas_triton: the
+# selection in XLA, the attention over it and MLA's decode step by the Triton kernels; pallas_tpu: MLA's
+# decode step by the Mosaic kernel, the rest in XLA (no TPU training kernel yet). pallas_kernels/dsa/;
+# each interpreted off its hardware
+DSA_IMPLS = ("auto", "reference", "xla", "pallas_triton", "pallas_tpu")
 DSA_STAGES = ("warmup", "sparse")  # docs/dsa.md, "Training"
 
 
@@ -735,8 +736,8 @@ def _validate_dsa(cfg: Config) -> None:
             cfg.mesh.context == 1 or dsa.impl != "reference",
             "dsa.impl",
             dsa.impl,
-            f"with mesh.context={cfg.mesh.context}: auto, xla or pallas_triton (the reference builds "
-            "whole [S, S] masks)",
+            f"with mesh.context={cfg.mesh.context}: auto, xla, pallas_triton or pallas_tpu (the reference "
+            "builds whole [S, S] masks)",
         )
 
 

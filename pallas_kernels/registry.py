@@ -7,7 +7,8 @@ while a GPU run imports no TPU code (and the reverse).
   ("moba", "decode", b)     a single-token step over a K/V cache ({tpu,gpu,mgpu}_decode.py)
   ("mla", "decode", b)      a single-token step in latent space (mla_decode/{tpu,gpu,mgpu}.py)
   ("dsa", "attention", b)   b = triton: attention over each query's selected keys (dsa/triton.py)
-  ("dsa", "decode", b)      b = triton: a decode step over the selected latent rows (dsa/triton_decode.py)
+  ("dsa", "decode", b)      b in triton / tpu: a decode step over the selected latent rows
+                            (dsa/triton_decode.py, dsa/tpu_decode.py)
 
 Every routing entry takes (q, starts, means, lo, hi, picks, *, seq, key_dtype, interpret); every
 decode entry the arguments of its family's XLA step and `interpret`. Which backend runs is decided
@@ -88,6 +89,12 @@ def _dsa_decode_triton():
     return sparse_latent_decode_gpu
 
 
+def _dsa_decode_tpu():
+    from pallas_kernels.dsa.tpu_decode import sparse_latent_decode_tpu
+
+    return sparse_latent_decode_tpu
+
+
 REGISTRY: dict[tuple[str, str, str], Callable[[], Any]] = {
     ("moba", "attention", "tpu"): moba_attention.tpu,
     ("moba", "attention", "triton"): moba_attention.triton,
@@ -103,6 +110,7 @@ REGISTRY: dict[tuple[str, str, str], Callable[[], Any]] = {
     ("mla", "decode", "mosaic"): _mla_decode_mosaic,
     ("dsa", "attention", "triton"): _dsa_attention_triton,
     ("dsa", "decode", "triton"): _dsa_decode_triton,
+    ("dsa", "decode", "tpu"): _dsa_decode_tpu,
 }
 
 

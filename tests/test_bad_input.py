@@ -66,7 +66,7 @@ TRAIN_CASES = [
     (
         "DSA's reference over a context axis",
         ["attention.core=dsa", "dsa.impl=reference", "mesh.data=1", "mesh.context=2"],
-        "dsa.impl='reference': with mesh.context=2: auto, xla or pallas_triton",
+        "dsa.impl='reference': with mesh.context=2: auto, xla, pallas_triton or pallas_tpu",
     ),
     ("DSA stage unknown", ["attention.core=dsa", "dsa.stage=dense"], "dsa.stage='dense': allowed: warmup"),
     (

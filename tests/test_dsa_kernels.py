@@ -1,7 +1,9 @@
-"""DSA's Triton kernels (pallas_kernels/dsa/): interpreted, the sparse attention equals the XLA path
+"""DSA's kernels (pallas_kernels/dsa/): interpreted, the Triton sparse attention equals the XLA path
 (`sparse_attention`) in output and gradients on random selections, and a model with
 `dsa.impl=pallas_triton` equals one on the XLA path, in training and in decoding (the latent decode
-kernel); both kernels lower for CUDA."""
+kernel); both kernels lower for CUDA. The TPU latent decode kernel equals the same attention
+written out in numpy (both TPU interpreters), a model decoding on it equals the XLA step, and it
+compiles for a TPU."""
 
 import re
 
@@ -9,13 +11,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TINY_MLA
+from conftest import TINY_MLA, v5e_arg
 from flax import nnx
 
 from effattn_jax.config import load_config
 from effattn_jax.model import Transformer, init_cache
 from effattn_jax.ops.dsa import sparse_attention
 from pallas_kernels.common import gpu_lowering_target
+from pallas_kernels.dsa.tpu_decode import CHUNK as TPU_CHUNK
+from pallas_kernels.dsa.tpu_decode import sparse_latent_decode_tpu
 from pallas_kernels.dsa.triton import CHUNK, sparse_attention_gpu
 from pallas_kernels.dsa.triton_decode import sparse_latent_decode_gpu
 from pallas_kernels.registry import kernel
@@ -102,7 +106,8 @@ def test_a_model_on_the_kernel_equals_the_xla_path(kind):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
 
 
-def test_latent_decode_on_the_kernel_equals_the_xla_step():
+@pytest.mark.parametrize("impl", ["pallas_triton", "pallas_tpu"])
+def test_latent_decode_on_the_kernel_equals_the_xla_step(impl):
     """An MLA model with DSA (latent 32, RoPE 16: widths the kernel takes), top-5: a 6-token prefill,
     then 3 single-token steps, on the decode kernel (interpreted) and on the XLA step: the same
     logits at every step. Catches: the latent rows or their RoPE keys gathered at the wrong slots,
@@ -126,29 +131,74 @@ def test_latent_decode_on_the_kernel_equals_the_xla_step():
             logits.append(np.asarray(out))
         return logits
 
-    for got, want in zip(decode("pallas_triton"), decode("xla"), strict=True):
+    for got, want in zip(decode(impl), decode("xla"), strict=True):
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
-def test_latent_decode_kernel_over_groups_of_heads():
-    """20 heads (two programs of 16, the second padded), picks over two chunks with unused ones:
-    the kernel equals attention over the gathered [c ; k^R] rows written out in numpy."""
+def _latent_attention(ql, qr, lat, kr, idx, scale):
+    """Attention over each token's selected [c ; k^R] rows, values c, in float64 numpy."""
+    f = lambda x: np.asarray(x, np.float64)
+    idx = np.asarray(idx)
+    rows = lambda x: np.take_along_axis(f(x)[:, None], np.maximum(idx, 0)[..., None], 2)  # [B, T, K, .]
+    keys, values = np.concatenate([rows(lat), rows(kr)], -1), rows(lat)
+    s = np.einsum("bthw,btkw->bthk", np.concatenate([f(ql), f(qr)], -1), keys) * scale
+    s = np.where((idx >= 0)[:, :, None, :], s, -np.inf)
+    with np.errstate(invalid="ignore"):  # a token with no pick: -inf - -inf
+        p = np.where(np.isfinite(s), np.exp(s - s.max(-1, keepdims=True)), 0)
+    return np.einsum("bthk,btkd->bthd", p / np.maximum(p.sum(-1, keepdims=True), 1e-30), values)
+
+
+@pytest.mark.parametrize(
+    "decode, interpret, picks",
+    [
+        (sparse_latent_decode_gpu, True, 40),  # 20 heads: two programs of 16, the second padded
+        (sparse_latent_decode_tpu, True, TPU_CHUNK + 12),  # two chunks, the second mostly unused
+        (sparse_latent_decode_tpu, "tpu", TPU_CHUNK + 12),  # the TPU interpreter: DMAs, semaphores
+    ],
+)
+def test_latent_decode_kernel_equals_numpy(decode, interpret, picks):
+    """20 heads, picks over two chunks with unused ones: the kernel equals attention over the
+    gathered [c ; k^R] rows written out in numpy (float32). Catches: a row fetched from the wrong
+    slot or batch row, a chunk's copies landing in the other slot, an unused pick attended."""
     rng = np.random.default_rng(0)
-    b, t, h, length, dc, dr, picks = 2, 3, 20, 80, 32, 16, 40
+    b, t, h, length, dc, dr = 2, 3, 20, 2 * picks, 32, 16
     ql, qr = (jnp.asarray(rng.standard_normal((b, t, h, w)), jnp.float32) for w in (dc, dr))
     lat, kr = (jnp.asarray(rng.standard_normal((b, length, w)), jnp.float32) for w in (dc, dr))
     idx = _selection(rng, b, t, length, picks)
-    got = sparse_latent_decode_gpu(ql, qr, lat, kr, idx, scale=0.2, interpret=True)
-    rows = lambda x: np.take_along_axis(np.asarray(x)[:, None], np.maximum(np.asarray(idx), 0)[..., None], 2)
-    keys, values = np.concatenate([rows(lat), rows(kr)], -1), rows(lat)  # [B, T, K, .]
-    s = np.einsum("bthw,btkw->bthk", np.concatenate([ql, qr], -1), keys) * 0.2
-    s = np.where((np.asarray(idx) >= 0)[:, :, None, :], s, -np.inf)
-    p = np.exp(s - s.max(-1, keepdims=True))
-    p = np.where(np.isfinite(s), p, 0) / np.maximum(
-        np.where(np.isfinite(s), p, 0).sum(-1, keepdims=True), 1e-30
-    )
-    want = np.einsum("bthk,btkd->bthd", p, values)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    got = decode(ql, qr, lat, kr, idx, scale=0.2, interpret=interpret)
+    np.testing.assert_allclose(got, _latent_attention(ql, qr, lat, kr, idx, 0.2), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("length", [64, 65])
+def test_tpu_latent_decode_in_bf16(length):
+    """bf16 copies row pairs (Mosaic slices packed rows at even offsets only): picks on odd and even
+    rows, the last row of an odd-length cache and a repeated pick each attend to their own row.
+    Catches: the pair's other row attended, the last pair read past the cache."""
+    rng = np.random.default_rng(length)
+    b, t, h, dc, dr = 2, 3, 4, 32, 16
+    bf = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+    ql, qr, lat, kr = bf(b, t, h, dc), bf(b, t, h, dr), bf(b, length, dc), bf(b, length, dr)
+    idx = _selection(rng, b, t, length, 9).at[1, 1, :3].set(jnp.asarray([length - 1, 4, 4]))
+    got = sparse_latent_decode_tpu(ql, qr, lat, kr, idx, scale=0.2, interpret=True)
+    want = _latent_attention(ql, qr, lat, kr, idx, 0.2)  # bf16 probabilities: ~3 significant digits
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_tpu_latent_decode_compiles_for_a_real_tpu(dtype):
+    """Mosaic lowering and a libtpu compile (no TPU needed) at V3.2's widths (128 heads, 512 + 64,
+    top-2,048 of 8,192) and an odd cache length. Catches: a row copy at an offset Mosaic refuses
+    (bf16 rows one at a time are; interpret mode accepts them), a block shape Mosaic rejects."""
+    arg = v5e_arg()
+    step = jax.jit(lambda *x: sparse_latent_decode_tpu(*x, scale=0.1))
+    for h, length, picks in [(128, 8192, 2048), (16, 4099, 300)]:
+        lowered = step.lower(
+            arg((2, 1, h, 512), dtype), arg((2, 1, h, 64), dtype), arg((2, length, 512), dtype),
+            arg((2, length, 64), dtype), arg((2, 1, picks), jnp.int32),
+        )  # fmt: skip
+        assert lowered.as_text().count("tpu_custom_call") == 1
+        lowered.compile()
 
 
 def test_latent_decode_lowers_for_cuda():

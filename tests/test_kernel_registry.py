@@ -28,9 +28,11 @@ PARTS = [("moba", "attention"), ("moba", "routing"), ("moba", "decode"), ("mla",
 
 
 def test_every_part_has_every_backend():
-    """DSA's kernels are Triton ones alone so far (docs/dsa.md)."""
+    """DSA has Triton's attention and decode, and TPU's decode, so far (docs/dsa.md)."""
     want = {(*part, b) for part in PARTS for b in BACKENDS} | {
-        ("dsa", p, "triton") for p in ("attention", "decode")
+        ("dsa", "attention", "triton"),
+        ("dsa", "decode", "triton"),
+        ("dsa", "decode", "tpu"),
     }
     assert set(registry.REGISTRY) == want
 
@@ -71,6 +73,11 @@ def test_the_kernels_of_one_part_take_the_same_arguments(family, part):
     }
     assert len({tuple(r) for r in required.values()}) == 1, required
     assert all("interpret" in params for params in signatures.values())
+
+
+def test_dsa_decode_kernels_take_the_same_arguments():
+    signatures = [inspect.signature(registry.kernel("dsa", "decode", b)) for b in ("triton", "tpu")]
+    assert signatures[0] == signatures[1]
 
 
 def test_a_call_runs_the_kernels_of_its_backend():

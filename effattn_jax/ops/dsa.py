@@ -168,34 +168,39 @@ XLA_IMPLS = ("auto", "xla", "reference")  # the impls that run no DSA kernel
 
 def _kernel(impl: str, part: str):
     """The registered DSA kernel for `part` of impl's backend, its `interpret` bound (interpreted
-    off its hardware). Called where the op traces, so an AOT target's backend is the one used."""
+    off its hardware), or None where that backend has none (TPU training: the XLA path). Called
+    where the op traces, so an AOT target's backend is the one used."""
     from effattn_jax.ops.platform import resolve_impl
-    from pallas_kernels.registry import kernel
+    from pallas_kernels.registry import REGISTRY, kernel
 
     _, backend, interpret = resolve_impl(impl)
+    if ("dsa", part, backend) not in REGISTRY:
+        return None
     return functools.partial(kernel("dsa", part, backend), interpret=interpret)
 
 
 def dsa_sparse_attention(impl: str, query_chunk=None):
     """The attention over a selection that `impl` runs, (q, k, v, indices, *, scale) -> out: the XLA
-    path (`sparse_attention`) for auto, xla and reference, else the kernel of that backend
-    (pallas_triton: interpreted off GPU)."""
-    if impl in XLA_IMPLS:
+    path (`sparse_attention`) for auto, xla and reference, and for pallas_tpu (no TPU kernel yet), else
+    the kernel of that backend (pallas_triton: interpreted off GPU)."""
+    run = None if impl in XLA_IMPLS else _kernel(impl, "attention")
+    if run is None:
         return functools.partial(sparse_attention, query_chunk=query_chunk)
-    return lambda q, k, v, indices, *, scale=None: _kernel(impl, "attention")(q, k, v, indices, scale=scale)
+    return lambda q, k, v, indices, *, scale=None: run(q, k, v, indices, scale=scale)
 
 
 def dsa_decode_attention(view, indices, scale, impl: str = "xla"):
     """Decoding: each query of a CacheView (q [B, T, H, D]) over its selected cache slots
     indices [B, T, K] (-1: none) -> [B, T, H, Dv]. Only those rows are fetched, once per KV head:
     the selection is shared by every query head, so a latent cache (one KV head) reads each
-    selected row once for all heads, as V3.2's absorbed decode does. `impl` pallas_triton: MLA's
-    latent cache (`view.latent`) through the Triton kernel where its widths suit it."""
+    selected row once for all heads, as V3.2's absorbed decode does. `impl` pallas_triton or
+    pallas_tpu: MLA's latent cache (`view.latent`) through that backend's kernel where its widths
+    suit it (Triton: powers of two; Mosaic: any)."""
     if impl not in XLA_IMPLS and view.latent is not None:
         from pallas_kernels.dsa.triton_decode import supports
 
         lat, kr = view.latent
-        if supports(lat.shape[-1], kr.shape[-1]):
+        if impl != "pallas_triton" or supports(lat.shape[-1], kr.shape[-1]):
             q_lat, q_rope = view.q[..., : lat.shape[-1]], view.q[..., lat.shape[-1] :]
             return _kernel(impl, "decode")(q_lat, q_rope, lat, kr, indices, scale=scale)
     b, t, h, d = view.q.shape
