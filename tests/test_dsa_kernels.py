@@ -20,7 +20,7 @@ from effattn_jax.ops.dsa import sparse_attention
 from pallas_kernels.common import gpu_lowering_target
 from pallas_kernels.dsa.tpu_decode import CHUNK as TPU_CHUNK
 from pallas_kernels.dsa.tpu_decode import sparse_latent_decode_tpu
-from pallas_kernels.dsa.triton import CHUNK, sparse_attention_gpu
+from pallas_kernels.dsa.triton import CHUNK, sparse_attention_gpu, width_parts
 from pallas_kernels.dsa.triton_decode import sparse_latent_decode_gpu
 from pallas_kernels.registry import kernel
 
@@ -39,11 +39,13 @@ def _selection(rng, b, t, s, picks):
         (4, 2, 12, 10, 7),  # GQA, widths and picks that pad
         (4, 1, 20, 16, CHUNK + 5),  # one KV head for all (MLA's absorbed form), two chunks of picks
         (2, 2, 16, 16, 2 * CHUNK),  # MHA, whole chunks
+        (4, 4, 48, 16, CHUNK + 3),  # a width run as two dots (32 + 16), like V3.2's 192 (128 + 64)
     ],
 )
 def test_interpreted_kernel_equals_the_xla_path(heads, kv_heads, d, dv, picks):
     """Output and dq, dk, dv (float32). Catches: a pick's row read from another KV head, an unused
-    pick attended or its gradient added to row 0, a chunk's rows added twice, a padded head leaking."""
+    pick attended or its gradient added to row 0, a chunk's rows added twice, a padded head leaking,
+    a column part's dq or dK written at another part's columns."""
     rng = np.random.default_rng(picks)
     b, t, s = 2, 9, 3 * CHUNK
     q, k, v = (
@@ -59,6 +61,12 @@ def test_interpreted_kernel_equals_the_xla_path(heads, kv_heads, d, dv, picks):
     for name, g, ref in zip("qkv", got_grads, want_grads, strict=True):
         np.testing.assert_allclose(g, ref, rtol=1e-5, atol=1e-5, err_msg=name)
     assert kernel("dsa", "attention", "triton") is sparse_attention_gpu
+
+
+def test_widths_run_as_binary_parts_or_padded():
+    assert [width_parts(d) for d in (192, 128, 48, 240, 12, 20, 8)] == [
+        (128, 64), (128,), (32, 16), (128, 64, 32, 16), (16,), (32,), (16,),
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
