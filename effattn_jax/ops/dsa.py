@@ -189,6 +189,12 @@ def dsa_sparse_attention(impl: str, query_chunk=None):
     return lambda q, k, v, indices, *, scale=None: run(q, k, v, indices, scale=scale)
 
 
+def latent_decode_kernel(impl: str):
+    """The kernel of impl's backend for MLA's decode step over selected latent rows, (q_lat, q_rope,
+    lat, kr, indices, *, scale) -> [B, T, H, d_c] (pallas_kernels/dsa/*_decode.py)."""
+    return _kernel(impl, "decode")
+
+
 def dsa_decode_attention(view, indices, scale, impl: str = "xla"):
     """Decoding: each query of a CacheView (q [B, T, H, D]) over its selected cache slots
     indices [B, T, K] (-1: none) -> [B, T, H, Dv]. Only those rows are fetched, once per KV head:
@@ -202,7 +208,7 @@ def dsa_decode_attention(view, indices, scale, impl: str = "xla"):
         lat, kr = view.latent
         if impl != "pallas_triton" or supports(lat.shape[-1], kr.shape[-1]):
             q_lat, q_rope = view.q[..., : lat.shape[-1]], view.q[..., lat.shape[-1] :]
-            return _kernel(impl, "decode")(q_lat, q_rope, lat, kr, indices, scale=scale)
+            return latent_decode_kernel(impl)(q_lat, q_rope, lat, kr, indices, scale=scale)
     b, t, h, d = view.q.shape
     hkv, kk = view.kv_heads, indices.shape[-1]
     starts = jnp.broadcast_to(jnp.maximum(indices, 0)[:, :, None, :], (b, t, hkv, kk))

@@ -7,7 +7,8 @@ shapes users run, where interpret mode on a CPU cannot reach (it forgives what h
 - The decode kernels against their XLA steps at 16 and 128 heads: the absorbed MLA step over the
   latent, and MoBA's sparse step (GQA, 4 query heads per KV head).
 - DSA's sparse attention kernel against the XLA path (`sparse_attention`), forward and gradients,
-  over a causal selection that `dsa_select` makes from random indexer outputs.
+  over a causal selection that `dsa_select` makes from random indexer outputs; and its latent
+  decode kernel against the selected rows' attention in plain jnp, at 16 and 128 heads.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from effattn_jax.ops.cache import kv_view
-from effattn_jax.ops.dsa import dsa_select, dsa_sparse_attention
+from effattn_jax.ops.dsa import dsa_select, dsa_sparse_attention, latent_decode_kernel
 from effattn_jax.ops.mla_decode import absorbed_attention
 from effattn_jax.ops.moba import moba_attention
 from effattn_jax.ops.moba_decode import empty_block_means, moba_decode_attention, prefill_block_means
@@ -91,6 +92,37 @@ def dsa_case(*, seq, heads, kv_heads, head_dim, v_head_dim, top_k, dtype, impl, 
     return {"check": "dsa", "impl": impl, "seq": seq, "heads": heads, "kv_heads": kv_heads,
             "head_dim": head_dim, "v_head_dim": v_head_dim, "top_k": top_k, "dtype": jnp.dtype(dtype).name,
             "max_rel_diff": max(diffs), "loss_dq_dk_dv_rel_diff": diffs}  # fmt: skip
+
+
+def dsa_decode_case(*, heads, context, batch, latent, rope, top_k, dtype, impl, index_heads=4) -> dict:
+    """One absorbed decode step over each row's top_k latent rows (rows at different lengths, the
+    selection `dsa_select`'s from random indexer outputs) by the kernel against plain jnp."""
+    keys = jax.random.split(jax.random.key(heads + top_k), 7)
+    q_lat = jax.random.normal(keys[0], (batch, 1, heads, latent), dtype)
+    q_rope = jax.random.normal(keys[1], (batch, 1, heads, rope), dtype)
+    lat = jax.random.normal(keys[2], (batch, context, latent), dtype)
+    kr = jax.random.normal(keys[3], (batch, context, rope), dtype)
+    q_idx = jax.random.normal(keys[4], (batch, 1, index_heads, 32), jnp.float32)
+    k_idx = jax.random.normal(keys[5], (batch, context, 32), jnp.float32)
+    weights = jax.random.normal(keys[6], (batch, 1, index_heads), jnp.float32)
+    positions = (jnp.arange(batch)[:, None] * 37 + context - 1 - 37 * (batch - 1)).astype(jnp.int32)
+    idx = jax.jit(lambda *x: dsa_select(*x, top_k=top_k, q_index=positions))(q_idx, k_idx, weights)
+    scale = (latent + rope) ** -0.5
+
+    def gathered(q_lat, q_rope, lat, kr, idx):  # [B, 1, K, .] rows, float32
+        rows = lambda x: jnp.take_along_axis(x[:, None], jnp.maximum(idx, 0)[..., None], 2).astype(
+            jnp.float32
+        )
+        s = jnp.einsum("bthw,btkw->bthk", q_lat.astype(jnp.float32), rows(lat))
+        s = (s + jnp.einsum("bthw,btkw->bthk", q_rope.astype(jnp.float32), rows(kr))) * scale
+        p = jax.nn.softmax(jnp.where((idx >= 0)[:, :, None, :], s, -jnp.inf), axis=-1)
+        return jnp.einsum("bthk,btkd->bthd", p, rows(lat))
+
+    got = jax.jit(lambda *x: latent_decode_kernel(impl)(*x, scale=scale))(q_lat, q_rope, lat, kr, idx)
+    want = jax.jit(gathered)(q_lat, q_rope, lat, kr, idx)
+    return {"check": "dsa_decode", "impl": impl, "heads": heads, "context": context, "batch": batch,
+            "top_k": top_k, "dtype": jnp.dtype(dtype).name,
+            "max_rel_diff": relative_difference(got, want)}  # fmt: skip
 
 
 def mla_decode_case(*, heads, context, batch, latent, rope, dtype, impl) -> dict:

@@ -131,6 +131,7 @@ FULL = {
         dsa=[dict(seq=8192, heads=16, kv_heads=kv, head_dim=d, v_head_dim=128, top_k=2048, dtype=jnp.bfloat16)
              for kv, d in ((16, 192), (2, 128))],
         dsa_impls=["pallas_triton"],
+        dsa_decode=dict(context=8192, batch=2, latent=512, rope=64, top_k=2048, dtype=jnp.bfloat16),
         tol=3e-2,
     ),
     "attention": dict(head_dim=128, dense="cudnn", tiles=BlockSizes(), repeats=3, long_repeats=1, shapes=[
@@ -168,6 +169,7 @@ DRY = {
         heads=[4, 8],
         dsa=[dict(seq=128, heads=4, kv_heads=2, head_dim=16, v_head_dim=8, top_k=24, dtype=jnp.float32)],
         dsa_impls=["pallas_triton"],
+        dsa_decode=dict(context=64, batch=2, latent=16, rope=16, top_k=24, dtype=jnp.float32),
         tol=1e-4,
     ),
     "attention": dict(head_dim=16, dense="xla", tiles=BlockSizes(q_tile=16, kv_block=16, past_q_tile=16),
@@ -376,6 +378,8 @@ def correctness(suite: Suite, rows: list, p: dict) -> None:
             kw = dict(p["moba_decode"], heads=heads, impl=impl)
             cases.append(("moba_decode", gpu_checks.moba_decode_case, kw))
     cases += [("dsa", gpu_checks.dsa_case, c | {"impl": impl}) for impl in p["dsa_impls"] for c in p["dsa"]]
+    cases += [("dsa_decode", gpu_checks.dsa_decode_case, dict(p["dsa_decode"], heads=heads, impl=impl))
+              for impl in p["dsa_impls"] for heads in p["heads"]]  # fmt: skip
     for name, check, kw in cases:
         if not suite.time_left():
             suite.add(rows, {"check": name, "skipped": "time budget"})
