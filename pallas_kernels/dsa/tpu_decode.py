@@ -9,10 +9,11 @@ with gathered rows in place of contiguous tiles). The grid is (batch row, new to
 picks). The latent cache c [B, L, d_c] and the RoPE keys k^R [B, L, d_R] stay in HBM; each step
 copies its chunk's rows by DMA into one of two VMEM slots, one copy per pick, while the next
 chunk's copies run into the other slot (paged attention's pattern with pages of one row). The
-picks come in as the token's row of the index table in SMEM. Mosaic slices the rows of a packed
-dtype only at multiples of its packing, so a bf16 pick copies the row pair that holds it and the
-other row is masked. An unused pick (-1) copies row 0 and is masked. Online softmax in float32
-across chunks.
+picks come in as the token's row of the index table in SMEM; the chunks past its last pick copy
+and compute nothing (a short context's token reads only its own picks' chunks). Mosaic slices
+the rows of a packed dtype only at multiples of its packing, so a bf16 pick copies the row pair
+that holds it and the other row is masked. An unused pick (-1) before the last copies row 0 and is
+masked. Online softmax in float32 across chunks.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ def _row_copies(idx_ref, lat_hbm, kr_hbm, lat_buf, kr_buf, sem, b, chunk, slot, 
 
 
 def _kernel(
+    used_ref,
     idx_ref,
     wanted_ref,
     ql_ref,
@@ -69,6 +71,7 @@ def _kernel(
     pack,
 ):
     b, j, chunks = pl.program_id(0), pl.program_id(2), pl.num_programs(2)
+    used = used_ref[b * pl.num_programs(1) + pl.program_id(1)]  # chunks up to the last pick, >= 1
     slot = j % 2
     copies = functools.partial(_row_copies, idx_ref, lat_hbm, kr_hbm, lat_buf, kr_buf, sem, b, pack=pack)
 
@@ -79,23 +82,27 @@ def _kernel(
         acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
         copies(0, 0)[0]()
 
-    @pl.when(j + 1 < chunks)
+    @pl.when(j + 1 < used)
     def _():
         copies(j + 1, 1 - slot)[0]()
 
-    copies(j, slot)[1]()
-    lat, kr = lat_buf[slot], kr_buf[slot]  # [CHUNK * pack, d_c], [CHUNK * pack, d_R]
-    s = jax.lax.dot_general(ql_ref[...], lat, NT, preferred_element_type=jnp.float32)
-    s += jax.lax.dot_general(qr_ref[...], kr, NT, preferred_element_type=jnp.float32)
-    s = jnp.where(wanted_ref[...] > 0, s * scale, -jnp.inf)  # [H, CHUNK * pack]: the picks' own rows
-    m_prev = m_sc[...]
-    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-    m_safe = jnp.where(m_new > -jnp.inf, m_new, 0.0)  # a chunk of unused picks adds nothing
-    p = jnp.exp(s - m_safe)
-    alpha = jnp.exp(m_prev - m_safe)
-    l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
-    acc_sc[...] = alpha * acc_sc[...] + jnp.dot(p.astype(lat.dtype), lat, preferred_element_type=jnp.float32)
-    m_sc[...] = m_new
+    @pl.when(j < used)  # the chunks past the last pick copy and compute nothing
+    def _():
+        copies(j, slot)[1]()
+        lat, kr = lat_buf[slot], kr_buf[slot]  # [CHUNK * pack, d_c], [CHUNK * pack, d_R]
+        s = jax.lax.dot_general(ql_ref[...], lat, NT, preferred_element_type=jnp.float32)
+        s += jax.lax.dot_general(qr_ref[...], kr, NT, preferred_element_type=jnp.float32)
+        s = jnp.where(wanted_ref[...] > 0, s * scale, -jnp.inf)  # [H, CHUNK * pack]: the picks' own rows
+        m_prev = m_sc[...]
+        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+        m_safe = jnp.where(m_new > -jnp.inf, m_new, 0.0)  # a chunk of unused picks adds nothing
+        p = jnp.exp(s - m_safe)
+        alpha = jnp.exp(m_prev - m_safe)
+        l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
+        acc_sc[...] = alpha * acc_sc[...] + jnp.dot(
+            p.astype(lat.dtype), lat, preferred_element_type=jnp.float32
+        )
+        m_sc[...] = m_new
 
     @pl.when(j == chunks - 1)
     def _():
@@ -120,29 +127,37 @@ def sparse_latent_decode_tpu(q_lat, q_rope, lat, kr, indices, *, scale, interpre
     # [B, T, 1, K' * pack]: 1 at each pick's own row among the `pack` rows its copy brings
     wanted = (idx[..., None] >= 0) & (jnp.maximum(idx, 0)[..., None] % pack == jnp.arange(pack))
     wanted = wanted.reshape(b, t, 1, kp * pack).astype(jnp.int32)
-    heads = lambda width: pl.BlockSpec((None, None, h, width), lambda i, n, j: (i, n, 0, 0))
+    # [B * T]: the chunks up to each token's last pick (at least 1), so a short context's token
+    # reads and scores only its own picks' chunks
+    last = jnp.max(jnp.where(idx >= 0, jnp.arange(kp), 0), axis=-1)
+    used = (last // CHUNK + 1).reshape(b * t).astype(jnp.int32)
+    heads = lambda width: pl.BlockSpec((None, None, h, width), lambda i, n, j, u: (i, n, 0, 0))
+    at_used = lambda i, n, j, u: (i, n, 0, jnp.minimum(j, u[i * t + n] - 1))  # no copy past them
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     rows = CHUNK * pack
     return pl.pallas_call(
         functools.partial(_kernel, scale=float(scale), pack=pack),
-        grid=(b, t, kp // CHUNK),
-        in_specs=[
-            pl.BlockSpec((None, None, kp), lambda i, n, j: (i, n, 0), memory_space=pltpu.SMEM),
-            pl.BlockSpec((None, None, 1, rows), lambda i, n, j: (i, n, 0, j)),
-            heads(dc),
-            heads(dr),
-            hbm,
-            hbm,
-        ],
-        out_specs=heads(dc),
-        scratch_shapes=[
-            pltpu.VMEM((2, rows, dc), dtype),
-            pltpu.VMEM((2, rows, dr), dtype),
-            pltpu.SemaphoreType.DMA((2,)),
-            pltpu.VMEM((h, 1), jnp.float32),
-            pltpu.VMEM((h, 1), jnp.float32),
-            pltpu.VMEM((h, dc), jnp.float32),
-        ],
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(b, t, kp // CHUNK),
+            in_specs=[
+                pl.BlockSpec((None, None, kp), lambda i, n, j, u: (i, n, 0), memory_space=pltpu.SMEM),
+                pl.BlockSpec((None, None, 1, rows), at_used),
+                heads(dc),
+                heads(dr),
+                hbm,
+                hbm,
+            ],
+            out_specs=heads(dc),
+            scratch_shapes=[
+                pltpu.VMEM((2, rows, dc), dtype),
+                pltpu.VMEM((2, rows, dr), dtype),
+                pltpu.SemaphoreType.DMA((2,)),
+                pltpu.VMEM((h, 1), jnp.float32),
+                pltpu.VMEM((h, 1), jnp.float32),
+                pltpu.VMEM((h, dc), jnp.float32),
+            ],
+        ),
         out_shape=jax.ShapeDtypeStruct((b, t, h, dc), dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=tpu_interpret(interpret),
@@ -150,4 +165,4 @@ def sparse_latent_decode_tpu(q_lat, q_rope, lat, kr, indices, *, scale, interpre
         cost_estimate=attention_cost(
             b * t * h * kp * pack, dc + dr, dc, b * t * kp * pack * (dc + dr) * jnp.dtype(dtype).itemsize
         ),
-    )(idx, wanted, q_lat, q_rope.astype(dtype), lat, kr)
+    )(used, idx, wanted, q_lat, q_rope.astype(dtype), lat, kr)
