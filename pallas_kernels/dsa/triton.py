@@ -66,7 +66,18 @@ def _scores(qs, ks, scale):
     return functools.reduce(jnp.add, dots) * scale
 
 
-def _fwd_kernel(idx_ref, *refs, scale, chunks, parts):
+def used_chunks(idx):
+    """[B, T, 1] int32: the chunks of CHUNK picks up to each query's last pick (at least 1); the
+    kernels loop over those only, so a query with few picks (early in its document, or decoding a
+    short context) reads no chunk of unused ones."""
+    last = jnp.max(jnp.where(idx >= 0, jnp.arange(idx.shape[-1]), 0), axis=-1, keepdims=True)
+    return (last // CHUNK + 1).astype(jnp.int32)
+
+
+USED_SPEC = pl.BlockSpec((None, None, 1), lambda b, t, *_: (b, t, 0))  # used_chunks' entry
+
+
+def _fwd_kernel(idx_ref, used_ref, *refs, scale, parts):
     q_refs, (k_ref, v_ref, o_ref, lse_ref) = refs[: len(parts)], refs[len(parts) :]
     b, h = pl.program_id(0), pl.program_id(2)
     qs = [r[...] for r in q_refs]  # [G', w] each
@@ -76,13 +87,14 @@ def _fwd_kernel(idx_ref, *refs, scale, chunks, parts):
         s = _scores(qs, ks, scale)
         return online_softmax_step(carry, jnp.where(valid[None, :], s, -jnp.inf), v)
 
-    m, l, acc = jax.lax.fori_loop(0, chunks, body, online_softmax_init(qs[0].shape[0], o_ref.shape[-1]))
+    init = online_softmax_init(qs[0].shape[0], o_ref.shape[-1])
+    m, l, acc = jax.lax.fori_loop(0, used_ref[0], body, init)
     safe_l = jnp.where(l > 0, l, 1.0)  # a query with no pick (padding) outputs 0
     o_ref[...] = (acc / safe_l).astype(o_ref.dtype)
     lse_ref[...] = (jnp.where(l > 0, m, 0.0) + jnp.log(safe_l))[:, 0]
 
 
-def _bwd_kernel(idx_ref, *refs, scale, chunks, parts):
+def _bwd_kernel(idx_ref, used_ref, *refs, scale, parts):
     n = len(parts)
     q_refs, (k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_in, dv_in) = refs[:n], refs[n : n + 7]
     dq_refs, (dk_ref, dv_ref) = refs[n + 7 : 2 * n + 7], refs[2 * n + 7 :]
@@ -109,7 +121,7 @@ def _bwd_kernel(idx_ref, *refs, scale, chunks, parts):
             for dq, k in zip(dqs, ks, strict=True)
         ]
 
-    dqs = jax.lax.fori_loop(0, chunks, body, [jnp.zeros(r.shape, jnp.float32) for r in dq_refs])
+    dqs = jax.lax.fori_loop(0, used_ref[0], body, [jnp.zeros(r.shape, jnp.float32) for r in dq_refs])
     for r, dq in zip(dq_refs, dqs, strict=True):
         r[...] = dq.astype(r.dtype)
 
@@ -150,9 +162,9 @@ def _forward(q, k, v, indices, scale, interpret):
     (idx, q_parts, kb, vb), (gp, kp, parts, dvp) = _prepare(q, k, v, indices)
     whole = pl.no_block_spec
     o, lse = pl.pallas_call(
-        functools.partial(_fwd_kernel, scale=scale, chunks=kp // CHUNK, parts=parts),
+        functools.partial(_fwd_kernel, scale=scale, parts=parts),
         grid=(b, t, hkv),
-        in_specs=[*_specs(gp, kp, *parts), whole, whole],
+        in_specs=[_specs(gp, kp)[0], USED_SPEC, *_specs(gp, kp, *parts)[1:], whole, whole],
         out_specs=[
             _specs(gp, kp, dvp)[1],
             pl.BlockSpec((None, None, None, gp), lambda b, t, h: (b, t, h, 0)),
@@ -164,7 +176,7 @@ def _forward(q, k, v, indices, scale, interpret):
         compiler_params=triton_params(num_warps=FWD_WARPS),
         interpret=bool(interpret),
         name="dsa_sparse_attention_fwd",
-    )(idx, *q_parts, kb, vb)
+    )(idx, used_chunks(idx), *q_parts, kb, vb)
     out = o[:, :, :, : h // hkv, :dv].reshape(b, t, h, dv)
     return out, (o, lse)
 
@@ -181,10 +193,12 @@ def _backward(q, k, v, indices, o, lse, dout, scale, interpret):
     zeros = lambda w: jnp.zeros((b, s + 1, hkv, w), jnp.float32)  # row S: the unused picks
     n = len(parts)
     outs = pl.pallas_call(
-        functools.partial(_bwd_kernel, scale=scale, chunks=kp // CHUNK, parts=parts),
+        functools.partial(_bwd_kernel, scale=scale, parts=parts),
         grid=(b, t, hkv),
         in_specs=[
-            *_specs(gp, kp, *parts),
+            _specs(gp, kp)[0],
+            USED_SPEC,
+            *_specs(gp, kp, *parts)[1:],
             whole,
             whole,
             _specs(gp, kp, dvp)[1],
@@ -199,11 +213,11 @@ def _backward(q, k, v, indices, o, lse, dout, scale, interpret):
             jax.ShapeDtypeStruct((b, s + 1, hkv, dp), jnp.float32),
             jax.ShapeDtypeStruct((b, s + 1, hkv, dvp), jnp.float32),
         ],
-        input_output_aliases={n + 6: n, n + 7: n + 1},
+        input_output_aliases={n + 7: n, n + 8: n + 1},
         compiler_params=triton_params(num_warps=BWD_WARPS),
         interpret=bool(interpret),
         name="dsa_sparse_attention_bwd",
-    )(idx, *q_parts, kb, vb, dob, lse, delta, zeros(dp), zeros(dvp))
+    )(idx, used_chunks(idx), *q_parts, kb, vb, dob, lse, delta, zeros(dp), zeros(dvp))
     dq, dk, dv_ = jnp.concatenate(outs[:n], axis=-1), outs[n], outs[n + 1]
     dq = dq[:, :, :, : h // hkv, :d].reshape(b, t, h, d)
     return dq, dk[:, :s, :, :d].astype(k.dtype), dv_[:, :s, :, :dv].astype(v.dtype)

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.common import NT, triton_params
-from pallas_kernels.dsa.triton import CHUNK
+from pallas_kernels.dsa.triton import CHUNK, USED_SPEC, used_chunks
 from pallas_kernels.moba.common import online_softmax_init, online_softmax_step
 
 HEADS = 16  # heads a program holds (the tensor cores' smallest M)
@@ -31,7 +31,7 @@ def supports(latent: int, rope: int) -> bool:
     return all(w >= 16 and w & (w - 1) == 0 for w in (latent, rope))
 
 
-def _kernel(idx_ref, q_lat_ref, q_rope_ref, lat_ref, kr_ref, o_ref, *, scale, chunks):
+def _kernel(idx_ref, used_ref, q_lat_ref, q_rope_ref, lat_ref, kr_ref, o_ref, *, scale):
     b = pl.program_id(0)
     q_lat, q_rope = q_lat_ref[...], q_rope_ref[...]  # [H', d_c], [H', d_R]
 
@@ -43,7 +43,8 @@ def _kernel(idx_ref, q_lat_ref, q_rope_ref, lat_ref, kr_ref, o_ref, *, scale, ch
         s += jax.lax.dot_general(q_rope, kr, NT, preferred_element_type=jnp.float32)
         return online_softmax_step(carry, jnp.where(valid[None, :], s * scale, -jnp.inf), c)
 
-    m, l, acc = jax.lax.fori_loop(0, chunks, body, online_softmax_init(q_lat.shape[0], o_ref.shape[-1]))
+    init = online_softmax_init(q_lat.shape[0], o_ref.shape[-1])
+    m, l, acc = jax.lax.fori_loop(0, used_ref[0], body, init)
     o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)).astype(o_ref.dtype)
 
 
@@ -62,10 +63,11 @@ def sparse_latent_decode_gpu(q_lat, q_rope, lat, kr, indices, *, scale, interpre
     idx = jnp.pad(indices.astype(jnp.int32), ((0, 0), (0, 0), (0, kp - kk)), constant_values=-1)
     heads = lambda width: pl.BlockSpec((None, None, HEADS, width), lambda i, j, g: (i, j, g, 0))
     out = pl.pallas_call(
-        functools.partial(_kernel, scale=float(scale), chunks=kp // CHUNK),
+        functools.partial(_kernel, scale=float(scale)),
         grid=(b, t, hp // HEADS),
         in_specs=[
             pl.BlockSpec((None, None, kp), lambda i, j, g: (i, j, 0)),
+            USED_SPEC,
             heads(dc),
             heads(dr),
             pl.no_block_spec,
@@ -78,6 +80,7 @@ def sparse_latent_decode_gpu(q_lat, q_rope, lat, kr, indices, *, scale, interpre
         name="dsa_latent_decode",
     )(
         idx,
+        used_chunks(idx),
         pad_heads(q_lat),
         pad_heads(q_rope.astype(q_lat.dtype)),
         lat.astype(q_lat.dtype),
