@@ -1,45 +1,93 @@
-"""The dsa-1k recipe (`python -m eval.sweep --recipe dsa-1k`): DSA against full attention and MoBA
-at the moba-scaling-1k sizes (53K and 107K, 1K rows), seeds 0-2. Full attention's and MoBA's runs
-are the moba-scaling-1k recipe's (results/moba-scaling-1k/), the same configs but the core. The
-report pairs each gap by seed (`eval.stats.paired_gap`: t-based 95 % intervals), for the loss over
-every validation token and the trailing loss (the last quarter of the rows' positions), and draws
-the loss by position."""
+"""The DSA recipes: DSA against full attention and MoBA on another recipe's runs of the same
+configs but the core, seeds 0-2. The report pairs each gap by seed (`eval.stats.paired_gap`:
+t-based 95 % intervals), for the loss over every validation token and the trailing loss (the last
+quarter of the rows' positions), and draws the loss by position.
+
+- dsa-1k (`python -m eval.sweep --recipe dsa-1k`): the moba-scaling-1k sizes (53K and 107K, 1K rows;
+  results/moba-scaling-1k/).
+- dsa-ladder-1k: the moba-ladder-1k sizes (configs/dsa/cpu/ladder/), each on the learning rate the
+  ladder tuned for it (eval/ladder.py LADDER_TUNED; results/moba-ladder-1k/), so the gaps are at one
+  schedule per size.
+"""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
+from eval.ladder import LADDER_SIZES, LADDER_TUNED
 from eval.stats import paired_gap
 
-DSA_SIZES = ("53k", "107k")
 DSA_SEEDS = (0, 1, 2)
 CORES = ("full", "moba", "dsa")
 
 
-def dsa_runs() -> tuple[str, ...]:
-    """Seed 0 of both sizes first, then the further seeds."""
-    name = lambda size, seed: f"dsa_{size}" + (f".seed{seed}" if seed else "")
-    return tuple(name(size, seed) for seed in DSA_SEEDS for size in DSA_SIZES)
+@dataclass(frozen=True)
+class DsaSet:
+    """One DSA comparison: its sizes, the recipe whose full and MoBA runs it pairs with, and the
+    learning rate per size (None: every run of the config)."""
+
+    sizes: tuple[str, ...]
+    others: str  # results/<others>/: full_<size>... and moba_<size>... summaries
+    lrs: dict[str, str] | None
+    about: str  # the report's first sentence
 
 
-def _by_seed(summaries: list[dict], core: str, size: str, measure) -> dict[int, float]:
-    return {s["seed"]: measure(s) for s in summaries if s["run"].split(".")[0] == f"{core}_{size}"}
+DSA_1K = DsaSet(
+    ("53k", "107k"),
+    "moba-scaling-1k",
+    None,
+    "DSA (top-192, sparse stage from step 0) against full attention and MoBA (block 64, top-3) at 1K "
+    "rows; full and MoBA are results/moba-scaling-1k's runs.",
+)
+DSA_LADDER = DsaSet(
+    tuple(size for size in LADDER_SIZES if size in LADDER_TUNED),
+    "moba-ladder-1k",
+    LADDER_TUNED,
+    "DSA (top-192, 2 indexer heads of 16, sparse stage from step 0) against full attention and MoBA "
+    "(block 64, top-3) at 1K rows, at each size on the learning rate the ladder tuned; full and MoBA "
+    "are results/moba-ladder-1k's runs at that rate.",
+)
 
 
-def comparison(summaries: list[dict], scaling: list[dict]) -> dict:
+def _run(core: str, size: str, seed: int, lr: str | None) -> str:
+    """A run's name: seed 0 bare where the set has no learning rates (dsa-1k), else `.lr<x>.seed<k>`."""
+    if lr is None:
+        return f"{core}_{size}" + (f".seed{seed}" if seed else "")
+    return f"{core}_{size}.lr{lr}.seed{seed}"
+
+
+def dsa_runs(dsa_set: DsaSet = DSA_1K) -> tuple[str, ...]:
+    """Seed 0 of every size first, then the further seeds."""
+    lr = lambda size: dsa_set.lrs[size] if dsa_set.lrs else None
+    return tuple(_run("dsa", size, seed, lr(size)) for seed in DSA_SEEDS for size in dsa_set.sizes)
+
+
+def _runs_of(summaries: list[dict], core: str, size: str, lr: str | None) -> list[dict]:
+    """The summaries of core_size's runs (at `lr` where given)."""
+    name = f"{core}_{size}"
+    return [s for s in summaries if s["run"].split(".")[0] == name and (lr is None or s["lr"] == float(lr))]
+
+
+def _by_seed(summaries: list[dict], core: str, size: str, measure, lr: str | None) -> dict[int, float]:
+    return {s["seed"]: measure(s) for s in _runs_of(summaries, core, size, lr)}
+
+
+def comparison(summaries: list[dict], others: list[dict], dsa_set: DsaSet = DSA_1K) -> dict:
     """size -> measure -> 'dsa - full' / 'dsa - moba' -> paired_gap, over the seeds all have."""
-    runs = [s for s in summaries + scaling if s["seed"] in DSA_SEEDS]
+    runs = [s for s in summaries + others if s["seed"] in DSA_SEEDS]
     measures = {
         "every token": lambda s: s["every_token"]["loss"],
         "trailing": lambda s: s["trailing"]["loss"],
     }
     out = {}
-    for size in DSA_SIZES:
+    for size in dsa_set.sizes:
+        lr = dsa_set.lrs[size] if dsa_set.lrs else None
         for label, measure in measures.items():
-            dsa = _by_seed(runs, "dsa", size, measure)
+            dsa = _by_seed(runs, "dsa", size, measure, lr)
             for other in ("full", "moba"):
-                gap = paired_gap(dsa, _by_seed(runs, other, size, measure))
+                gap = paired_gap(dsa, _by_seed(runs, other, size, measure, lr))
                 if gap:
                     out.setdefault(size, {}).setdefault(label, {})[f"dsa - {other}"] = gap
     return out
@@ -54,7 +102,7 @@ def _line(name: str, gap: dict) -> str:
     )
 
 
-def draw_dsa_comparison(summaries: list[dict], out: Path) -> None:
+def draw_dsa_comparison(summaries: list[dict], out: Path, dsa_set: DsaSet = DSA_1K) -> None:
     """report.md (the paired gaps) and loss_by_position.png (each core's seed-mean loss per
     position bucket, per size)."""
     import matplotlib
@@ -62,14 +110,14 @@ def draw_dsa_comparison(summaries: list[dict], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    scaling_dir = out.parent / "moba-scaling-1k"
-    scaling = [json.loads(p.read_text()) for p in sorted(scaling_dir.glob("*.json")) if p.name != "fits.json"]
-    gaps = comparison(summaries, scaling)
+    others_dir = out.parent / dsa_set.others
+    names = ("fits.json", "ladder.json")
+    others = [json.loads(p.read_text()) for p in sorted(others_dir.glob("*.json")) if p.name not in names]
+    gaps = comparison(summaries, others, dsa_set)
     text = (
-        "DSA (top-192, sparse stage from step 0) against full attention and MoBA (block 64, top-3) "
-        "at 1K rows; full and MoBA are results/moba-scaling-1k's runs. Loss over every validation "
-        "token and the trailing loss (positions 768-1023), paired by seed (mean ± standard error; "
-        "t-based 95 % interval of the gap).\n\n"
+        f"{dsa_set.about} Loss over every validation token and the trailing loss (the last quarter of "
+        "the rows' positions), paired by seed (mean ± standard error; t-based 95 % interval of the "
+        "gap).\n\n"
         "| size, measure, gap | seeds | DSA | other | gap | 95 % interval |\n|---|---|---|---|---|---|\n"
     )
     for size, measures in gaps.items():
@@ -78,11 +126,15 @@ def draw_dsa_comparison(summaries: list[dict], out: Path) -> None:
     (out / "report.md").write_text(text)
     print(text, flush=True)
 
-    runs = [s for s in summaries + scaling if s["seed"] in DSA_SEEDS]
-    fig, axes = plt.subplots(1, len(DSA_SIZES), figsize=(5 * len(DSA_SIZES), 3.6), sharey=True)
-    for ax, size in zip(axes, DSA_SIZES, strict=True):
+    runs = [s for s in summaries + others if s["seed"] in DSA_SEEDS]
+    sizes = [size for size in dsa_set.sizes if _runs_of(runs, "dsa", size, None)]
+    if not sizes:
+        return
+    fig, axes = plt.subplots(1, len(sizes), figsize=(5 * len(sizes), 3.6), sharey=True, squeeze=False)
+    for ax, size in zip(axes[0], sizes, strict=True):
+        lr = dsa_set.lrs[size] if dsa_set.lrs else None
         for core in CORES:
-            chosen = [s for s in runs if s["run"].split(".")[0] == f"{core}_{size}"]
+            chosen = _runs_of(runs, core, size, lr)
             if not chosen:
                 continue
             starts = [b["start"] for b in chosen[0]["buckets"]]
@@ -91,8 +143,13 @@ def draw_dsa_comparison(summaries: list[dict], out: Path) -> None:
         ax.set_title(f"{size} non-embedding (without the indexers)")
         ax.set_xlabel("position in the row (bucket start)")
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel("validation loss, seed mean")
-    axes[0].legend()
+    axes[0][0].set_ylabel("validation loss, seed mean")
+    axes[0][0].legend()
     fig.tight_layout()
     fig.savefig(out / "loss_by_position.png", dpi=120)
     plt.close(fig)
+
+
+def draw_dsa_ladder(summaries: list[dict], out: Path) -> None:
+    """dsa-ladder-1k's report and figure (against results/moba-ladder-1k)."""
+    draw_dsa_comparison(summaries, out, DSA_LADDER)

@@ -33,6 +33,8 @@ is that config with `train.seed=k` (the repeats that give gaps their intervals);
   each (eval/lr_sweep.py): the schedule of the MoBA sets, chosen for seeds that agree.
 - dsa-1k (eval/dsa_report.py): DSA against moba-scaling-1k's full attention and MoBA at 53K and
   107K, 3 seeds
+- dsa-ladder-1k (eval/dsa_report.py, configs/dsa/cpu/ladder/): DSA against moba-ladder-1k's full
+  attention and MoBA at each tuned size of that ladder, on its tuned learning rate, 3 seeds
 - egmla-cpu (eval/egmla_report.py): MHA, MLA and EG-MLA with 4 gate-table widths
   (configs/egmla/cpu/), the projected gate at the same widths (docs/eg_mla.md), the
   parameter-matched controls (MLA plus a non-gating table matched to emb16 and to the projected
@@ -57,7 +59,7 @@ import sys
 import time
 from pathlib import Path
 
-from eval.dsa_report import draw_dsa_comparison, dsa_runs  # noqa: F401 (recipes name them)
+from eval.dsa_report import DSA_LADDER, draw_dsa_comparison, draw_dsa_ladder, dsa_runs  # noqa: F401
 from eval.egmla_report import draw_egmla_report, egmla_runs, summarize_report  # noqa: F401 (recipes name them)
 from eval.ladder import draw_ladder, draw_ladder_4k, ladder_4k_runs, ladder_runs  # noqa: F401 (recipes name them)
 from eval.lr_sweep import draw_lr_sweep, summarize_final_loss  # noqa: F401 (recipes name them)
@@ -116,6 +118,9 @@ RECIPES = {
         "draw_egmla_report",
     ),
     "dsa-1k": Recipe("configs/moba/cpu/scaling", dsa_runs(), "summarize_losses", "draw_dsa_comparison"),
+    "dsa-ladder-1k": Recipe(
+        "configs/dsa/cpu/ladder", dsa_runs(DSA_LADDER), "summarize_losses", "draw_dsa_ladder"
+    ),
     "lr-sweep-1k": Recipe(
         "configs/moba/cpu/scaling",
         tuple(

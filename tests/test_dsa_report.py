@@ -1,13 +1,25 @@
-"""eval.dsa_report: the dsa-1k recipe's runs and its seed-paired gaps against moba-scaling-1k's."""
+"""eval.dsa_report: the dsa-1k and dsa-ladder-1k recipes' runs and their seed-paired gaps against
+moba-scaling-1k's and moba-ladder-1k's runs."""
+
+import json
 
 import pytest
 
-from eval import dsa_report, sweep
+from effattn_jax.config import load_config
+from eval import dsa_report, ladder, sweep
 
 
-def _summary(core, size, seed, loss, trailing):
-    run = f"{core}_{size}" + (f".seed{seed}" if seed else "")
-    return {"run": run, "seed": seed, "every_token": {"loss": loss}, "trailing": {"loss": trailing}}
+def _summary(core, size, seed, loss, trailing, lr=None):
+    run = (
+        f"{core}_{size}" + (f".seed{seed}" if seed else "")
+        if lr is None
+        else f"{core}_{size}.lr{lr}.seed{seed}"
+    )
+    summary = {"run": run, "seed": seed, "every_token": {"loss": loss}, "trailing": {"loss": trailing}}
+    return summary | {
+        "lr": float(lr or 1e-3),
+        "buckets": [{"start": 0, "loss": loss}, {"start": 512, "loss": trailing}],
+    }
 
 
 def test_recipe_runs_both_sizes_at_three_seeds_of_existing_configs():
@@ -34,3 +46,35 @@ def test_gaps_pair_dsa_with_full_and_moba_by_seed():
     assert full["seeds"] == [0, 1, 2] and full["gap"][0] == pytest.approx(-0.11)
     assert gaps["53k"]["trailing"]["dsa - full"]["gap"][0] == pytest.approx(-0.1)
     assert gaps["53k"]["every token"]["dsa - moba"]["gap"][0] == pytest.approx(0.1)
+
+
+def test_ladder_recipe_runs_every_tuned_size_at_its_rate_on_the_ladder_config_with_dsa():
+    runs = sweep.RECIPES["dsa-ladder-1k"].runs
+    tuned = ladder.LADDER_TUNED
+    assert sorted(runs) == sorted(f"dsa_{s}.lr{lr}.seed{k}" for s, lr in tuned.items() for k in (0, 1, 2))
+    for run in runs:
+        stem = run.split(".")[0]
+        cfg = load_config(str(sweep.REPO / "configs/dsa/cpu/ladder" / f"{stem}.yaml"), [])
+        full = load_config(str(sweep.REPO / "configs/moba/cpu/ladder" / f"full_{stem[4:]}.yaml"), [])
+        assert cfg.attention.core == "dsa" and cfg.dsa.index_topk == 192
+        assert (cfg.model, cfg.train.steps, cfg.data) == (full.model, full.train.steps, full.data)
+
+
+def test_ladder_gaps_pair_with_the_ladders_runs_at_the_tuned_rate(tmp_path):
+    """The ladder's tuning runs at other rates are left out; the report and figure are written."""
+    lr = ladder.LADDER_TUNED["13k"]
+    dsa = [_summary("dsa", "13k", k, 5.0, 5.1, lr) for k in (0, 1, 2)]
+    others = [_summary("full", "13k", k, 5.2, 5.4, lr) for k in (0, 1, 2)]
+    others += [_summary("full", "13k", k, 9.0, 9.0, "3e-2") for k in (0, 1)]  # a tuning run
+    others += [_summary("moba", "13k", k, 5.1, 5.1, lr) for k in (0, 1, 2)]
+    gaps = dsa_report.comparison(dsa, others, dsa_report.DSA_LADDER)
+    assert gaps["13k"]["every token"]["dsa - full"]["gap"][0] == pytest.approx(-0.2)
+    assert gaps["13k"]["trailing"]["dsa - moba"]["gap"][0] == pytest.approx(0.0)
+    (tmp_path / "moba-ladder-1k").mkdir()
+    for s in others:
+        (tmp_path / "moba-ladder-1k" / f"{s['run']}.json").write_text(json.dumps(s))
+    (tmp_path / "dsa-ladder-1k").mkdir()
+    dsa_report.draw_dsa_ladder(dsa, tmp_path / "dsa-ladder-1k")
+    report = (tmp_path / "dsa-ladder-1k" / "report.md").read_text()
+    assert "| 13k, every token, dsa - full | 3 |" in report
+    assert (tmp_path / "dsa-ladder-1k" / "loss_by_position.png").stat().st_size > 0
