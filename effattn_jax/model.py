@@ -18,7 +18,7 @@ from flax.nnx import traversals
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from effattn_jax.attention import CORES, KINDS
-from effattn_jax.attention.indexer import pop_indexer_kl
+from effattn_jax.attention.indexer import sown_indexer_kl
 from effattn_jax.config import Config
 from effattn_jax.layers import RMSNorm, SwiGLU, param
 from effattn_jax.ops.context_parallel import context_shards
@@ -115,12 +115,12 @@ def _layer(i: int, a):
 
 def _through(block, carry, args, indexed: bool):
     """carry through one block: x, or (x, the indexers' KL loss per token summed so far) where
-    `indexed` (what the block's indexer sowed is collected, so the model keeps no intermediates)."""
+    `indexed` (what the block's indexer sows is captured, `nnx.capture`: the model keeps none)."""
     if not indexed:
         return block(carry, *args)
     x, kl = carry
-    x = block(x, *args)
-    return x, kl + pop_indexer_kl(block)
+    x, sown = nnx.capture(block, nnx.Intermediate)(x, *args)
+    return x, kl + sown_indexer_kl(sown)
 
 
 def _scan(graphdef, layers, carry, args, remat: bool, indexed: bool):

@@ -63,8 +63,8 @@ def indexer_for(cfg, core, q_in: int, q_axis: str, rngs) -> Indexer | None:
 
 def run_core(layer, q, k, v, *, x, q_in, positions, segment_ids, **kw):
     """layer.core's training attention; with an indexer it also gets the indexer's outputs and
-    returns each token's KL loss, which the layer sows for the model to collect
-    (`pop_indexer_kl`)."""
+    returns each token's KL loss, which the layer sows for the model to capture
+    (`sown_indexer_kl`)."""
     if layer.indexer is None:
         return layer.core.attend(q, k, v, segment_ids=segment_ids, **kw)
     index = layer.indexer(x, q_in, positions)
@@ -80,7 +80,8 @@ def decode_core(layer, view, cache, positions, *, x, q_in, **kw):
     return layer.core.decode(view, cache, positions, index=layer.indexer(x, q_in, positions), **kw)
 
 
-def pop_indexer_kl(module) -> jax.Array | float:
-    """The sum of the per-token KL losses [B, S] the module's indexers sowed (removed from it), or 0."""
-    sown = jax.tree.leaves(nnx.pop(module, nnx.Intermediate))
-    return sum(sown[1:], sown[0]) if sown else 0.0
+def sown_indexer_kl(sown) -> jax.Array | float:
+    """The sum of the per-token KL losses [B, S] in the intermediates a module's indexers sowed
+    (`nnx.capture(module, nnx.Intermediate)`'s), or 0."""
+    kls = jax.tree.leaves(sown)
+    return sum(kls[1:], kls[0]) if kls else 0.0
