@@ -32,11 +32,15 @@ def test_dry_run_writes_every_section_without_the_data_stack(tmp_path):
         "own_kernels",
         "moba_decode",
         "latent_decode",
+        "dsa",
         "train",
         "train_py",
         "long_attention",
         "transformers",
     }
+    dsa = sections["dsa"]  # interpreted kernels, timed once: every case ran and has its ratio
+    assert [r["case"] for r in dsa] == ["attention", "decode"], dsa
+    assert dsa[0]["xla_over_kernel"] > 0 and dsa[1]["mla_over_dsa"] > 0
     checks = sections["correctness"]
     assert {c["check"] for c in checks} == {"moba", "mla_decode", "moba_decode", "dsa", "dsa_decode"}
     assert len(checks) == 10

@@ -39,6 +39,10 @@ sum to the budget):
   bytes they read per second against a device-to-device copy; then the MLA decode kernel alone
   (on Hopper the Mosaic GPU one with the Triton one beside it) against the XLA step at 16 and
   128 heads, batch 1 and 16 (eval/bench/latent_kernel.py).
+- dsa: DSA's Triton kernels timed (eval/bench/gpu_dsa.py): the sparse attention forward + backward
+  against its XLA path at 8K and 32K (V3.2's per-head widths, top-2,048), beside the selection's
+  ms; the latent decode step over the top-2,048 rows against MLA's decode kernel over all 32K
+  slots, 16 and 128 heads, batch 1 and 16.
 - train: 30 steps of a small MoBA model with the GPU kernels beside the same run with the XLA
   path (same initialisation, same batches, float32): the losses must agree within `--loss-tol`.
 - train_py: `train.py` itself on the configs/gpu/ models for a few dozen steps (a subprocess each):
@@ -82,7 +86,7 @@ from effattn_jax.ops.platform import resolve_impl
 from effattn_jax.sharding import make_mesh
 from effattn_jax.train.state import init_state, make_setup
 from effattn_jax.train.step import make_train_step
-from eval.bench import block_kernels, common, gpu_checks, gpu_routing, gpu_transformers, own_kernels
+from eval.bench import block_kernels, common, gpu_checks, gpu_dsa, gpu_routing, gpu_transformers, own_kernels
 from eval.bench.attention import structured_inputs
 from eval.bench.latent_kernel import latent_kernel_case
 from eval.decoding import copy_bandwidth, latent_decode, moba_vs_dense_decode
@@ -101,14 +105,15 @@ TINY_TRAIN_PY = (
 # (section, share of the budget)
 SHARES = {
     "correctness": 0.1,
-    "attention": 0.2,
+    "attention": 0.17,
     "routing": 0.05,
     "block_kernels": 0.05,
     "tiles": 0.06,
     "own_kernels": 0.05,
     "moba_decode": 0.08,
     "latent_decode": 0.07,
-    "train": 0.12,
+    "dsa": 0.06,
+    "train": 0.09,
     "train_py": 0.14,
     "long_attention": 0.08,
     "transformers": 0.3,
@@ -154,6 +159,13 @@ FULL = {
                           dtype=jnp.bfloat16, impl=GPU, repeats=5),
     "transformers": dict(shapes=["llama_12l_d768", "qwen3_0.6b"], prompts=[4096, 32768], batches=[1, 16],
                          new_tokens=64, repeats=3, dtype="bfloat16"),
+    "dsa": dict(
+        attention=[dict(seq=seq, heads=16, kv_heads=16, head_dim=192, v_head_dim=128, top_k=2048,
+                        dtype=jnp.bfloat16) for seq in (8192, 32768)],
+        decode=[dict(context=32768, batch=batch, heads=heads, latent=512, rope=64, top_k=2048,
+                     dtype=jnp.bfloat16) for heads in (16, 128) for batch in (1, 16)],
+        repeats=3,
+    ),
     "train": ["model.num_layers=4", "model.d_model=512", "model.num_heads=8", "model.mlp_dim=1408",
               "model.vocab_size=32768", "data.seq_len=8192", "data.batch_size=2", "moba.block_size=512",
               "moba.top_k=3", "model.dtype=float32", "train.lr=3e-4", "train.warmup_steps=5"],
@@ -191,6 +203,10 @@ DRY = {
                           impl=GPU, repeats=1),
     "transformers": dict(shapes=["tiny"], prompts=[32], batches=[2], new_tokens=8, repeats=1,
                          dtype="float32"),
+    "dsa": dict(attention=[dict(seq=64, heads=4, kv_heads=2, head_dim=16, v_head_dim=8, top_k=12,
+                                dtype=jnp.float32)],
+                decode=[dict(context=64, batch=1, heads=4, latent=16, rope=16, top_k=12, dtype=jnp.float32)],
+                repeats=1),
     "train": ["model.num_layers=2", "model.d_model=32", "model.num_heads=2", "model.mlp_dim=64",
               "model.vocab_size=256", "data.seq_len=64", "data.batch_size=2", "moba.block_size=16",
               "moba.top_k=3", "model.dtype=float32", "moba.q_tile=16", "moba.kv_block=16",
@@ -546,6 +562,7 @@ SECTIONS = {
     "own_kernels": lambda suite, rows, plan, args: own_kernels.section(suite, rows, plan["own_kernels"]),
     "moba_decode": _moba_decode,
     "latent_decode": _latent_decode,
+    "dsa": lambda suite, rows, plan, args: gpu_dsa.section(suite, rows, plan["dsa"], _error),
     "train": lambda suite, rows, plan, args: train_pair(
         suite, rows, plan["train"], plan["train_steps"], args.loss_tol
     ),
