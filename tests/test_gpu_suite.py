@@ -2,6 +2,7 @@
 stack, so it is known to work before a GPU is lent."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -110,3 +111,16 @@ def test_out_at_a_file_ends_in_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         gpu_suite.main(["--out", str(tmp_path / "file"), "--dry"])
     assert e.value.code == 2 and "a file; it takes a directory" in capsys.readouterr().err
+
+
+def test_the_session_script_parses_and_names_only_known_sections():
+    """eval/bench/gpu_session.sh (run on a GPU loan): bash accepts it, and every section its parts
+    name is one of the suite's. Its --dry run takes minutes; the sections' dry runs are above."""
+    from eval.bench import gpu_suite
+
+    script = ROOT / "eval/bench/gpu_session.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    parts = re.findall(r"^part (\w+) \S+ ([\w,]+)$", script.read_text(), re.M)
+    assert [name for name, _ in parts] == ["checks", "speed"]
+    named = [section for _, sections in parts for section in sections.split(",")]
+    assert set(named) <= set(gpu_suite.SHARES) and "correctness" in named and "dsa" in named
