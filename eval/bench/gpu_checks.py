@@ -28,6 +28,15 @@ def relative_difference(a, b) -> float:
     return float(jnp.abs(a - b).max() / jnp.maximum(jnp.abs(b).max(), 1e-30))
 
 
+def latent_step_inputs(keys, batch, heads, context, latent, rope, dtype):
+    """Random inputs of one absorbed decode step from keys[:4]: q_lat [B, 1, H, d_c], q_rope [B, 1,
+    H, d_R] and a full cache, latent [B, L, d_c] and RoPE keys [B, L, d_R]."""
+    q_lat = jax.random.normal(keys[0], (batch, 1, heads, latent), dtype)
+    q_rope = jax.random.normal(keys[1], (batch, 1, heads, rope), dtype)
+    lat = jax.random.normal(keys[2], (batch, context, latent), dtype)
+    return q_lat, q_rope, lat, jax.random.normal(keys[3], (batch, context, rope), dtype)
+
+
 def packed_segments(batch: int, seq: int, docs: int):
     """[B, S] segment ids of `docs` documents of unequal lengths per row (the first the longest)."""
     cuts = [seq * (docs - i) * (docs - i + 1) // (docs * (docs + 1)) for i in range(docs)]
@@ -98,10 +107,7 @@ def dsa_decode_case(*, heads, context, batch, latent, rope, top_k, dtype, impl, 
     """One absorbed decode step over each row's top_k latent rows (rows at different lengths, the
     selection `dsa_select`'s from random indexer outputs) by the kernel against plain jnp."""
     keys = jax.random.split(jax.random.key(heads + top_k), 7)
-    q_lat = jax.random.normal(keys[0], (batch, 1, heads, latent), dtype)
-    q_rope = jax.random.normal(keys[1], (batch, 1, heads, rope), dtype)
-    lat = jax.random.normal(keys[2], (batch, context, latent), dtype)
-    kr = jax.random.normal(keys[3], (batch, context, rope), dtype)
+    q_lat, q_rope, lat, kr = latent_step_inputs(keys, batch, heads, context, latent, rope, dtype)
     q_idx = jax.random.normal(keys[4], (batch, 1, index_heads, 32), jnp.float32)
     k_idx = jax.random.normal(keys[5], (batch, context, 32), jnp.float32)
     weights = jax.random.normal(keys[6], (batch, 1, index_heads), jnp.float32)
@@ -128,10 +134,7 @@ def dsa_decode_case(*, heads, context, batch, latent, rope, top_k, dtype, impl, 
 def mla_decode_case(*, heads, context, batch, latent, rope, dtype, impl) -> dict:
     """One absorbed decode step (rows at different lengths) by the kernel against XLA."""
     keys = jax.random.split(jax.random.key(heads), 4)
-    q_lat = jax.random.normal(keys[0], (batch, 1, heads, latent), dtype)
-    q_rope = jax.random.normal(keys[1], (batch, 1, heads, rope), dtype)
-    lat = jax.random.normal(keys[2], (batch, context, latent), dtype)
-    kr = jax.random.normal(keys[3], (batch, context, rope), dtype)
+    q_lat, q_rope, lat, kr = latent_step_inputs(keys, batch, heads, context, latent, rope, dtype)
     positions = (jnp.arange(batch)[:, None] * 37 + context - 1 - 37 * (batch - 1)).astype(jnp.int32)
     step = jax.jit(
         lambda impl, *x: absorbed_attention(*x, positions, (latent + rope) ** -0.5, impl), static_argnums=0

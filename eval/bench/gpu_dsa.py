@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from effattn_jax.ops.dsa import dsa_select, dsa_sparse_attention, latent_decode_kernel
 from effattn_jax.ops.mla_decode import absorbed_attention
+from eval.bench.gpu_checks import latent_step_inputs
 from eval.timing import alternated, seconds
 
 KERNEL = "pallas_triton"  # the DSA kernels' backend on GPU
@@ -55,10 +56,7 @@ def decode_case(*, context, batch, heads, latent, rope, top_k, dtype, repeats) -
     """ms of one decode step over a full cache: the DSA kernel over each row's top_k latent rows
     against MLA's decode kernel (Triton) over every slot; the selection is made once, outside."""
     keys = jax.random.split(jax.random.key(context + batch + heads), 7)
-    q_lat = jax.random.normal(keys[0], (batch, 1, heads, latent), dtype)
-    q_rope = jax.random.normal(keys[1], (batch, 1, heads, rope), dtype)
-    lat = jax.random.normal(keys[2], (batch, context, latent), dtype)
-    kr = jax.random.normal(keys[3], (batch, context, rope), dtype)
+    q_lat, q_rope, lat, kr = latent_step_inputs(keys, batch, heads, context, latent, rope, dtype)
     pos = jnp.full((batch, 1), context - 1, jnp.int32)
     indices = jax.jit(lambda *x: dsa_select(*x, top_k=top_k, q_index=pos))(
         *_indexer(keys[4:], batch, 1, context)

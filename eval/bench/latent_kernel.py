@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from effattn_jax.ops.mla_decode import absorbed_attention
+from eval.bench.gpu_checks import latent_step_inputs
 from eval.timing import alternated, seconds
 from pallas_kernels import gpu_memory
 from pallas_kernels.gpu_dispatch import capability
@@ -35,10 +36,7 @@ def latent_kernel_case(
     XLA, the slices the kernel split each row into, and bytes per second read against `copy`
     (bytes/s of a device-to-device copy)."""
     keys = jax.random.split(jax.random.key(context + batch + heads), 4)
-    q_lat = jax.random.normal(keys[0], (batch, 1, heads, latent), dtype)
-    q_rope = jax.random.normal(keys[1], (batch, 1, heads, rope), dtype)
-    lat = jax.random.normal(keys[2], (batch, context, latent), dtype)
-    kr = jax.random.normal(keys[3], (batch, context, rope), dtype)
+    q_lat, q_rope, lat, kr = latent_step_inputs(keys, batch, heads, context, latent, rope, dtype)
     pos = jnp.full((batch, 1), context - 1, jnp.int32)
     on_gpu = jax.default_backend() == "gpu"
     # the kernels by name, verified or not (pallas_gpu takes only verified ones): on Hopper, where the
