@@ -9,6 +9,8 @@ while a GPU run imports no TPU code (and the reverse).
   ("dsa", "attention", b)   b = triton: attention over each query's selected keys (dsa/triton.py)
   ("dsa", "decode", b)      b in triton / tpu: a decode step over the selected latent rows
                             (dsa/triton_decode.py, dsa/tpu_decode.py)
+  ("dsa", "select", b)      b = tpu: the indexer's scores and each query's top-k of a whole
+                            sequence in one kernel (dsa/tpu_select.py)
 
 Every routing entry takes (q, starts, means, lo, hi, picks, *, seq, key_dtype, interpret); every
 decode entry the arguments of its family's XLA step and `interpret`. Which backend runs is decided
@@ -95,6 +97,12 @@ def _dsa_decode_tpu():
     return sparse_latent_decode_tpu
 
 
+def _dsa_select_tpu():
+    from pallas_kernels.dsa.tpu_select import index_topk_tpu
+
+    return index_topk_tpu
+
+
 REGISTRY: dict[tuple[str, str, str], Callable[[], Any]] = {
     ("moba", "attention", "tpu"): moba_attention.tpu,
     ("moba", "attention", "triton"): moba_attention.triton,
@@ -111,6 +119,7 @@ REGISTRY: dict[tuple[str, str, str], Callable[[], Any]] = {
     ("dsa", "attention", "triton"): _dsa_attention_triton,
     ("dsa", "decode", "triton"): _dsa_decode_triton,
     ("dsa", "decode", "tpu"): _dsa_decode_tpu,
+    ("dsa", "select", "tpu"): _dsa_select_tpu,
 }
 
 

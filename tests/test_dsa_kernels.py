@@ -11,15 +11,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TINY_MLA, v5e_arg
+from conftest import TINY_MLA, segments, v5e_arg
 from flax import nnx
 
 from effattn_jax.config import load_config
 from effattn_jax.model import Transformer, init_cache
-from effattn_jax.ops.dsa import sparse_attention
+from effattn_jax.ops.dsa import dsa_select, sparse_attention
 from pallas_kernels.common import gpu_lowering_target
 from pallas_kernels.dsa.tpu_decode import CHUNK as TPU_CHUNK
 from pallas_kernels.dsa.tpu_decode import sparse_latent_decode_tpu
+from pallas_kernels.dsa.tpu_select import index_topk_tpu
 from pallas_kernels.dsa.triton import CHUNK, sparse_attention_gpu, width_parts
 from pallas_kernels.dsa.triton_decode import sparse_latent_decode_gpu
 from pallas_kernels.registry import kernel
@@ -84,10 +85,13 @@ def test_forward_and_backward_lower_for_cuda(dtype):
     assert sorted(names) == ["dsa_sparse_attention_bwd", "dsa_sparse_attention_fwd"]
 
 
-@pytest.mark.parametrize("kind", ["mla", "mha"])
-def test_a_model_on_the_kernel_equals_the_xla_path(kind):
+@pytest.mark.parametrize(
+    "kind, impl", [("mla", "pallas_triton"), ("mha", "pallas_triton"), ("mla", "pallas_tpu")]
+)
+def test_a_model_on_the_kernel_equals_the_xla_path(kind, impl):
     """Top-5 of 13 and 11 packed tokens: the features, the KL and the gradients of both with
-    dsa.impl=pallas_triton (interpreted) equal dsa.impl=xla."""
+    dsa.impl=pallas_triton (the attention kernel) or pallas_tpu (the selection kernel), interpreted,
+    equal dsa.impl=xla."""
     kinds = {"mla": ["attention.kind=mla"], "mha": ["model.num_kv_heads=2"]}
     dsa = ["attention.core=dsa", "dsa.index_n_heads=3", "dsa.index_head_dim=8", "dsa.index_topk=5"]
     rng = np.random.default_rng(0)
@@ -107,7 +111,7 @@ def test_a_model_on_the_kernel_equals_the_xla_path(kind):
         return jax.value_and_grad(objective, has_aux=True)(params)
 
     (_, (want, want_kl)), want_grads = run("xla")
-    (_, (got, got_kl)), got_grads = run("pallas_triton")
+    (_, (got, got_kl)), got_grads = run(impl)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
     np.testing.assert_allclose(got_kl, want_kl, rtol=1e-4, atol=1e-6)  # KL of a fresh model: ~1e-5 a token
     for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
@@ -141,6 +145,51 @@ def test_latent_decode_on_the_kernel_equals_the_xla_step(impl):
 
     for got, want in zip(decode(impl), decode("xla"), strict=True):
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize(
+    "seq, top_k, lengths, interpret",
+    [
+        (40, 7, None, True),  # one key tile, fewer picks than keys
+        (300, 130, (100, 200), True),  # two key tiles, picks over two lanes' windows, packed documents
+        (300, 130, (100, 200), "tpu"),  # the TPU interpreter
+        (20, 64, None, True),  # top-k past the sequence: every visible key
+    ],
+)
+def test_tpu_selection_equals_dsa_select(seq, top_k, lengths, interpret):
+    """The fused selection kernel (scores and top-k, pallas_kernels/dsa/tpu_select.py) equals the
+    XLA selection index for index, order included, with ties: every other key repeats the one
+    before it, so half the scores tie and the earlier key must win. Catches: the k-th score off by
+    one, a tie resolved to the later key, a pick written at another query's offset or lost across
+    a 128-key tile or a key tile, a key of another document picked."""
+    rng = np.random.default_rng(seq + top_k)
+    b, hi, di = 2, 3, 16
+    q = jnp.asarray(rng.standard_normal((b, seq, hi, di)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((b, seq, di)), jnp.float32)
+    k = k.at[:, 1::2].set(k[:, : seq // 2 * 2 : 2])  # ties: key 2i + 1 is key 2i
+    w = jnp.asarray(rng.standard_normal((b, seq, hi)), jnp.float32)
+    seg = None if lengths is None else segments(b, lengths)
+    want = dsa_select(q, k, w, top_k=top_k, segment_ids=seg)
+    got = index_topk_tpu(q, k, w, top_k=top_k, segment_ids=seg, interpret=interpret)
+    np.testing.assert_array_equal(got, want)
+    assert kernel("dsa", "select", "tpu") is index_topk_tpu
+
+
+@pytest.mark.slow
+def test_tpu_selection_compiles_for_a_real_tpu():
+    """Mosaic lowering and a libtpu compile for a v5e at V3.2's indexer (64 heads of 128, bf16,
+    top-2,048) over 128K tokens: the row of scores (4 MiB a tile of queries) fits VMEM. Catches: an
+    op Mosaic refuses (interpret mode accepts it), a scoped VMEM limit the kernel outgrows."""
+    arg = v5e_arg()
+    select = jax.jit(lambda q, k, w, seg: index_topk_tpu(q, k, w, top_k=2048, segment_ids=seg))
+    device = jax.sharding.AbstractDevice(device_kind="TPU v5 lite", num_cores=None, platform="tpu")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
+        lowered = select.lower(
+            arg((1, 131072, 64, 128)), arg((1, 131072, 128)), arg((1, 131072, 64), jnp.float32),
+            arg((1, 131072), jnp.int32),
+        )  # fmt: skip
+        assert lowered.as_text().count("tpu_custom_call") == 1
+        lowered.compile()
 
 
 def _latent_attention(ql, qr, lat, kr, idx, scale):

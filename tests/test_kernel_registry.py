@@ -28,11 +28,12 @@ PARTS = [("moba", "attention"), ("moba", "routing"), ("moba", "decode"), ("mla",
 
 
 def test_every_part_has_every_backend():
-    """DSA has Triton's attention and decode, and TPU's decode, so far (docs/dsa.md)."""
+    """DSA has Triton's attention and decode, and TPU's decode and selection, so far (docs/dsa.md)."""
     want = {(*part, b) for part in PARTS for b in BACKENDS} | {
         ("dsa", "attention", "triton"),
         ("dsa", "decode", "triton"),
         ("dsa", "decode", "tpu"),
+        ("dsa", "select", "tpu"),
     }
     assert set(registry.REGISTRY) == want
 

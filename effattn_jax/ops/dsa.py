@@ -96,8 +96,33 @@ def _q_index(q_index, b: int, t: int):
     return jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)) if q_index is None else q_index
 
 
+XLA_IMPLS = ("auto", "xla", "reference")  # the impls that run no DSA kernel
+
+
+def _kernel(impl: str, part: str):
+    """The registered DSA kernel for `part` of impl's backend, its `interpret` bound (interpreted
+    off its hardware), or None where that backend has none (TPU training: the XLA path). Called
+    where the op traces, so an AOT target's backend is the one used."""
+    from effattn_jax.ops.platform import resolve_impl
+    from pallas_kernels.registry import REGISTRY, kernel
+
+    _, backend, interpret = resolve_impl(impl)
+    if ("dsa", part, backend) not in REGISTRY:
+        return None
+    return functools.partial(kernel("dsa", part, backend), interpret=interpret)
+
+
 def dsa_select(
-    q_idx, k_idx, weights, *, top_k: int, segment_ids=None, scale=None, q_index=None, query_chunk=None
+    q_idx,
+    k_idx,
+    weights,
+    *,
+    top_k: int,
+    segment_ids=None,
+    scale=None,
+    q_index=None,
+    query_chunk=None,
+    impl: str = "xla",
 ):
     """The one DSA selection: q_idx [B, T, Hi, Di], k_idx [B, S, Di], weights [B, T, Hi] ->
     indices [B, T, K'] int32, K' = min(top_k, S), best first, ties to the earlier token; -1 in
@@ -105,7 +130,12 @@ def dsa_select(
 
     `q_index` [B, T]: the queries' positions among the keys (default: T = S, in order).
     `query_chunk`: queries scored at once ([B, chunk, Hi, S] float32 products; default: as many
-    as fit CHUNK_BYTES, at most 512). No gradient flows through it."""
+    as fit CHUNK_BYTES, at most 512). No gradient flows through it. `impl`: where its backend has
+    a selection kernel (pallas_tpu: pallas_kernels/dsa/tpu_select.py), a whole sequence's selection
+    (no `q_index`) runs in it, the scores never in HBM; the rest here."""
+    run = None if impl in XLA_IMPLS or q_index is not None else _kernel(impl, "select")
+    if run is not None:
+        return run(q_idx, k_idx, weights, top_k=top_k, segment_ids=segment_ids, scale=scale)
     q_idx, k_idx, weights = (jax.lax.stop_gradient(x) for x in (q_idx, k_idx, weights))
     b, t, hi, _ = q_idx.shape
     s = k_idx.shape[1]
@@ -161,22 +191,6 @@ def sparse_attention(q, k, v, indices, *, scale=None, query_chunk=None):
         return (o / jnp.where(l > 0, l, 1.0)).reshape(qc.shape[:3] + (dv,)).astype(q.dtype)
 
     return _map_chunks(attend, chunk, q, indices)
-
-
-XLA_IMPLS = ("auto", "xla", "reference")  # the impls that run no DSA kernel
-
-
-def _kernel(impl: str, part: str):
-    """The registered DSA kernel for `part` of impl's backend, its `interpret` bound (interpreted
-    off its hardware), or None where that backend has none (TPU training: the XLA path). Called
-    where the op traces, so an AOT target's backend is the one used."""
-    from effattn_jax.ops.platform import resolve_impl
-    from pallas_kernels.registry import REGISTRY, kernel
-
-    _, backend, interpret = resolve_impl(impl)
-    if ("dsa", part, backend) not in REGISTRY:
-        return None
-    return functools.partial(kernel("dsa", part, backend), interpret=interpret)
 
 
 def dsa_sparse_attention(impl: str, query_chunk=None):
