@@ -134,3 +134,14 @@ def shard_over_batch_heads(fn, q, k, v, segment_ids, rules: Rules | None):
         out_specs=q_spec,
         check_vma=False,
     )(q, k, v, segment_ids)
+
+
+def shard_over_batch(fn, *xs, rules: Rules | None):
+    """fn(*xs) per shard of the batch axis (shard_map; every x is [B, ...], and so is the result),
+    every other axis whole: for the Pallas kernels whose work is per batch row, which Mosaic will not
+    partition. Without a context mesh it just calls fn."""
+    mesh = context_mesh()
+    if mesh is None or rules is None:
+        return fn(*xs)
+    batch = PartitionSpec(logical_to_spec(("batch",), xs[0].shape[:1], mesh.shape, rules)[0])
+    return jax.shard_map(fn, mesh=mesh, in_specs=(batch,) * len(xs), out_specs=batch, check_vma=False)(*xs)

@@ -143,8 +143,9 @@ def _dsa_core(cfg) -> Core:
             out = dense.attend(q, k, v, segment_ids=segment_ids, scale=scale, kv_whole=kv_whole)
             return out, kl(scale=scale, query_chunk=chunk)
         indices = dsa_select(
-            q_idx, k_idx, weights, top_k=d.index_topk, segment_ids=segment_ids, query_chunk=chunk, impl=d.impl
-        )
+            q_idx, k_idx, weights, top_k=d.index_topk, segment_ids=segment_ids, query_chunk=chunk,
+            impl=d.impl, rules=rules,
+        )  # fmt: skip
         if d.impl == "reference":
             out = dsa_reference(
                 q, k, v, q_idx, k_idx, weights, top_k=d.index_topk, segment_ids=segment_ids, scale=scale
@@ -167,7 +168,9 @@ def _dsa_core(cfg) -> Core:
         if prefill:
             t = view.q.shape[1]
             k, v = view.prompt(t)
-            indices = dsa_select(q_idx, k_idx, weights, top_k=d.index_topk, query_chunk=chunk, impl=d.impl)
+            indices = dsa_select(
+                q_idx, k_idx, weights, top_k=d.index_topk, query_chunk=chunk, impl=d.impl, rules=rules
+            )
             out = sparse(view.q, k.astype(view.q.dtype), v.astype(view.q.dtype), indices, scale=scale)
             return out, {"index_keys": keys}
         indices = dsa_select(q_idx, keys, weights, top_k=d.index_topk, q_index=positions)

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from effattn_jax.config import DSA_IMPLS
 from effattn_jax.ops.dense import causal_segment_mask, masked_attention
+from effattn_jax.sharding import shard_over_batch
 
 CHUNK_BYTES = 1 << 28  # the largest intermediate of one query chunk, when no chunk size is given
 MAX_CHUNK = 512  # queries per chunk at most, when no chunk size is given
@@ -123,6 +124,7 @@ def dsa_select(
     q_index=None,
     query_chunk=None,
     impl: str = "xla",
+    rules=None,
 ):
     """The one DSA selection: q_idx [B, T, Hi, Di], k_idx [B, S, Di], weights [B, T, Hi] ->
     indices [B, T, K'] int32, K' = min(top_k, S), best first, ties to the earlier token; -1 in
@@ -132,10 +134,13 @@ def dsa_select(
     `query_chunk`: queries scored at once ([B, chunk, Hi, S] float32 products; default: as many
     as fit CHUNK_BYTES, at most 512). No gradient flows through it. `impl`: where its backend has
     a selection kernel (pallas_tpu: pallas_kernels/dsa/tpu_select.py), a whole sequence's selection
-    (no `q_index`) runs in it, the scores never in HBM; the rest here."""
+    (no `q_index`) runs in it, the scores never in HBM, per batch shard under a mesh (`rules`); the
+    rest here."""
     run = None if impl in XLA_IMPLS or q_index is not None else _kernel(impl, "select")
     if run is not None:
-        return run(q_idx, k_idx, weights, top_k=top_k, segment_ids=segment_ids, scale=scale)
+        seg = jnp.ones(q_idx.shape[:2], jnp.int32) if segment_ids is None else segment_ids
+        select = lambda *x: run(*x[:3], top_k=top_k, segment_ids=x[3], scale=scale)
+        return shard_over_batch(select, q_idx, k_idx, weights, seg, rules=rules)
     q_idx, k_idx, weights = (jax.lax.stop_gradient(x) for x in (q_idx, k_idx, weights))
     b, t, hi, _ = q_idx.shape
     s = k_idx.shape[1]
