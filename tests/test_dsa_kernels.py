@@ -13,10 +13,13 @@ import numpy as np
 import pytest
 from conftest import TINY_MLA, segments, v5e_arg
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from effattn_jax.config import load_config
 from effattn_jax.model import Transformer, init_cache
 from effattn_jax.ops.dsa import dsa_select, sparse_attention
+from effattn_jax.sharding import make_mesh, sharding_rules
 from pallas_kernels.common import gpu_lowering_target
 from pallas_kernels.dsa.tpu_decode import CHUNK as TPU_CHUNK
 from pallas_kernels.dsa.tpu_decode import sparse_latent_decode_tpu
@@ -173,6 +176,27 @@ def test_tpu_selection_equals_dsa_select(seq, top_k, lengths, interpret):
     got = index_topk_tpu(q, k, w, top_k=top_k, segment_ids=seg, interpret=interpret)
     np.testing.assert_array_equal(got, want)
     assert kernel("dsa", "select", "tpu") is index_topk_tpu
+
+
+def test_tpu_selection_per_batch_shard_under_a_mesh():
+    """Under a (data=2, fsdp=2) mesh the selection kernel runs per batch shard (Mosaic partitions
+    nothing itself) and equals the XLA selection. Catches: a shard_map spec that splits the
+    sequence or drops a batch shard's rows."""
+    rng = np.random.default_rng(1)
+    q, k, w = (
+        jnp.asarray(rng.standard_normal(shape), jnp.float32)
+        for shape in ((4, 24, 2, 16), (4, 24, 16), (4, 24, 2))
+    )
+    seg = segments(4, (10, 14))
+    rules = sharding_rules(load_config(None, []))
+    mesh = make_mesh(2, 2, 1)
+
+    def select(*x):  # under the mesh, as the train step traces the model
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return dsa_select(*x, top_k=6, segment_ids=seg, impl="pallas_tpu", rules=rules)
+
+    got = jax.jit(select)(*(jax.device_put(x, NamedSharding(mesh, P(("data", "fsdp")))) for x in (q, k, w)))
+    np.testing.assert_array_equal(got, dsa_select(q, k, w, top_k=6, segment_ids=seg))
 
 
 @pytest.mark.slow
