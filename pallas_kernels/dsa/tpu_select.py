@@ -38,12 +38,12 @@ INT_MIN = -(2**31)
 
 
 def _sortable(scores):
-    """float32 -> int32 keys in the same order (-inf lowest among the finite and -inf)."""
+    """float32 scores (no NaN; -inf where masked) -> int32 keys in the same order."""
     bits = pltpu.bitcast(scores, jnp.int32)
     return jnp.where(bits >= 0, bits, bits ^ jnp.int32(0x7FFFFFFF))
 
 
-def _count(scores_ref, tiles: int, holds):
+def _count(scores_ref, tiles, holds):
     """Per row [QT, 1], how many of the first `tiles` key tiles' sortable keys `holds` (key -> bool),
     a tile at a time (no [QT, S] temporary)."""
 
@@ -54,7 +54,7 @@ def _count(scores_ref, tiles: int, holds):
     return jax.lax.fori_loop(0, tiles, tile, jnp.zeros((QT, 1), jnp.int32))
 
 
-def _kth_key(scores_ref, tiles: int, want):
+def _kth_key(scores_ref, tiles, want):
     """Per row, the largest t with at least `want` keys >= t: the want-th largest key [QT, 1]
     (bitwise, from the top bit of t's unsigned pattern: 32 counting passes)."""
 
