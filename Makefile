@@ -129,7 +129,7 @@ gpu-compile: $(STAMP) $(GPU_COMPILE)/libcuda.so.1
 gpu-compile-lower: $(LOWER_STAMP) $(GPU_COMPILE)/libcuda.so.1
 	$(call compile_check,$(LOWER_PY),--kernels-only)
 
-# What a GPU session carries (eval/bench/gpu_session.sh; ignored by git): the wheels the GPU image lacks
+# What a run on a GPU machine carries (eval/bench/gpu_all.sh; ignored by git): the wheels the GPU image lacks
 # or holds at another version (Python 3.12, x86-64; their versions from constraints.txt) and the
 # built-in corpus and tokenizer, in the cache layout EFFATTN_CACHE points at. About 20 MB.
 GPU_CARRY := .gpu-carry

@@ -1,7 +1,7 @@
 """What every kernel here shares (MoBA and MLA decode, TPU and GPU): dot dimension numbers,
 the TPU tile alignment, the interpret-mode switch, Triton's compiler parameters, the target GPU of
-a lowering without one, the cost estimate of an attention pass and the merge of a split decode's
-partial results."""
+a lowering without one, the cost estimate of an attention pass, the merge of a split decode's
+partial results, and the chunks of picks a DSA kernel loops over."""
 
 from __future__ import annotations
 
@@ -86,3 +86,11 @@ def combine_partials(out, m, l, axis: int):
     weight = l * jnp.exp(m - jnp.max(m, axis=axis, keepdims=True))
     total = jnp.sum(weight, axis=axis)
     return jnp.sum(weight[..., None] * out, axis=axis) / total[..., None]
+
+
+def used_chunks(idx, chunk: int):
+    """[B, T, 1] int32 from picks idx [B, T, K] (-1: none): the chunks of `chunk` picks up to each
+    query's last pick (at least 1); the DSA kernels loop over those only, so a query with few picks
+    (early in its document, or decoding a short context) reads no chunk of unused ones."""
+    last = jnp.max(jnp.where(idx >= 0, jnp.arange(idx.shape[-1]), 0), axis=-1, keepdims=True)
+    return (last // chunk + 1).astype(jnp.int32)

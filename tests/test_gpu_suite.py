@@ -113,12 +113,12 @@ def test_out_at_a_file_ends_in_one_line(tmp_path, capsys):
     assert e.value.code == 2 and "a file; it takes a directory" in capsys.readouterr().err
 
 
-def test_the_session_script_parses_and_names_only_known_sections():
-    """eval/bench/gpu_session.sh (run on a GPU loan): bash accepts it, and every section its parts
+def test_the_gpu_script_parses_and_names_only_known_sections():
+    """eval/bench/gpu_all.sh (run on a GPU machine): bash accepts it, and every section its parts
     name is one of the suite's. Its --dry run takes minutes; the sections' dry runs are above."""
     from eval.bench import gpu_suite
 
-    script = ROOT / "eval/bench/gpu_session.sh"
+    script = ROOT / "eval/bench/gpu_all.sh"
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
     parts = re.findall(r"^part (\w+) \S+ ([\w,]+)$", script.read_text(), re.M)
     assert [name for name, _ in parts] == ["checks", "speed"]

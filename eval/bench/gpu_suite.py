@@ -440,7 +440,7 @@ def tile_sweep(suite: Suite, rows: list, attn: dict, p: dict) -> None:
 def train_py(suite: Suite, rows: list, p: dict, out: Path) -> None:
     """train.py on configs/gpu/ models, a subprocess each: tokens/s and MFU of the last logged interval
     (TensorBoard scalars), the exit status and the tail of stderr when it fails."""
-    # the project first, then what was there (a GPU session's carried wheels: eval/bench/gpu_session.sh)
+    # the project first, then what was there (the wheels eval/bench/gpu_all.sh carries to a GPU machine)
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     env = os.environ | {"PYTHONPATH": path}
     if subprocess.run([sys.executable, "-c", "import grain"], env=env, capture_output=True).returncode:

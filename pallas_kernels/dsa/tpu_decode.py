@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.common import NT, attention_cost, tpu_interpret
+from pallas_kernels.common import NT, attention_cost, tpu_interpret, used_chunks
 
 CHUNK = 128  # picks a grid step attends to (the MXU's width; 2 slots of V3.2's 576-wide rows: 288 KiB bf16)
 
@@ -129,8 +129,7 @@ def sparse_latent_decode_tpu(q_lat, q_rope, lat, kr, indices, *, scale, interpre
     wanted = wanted.reshape(b, t, 1, kp * pack).astype(jnp.int32)
     # [B * T]: the chunks up to each token's last pick (at least 1), so a short context's token
     # reads and scores only its own picks' chunks
-    last = jnp.max(jnp.where(idx >= 0, jnp.arange(kp), 0), axis=-1)
-    used = (last // CHUNK + 1).reshape(b * t).astype(jnp.int32)
+    used = used_chunks(idx, CHUNK).reshape(b * t)
     heads = lambda width: pl.BlockSpec((None, None, h, width), lambda i, n, j, u: (i, n, 0, 0))
     at_used = lambda i, n, j, u: (i, n, 0, jnp.minimum(j, u[i * t + n] - 1))  # no copy past them
     hbm = pl.BlockSpec(memory_space=pl.ANY)

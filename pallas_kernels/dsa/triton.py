@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.common import NT, TN, triton_params
+from pallas_kernels.common import NT, TN, triton_params, used_chunks
 from pallas_kernels.moba.common import online_softmax_init, online_softmax_step
 
 CHUNK = 32  # selected rows gathered per loop step
@@ -64,14 +64,6 @@ def _scores(qs, ks, scale):
         jax.lax.dot_general(q, k, NT, preferred_element_type=jnp.float32) for q, k in zip(qs, ks, strict=True)
     ]
     return functools.reduce(jnp.add, dots) * scale
-
-
-def used_chunks(idx):
-    """[B, T, 1] int32: the chunks of CHUNK picks up to each query's last pick (at least 1); the
-    kernels loop over those only, so a query with few picks (early in its document, or decoding a
-    short context) reads no chunk of unused ones."""
-    last = jnp.max(jnp.where(idx >= 0, jnp.arange(idx.shape[-1]), 0), axis=-1, keepdims=True)
-    return (last // CHUNK + 1).astype(jnp.int32)
 
 
 USED_SPEC = pl.BlockSpec((None, None, 1), lambda b, t, *_: (b, t, 0))  # used_chunks' entry
@@ -176,7 +168,7 @@ def _forward(q, k, v, indices, scale, interpret):
         compiler_params=triton_params(num_warps=FWD_WARPS),
         interpret=bool(interpret),
         name="dsa_sparse_attention_fwd",
-    )(idx, used_chunks(idx), *q_parts, kb, vb)
+    )(idx, used_chunks(idx, CHUNK), *q_parts, kb, vb)
     out = o[:, :, :, : h // hkv, :dv].reshape(b, t, h, dv)
     return out, (o, lse)
 
@@ -217,7 +209,7 @@ def _backward(q, k, v, indices, o, lse, dout, scale, interpret):
         compiler_params=triton_params(num_warps=BWD_WARPS),
         interpret=bool(interpret),
         name="dsa_sparse_attention_bwd",
-    )(idx, used_chunks(idx), *q_parts, kb, vb, dob, lse, delta, zeros(dp), zeros(dvp))
+    )(idx, used_chunks(idx, CHUNK), *q_parts, kb, vb, dob, lse, delta, zeros(dp), zeros(dvp))
     dq, dk, dv_ = jnp.concatenate(outs[:n], axis=-1), outs[n], outs[n + 1]
     dq = dq[:, :, :, : h // hkv, :d].reshape(b, t, h, d)
     return dq, dk[:, :s, :, :d].astype(k.dtype), dv_[:, :s, :, :dv].astype(v.dtype)

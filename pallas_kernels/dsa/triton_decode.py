@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import NT, triton_params
-from pallas_kernels.dsa.triton import CHUNK, USED_SPEC, used_chunks
+from pallas_kernels.common import NT, triton_params, used_chunks
+from pallas_kernels.dsa.triton import CHUNK, USED_SPEC
 from pallas_kernels.moba.common import online_softmax_init, online_softmax_step
 
 HEADS = 16  # heads a program holds (the tensor cores' smallest M)
@@ -80,7 +80,7 @@ def sparse_latent_decode_gpu(q_lat, q_rope, lat, kr, indices, *, scale, interpre
         name="dsa_latent_decode",
     )(
         idx,
-        used_chunks(idx),
+        used_chunks(idx, CHUNK),
         pad_heads(q_lat),
         pad_heads(q_rope.astype(q_lat.dtype)),
         lat.astype(q_lat.dtype),

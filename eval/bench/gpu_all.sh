@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One GPU loan's work, in order, each part under its own timeout (docs/gpu_dispatch.md, "A GPU session"):
+# Everything wanted from a GPU machine, in order, each part under its own timeout (docs/gpu_dispatch.md,
+# "Everything on a GPU in one run"):
 #   checks: the compiled kernels against their references (the verified-kernel table's evidence)
 #           and the decode and routing kernels' speed: gpu_suite --sections correctness,routing,
 #           latent_decode,moba_decode,dsa
@@ -9,14 +10,14 @@
 # nvidia-smi's report and summary.txt (each part's exit status): six files.
 #
 #   make gpu-carry                              # here: wheels, corpus and tokenizer into .gpu-carry/
-#   bash eval/bench/gpu_session.sh              # there, carrying .gpu-carry (the device tool's run)
-#   bash eval/bench/gpu_session.sh --dry        # here: the same on a CPU, tiny shapes, interpreted
+#   bash eval/bench/gpu_all.sh                  # there, carrying .gpu-carry (the device tool's run)
+#   bash eval/bench/gpu_all.sh --dry            # here: the same on a CPU, tiny shapes, interpreted
 #
 # CHECKS_S and SPEED_S (seconds; 240 and 330 by default) bound the parts; each suite's budget is
 # 40 s less, so it writes its JSON before its timeout.
 set -u
 cd "$(dirname "$0")/../.."
-OUT=${OUT:-runs/gpu_session}
+OUT=${OUT:-runs/gpu_all}
 DRY=()
 PY=python3
 if [ "${1:-}" = "--dry" ]; then
