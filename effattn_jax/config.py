@@ -41,9 +41,8 @@ MLA_DECODE_IMPLS = tuple(i for i in MOBA_IMPLS if i != "reference")  # effattn_j
 EG_MLA_GATE_AT = ("latent", "heads", "projected")
 # effattn_jax.ops.dsa; auto: xla (no DSA kernel has run on a GPU or a TPU yet); pallas_triton: the
 # selection in XLA, the attention over it and MLA's decode step by the Triton kernels; pallas_tpu: a
-# sequence's selection (scores and top-k fused) and MLA's decode step by the Mosaic kernels, the
-# attention over the selection in XLA (no TPU training kernel yet). pallas_kernels/dsa/; each
-# interpreted off its hardware
+# sequence's selection (scores and top-k fused), the attention over it and MLA's decode step by the
+# Mosaic kernels. pallas_kernels/dsa/; each interpreted off its hardware
 DSA_IMPLS = ("auto", "reference", "xla", "pallas_triton", "pallas_tpu")
 DSA_STAGES = ("warmup", "sparse")  # docs/dsa.md, "Training"
 

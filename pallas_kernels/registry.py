@@ -6,7 +6,8 @@ while a GPU run imports no TPU code (and the reverse).
   ("moba", "routing", b)    the fused gate's selection (routing_{tpu,gpu,mgpu}.py)
   ("moba", "decode", b)     a single-token step over a K/V cache ({tpu,gpu,mgpu}_decode.py)
   ("mla", "decode", b)      a single-token step in latent space (mla_decode/{tpu,gpu,mgpu}.py)
-  ("dsa", "attention", b)   b = triton: attention over each query's selected keys (dsa/triton.py)
+  ("dsa", "attention", b)   b in triton / tpu: attention over each query's selected keys, forward
+                            and backward (dsa/triton.py, dsa/tpu_attention.py)
   ("dsa", "decode", b)      b in triton / tpu: a decode step over the selected latent rows
                             (dsa/triton_decode.py, dsa/tpu_decode.py)
   ("dsa", "select", b)      b = tpu: the indexer's scores and each query's top-k of a whole
@@ -85,6 +86,12 @@ def _dsa_attention_triton():
     return sparse_attention_gpu
 
 
+def _dsa_attention_tpu():
+    from pallas_kernels.dsa.tpu_attention import sparse_attention_tpu
+
+    return sparse_attention_tpu
+
+
 def _dsa_decode_triton():
     from pallas_kernels.dsa.triton_decode import sparse_latent_decode_gpu
 
@@ -117,6 +124,7 @@ REGISTRY: dict[tuple[str, str, str], Callable[[], Any]] = {
     ("mla", "decode", "triton"): _mla_decode_triton,
     ("mla", "decode", "mosaic"): _mla_decode_mosaic,
     ("dsa", "attention", "triton"): _dsa_attention_triton,
+    ("dsa", "attention", "tpu"): _dsa_attention_tpu,
     ("dsa", "decode", "triton"): _dsa_decode_triton,
     ("dsa", "decode", "tpu"): _dsa_decode_tpu,
     ("dsa", "select", "tpu"): _dsa_select_tpu,

@@ -89,12 +89,13 @@ def test_forward_and_backward_lower_for_cuda(dtype):
 
 
 @pytest.mark.parametrize(
-    "kind, impl", [("mla", "pallas_triton"), ("mha", "pallas_triton"), ("mla", "pallas_tpu")]
+    "kind, impl",
+    [("mla", "pallas_triton"), ("mha", "pallas_triton"), ("mla", "pallas_tpu"), ("mha", "pallas_tpu")],
 )
 def test_a_model_on_the_kernel_equals_the_xla_path(kind, impl):
     """Top-5 of 13 and 11 packed tokens: the features, the KL and the gradients of both with
-    dsa.impl=pallas_triton (the attention kernel) or pallas_tpu (the selection kernel), interpreted,
-    equal dsa.impl=xla."""
+    dsa.impl=pallas_triton (the attention kernel) or pallas_tpu (the selection and attention
+    kernels), interpreted, equal dsa.impl=xla."""
     kinds = {"mla": ["attention.kind=mla"], "mha": ["model.num_kv_heads=2"]}
     dsa = ["attention.core=dsa", "dsa.index_n_heads=3", "dsa.index_head_dim=8", "dsa.index_topk=5"]
     rng = np.random.default_rng(0)

@@ -128,7 +128,8 @@ def _dsa_core(cfg) -> Core:
     attention, the KL over every visible key; `sparse`: attention and KL over the selection."""
     d, dense, rules = cfg.dsa, _dense_core(cfg), sharding_rules(cfg)
     chunk = d.query_chunk or None
-    sparse = dsa_sparse_attention(d.impl, chunk)
+    sparse = dsa_sparse_attention(d.impl, chunk, rules)  # per mesh shard
+    local = dsa_sparse_attention(d.impl, chunk)  # inside the context axis' shard_map
 
     def attend(q, k, v, *, segment_ids, scale=None, kv_whole=False, index):
         q_idx, k_idx, weights = index
@@ -137,7 +138,7 @@ def _dsa_core(cfg) -> Core:
         if context_shards() > 1:
             return dsa_context_attention(
                 q, k, v, q_idx, k_idx, weights, top_k=d.index_topk, stage=d.stage, segment_ids=segment_ids,
-                scale=scale, rules=rules, kv_whole=kv_whole, query_chunk=chunk, sparse=sparse,
+                scale=scale, rules=rules, kv_whole=kv_whole, query_chunk=chunk, sparse=local,
             )  # fmt: skip
         if d.stage == "warmup":
             out = dense.attend(q, k, v, segment_ids=segment_ids, scale=scale, kv_whole=kv_whole)
@@ -174,7 +175,7 @@ def _dsa_core(cfg) -> Core:
             out = sparse(view.q, k.astype(view.q.dtype), v.astype(view.q.dtype), indices, scale=scale)
             return out, {"index_keys": keys}
         indices = dsa_select(q_idx, keys, weights, top_k=d.index_topk, q_index=positions)
-        return dsa_decode_attention(view, indices, scale, d.impl), {"index_keys": keys}
+        return dsa_decode_attention(view, indices, scale, d.impl, rules), {"index_keys": keys}
 
     return Core(attend, decode, init_state, indexed=True)
 

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from effattn_jax.config import DSA_IMPLS
 from effattn_jax.ops.dense import causal_segment_mask, masked_attention
-from effattn_jax.sharding import shard_over_batch
+from effattn_jax.sharding import shard_over_batch, shard_over_batch_heads
 
 CHUNK_BYTES = 1 << 28  # the largest intermediate of one query chunk, when no chunk size is given
 MAX_CHUNK = 512  # queries per chunk at most, when no chunk size is given
@@ -198,14 +198,23 @@ def sparse_attention(q, k, v, indices, *, scale=None, query_chunk=None):
     return _map_chunks(attend, chunk, q, indices)
 
 
-def dsa_sparse_attention(impl: str, query_chunk=None):
+def dsa_sparse_attention(impl: str, query_chunk=None, rules=None):
     """The attention over a selection that `impl` runs, (q, k, v, indices, *, scale) -> out: the XLA
-    path (`sparse_attention`) for auto, xla and reference, and for pallas_tpu (no TPU kernel yet), else
-    the kernel of that backend (pallas_triton: interpreted off GPU)."""
-    run = None if impl in XLA_IMPLS else _kernel(impl, "attention")
-    if run is None:
+    path (`sparse_attention`) for auto, xla and reference, else the kernel of that backend
+    (pallas_triton, pallas_tpu: interpreted off their hardware), per shard of the batch and head
+    axes under a mesh when `rules` are given (neither Mosaic nor Triton partitions a kernel; inside
+    a shard_map already, as over a context axis, leave them out)."""
+    if impl in XLA_IMPLS:
         return functools.partial(sparse_attention, query_chunk=query_chunk)
-    return lambda q, k, v, indices, *, scale=None: run(q, k, v, indices, scale=scale)
+
+    def attend(q, k, v, indices, *, scale=None):
+        run = _kernel(impl, "attention")  # where it traces: an AOT target's backend is the one used
+        if run is None:
+            return sparse_attention(q, k, v, indices, scale=scale, query_chunk=query_chunk)
+        body = lambda q, k, v, indices: run(q, k, v, indices, scale=scale)
+        return shard_over_batch_heads(body, q, k, v, indices, rules)  # indices shard like segment ids
+
+    return attend
 
 
 def latent_decode_kernel(impl: str):
@@ -214,20 +223,21 @@ def latent_decode_kernel(impl: str):
     return _kernel(impl, "decode")
 
 
-def dsa_decode_attention(view, indices, scale, impl: str = "xla"):
+def dsa_decode_attention(view, indices, scale, impl: str = "xla", rules=None):
     """Decoding: each query of a CacheView (q [B, T, H, D]) over its selected cache slots
     indices [B, T, K] (-1: none) -> [B, T, H, Dv]. Only those rows are fetched, once per KV head:
     the selection is shared by every query head, so a latent cache (one KV head) reads each
     selected row once for all heads, as V3.2's absorbed decode does. `impl` pallas_triton or
     pallas_tpu: MLA's latent cache (`view.latent`) through that backend's kernel where its widths
-    suit it (Triton: powers of two; Mosaic: any)."""
+    suit it (Triton: powers of two; Mosaic: any), per batch shard under a mesh (`rules`)."""
     if impl not in XLA_IMPLS and view.latent is not None:
         from pallas_kernels.dsa.triton_decode import supports
 
         lat, kr = view.latent
         if impl != "pallas_triton" or supports(lat.shape[-1], kr.shape[-1]):
             q_lat, q_rope = view.q[..., : lat.shape[-1]], view.q[..., lat.shape[-1] :]
-            return latent_decode_kernel(impl)(q_lat, q_rope, lat, kr, indices, scale=scale)
+            step = lambda *x: latent_decode_kernel(impl)(*x, scale=scale)
+            return shard_over_batch(step, q_lat, q_rope, lat, kr, indices, rules=rules)
     b, t, h, d = view.q.shape
     hkv, kk = view.kv_heads, indices.shape[-1]
     starts = jnp.broadcast_to(jnp.maximum(indices, 0)[:, :, None, :], (b, t, hkv, kk))

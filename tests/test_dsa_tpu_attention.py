@@ -1,0 +1,123 @@
+"""DSA's sparse attention on TPU (pallas_kernels/dsa/tpu_attention.py): interpreted, it equals the
+XLA path (`sparse_attention`) in output and gradients on random selections; it compiles for a TPU,
+alone at V3.2's widths and per shard under a mesh of TPU chips."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import v5e_arg
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import pallas_kernels.dsa.tpu_attention as tpu_attention
+from effattn_jax.config import load_config
+from effattn_jax.ops.dsa import dsa_sparse_attention, sparse_attention
+from effattn_jax.ops.platform import tracing_for
+from effattn_jax.sharding import make_mesh, sharding_rules
+from pallas_kernels.dsa.tpu_attention import chunk_size, sparse_attention_tpu
+from pallas_kernels.registry import kernel
+
+
+def _selection(rng, b, t, s, picks):
+    """Distinct keys per query (keys shared across queries at random), a query with three picks
+    and one with none."""
+    idx = np.stack([np.stack([rng.choice(s, picks, replace=False) for _ in range(t)]) for _ in range(b)])
+    idx[0, 0, 3:] = -1
+    idx[-1, -1, :] = -1
+    return jnp.asarray(idx.astype(np.int32))
+
+
+@pytest.mark.parametrize(
+    "heads, kv_heads, d, dv, picks, interpret",
+    [
+        (4, 2, 12, 10, 7, True),  # GQA, widths off the lanes' 128, one chunk
+        (2, 2, 16, 16, 20, True),  # MHA (MLA's per-head form), three chunks, the last part unused
+        (4, 1, 8, 8, 11, True),  # one KV head for all
+        (4, 2, 12, 10, 13, "tpu"),  # the TPU interpreter: its DMAs, semaphores and aliased buffers
+    ],
+)
+def test_interpreted_kernel_equals_the_xla_path(monkeypatch, heads, kv_heads, d, dv, picks, interpret):
+    """Output and dq, dk, dv (float32), chunks of 8 picks. Catches: a pick's slab from another
+    batch row or chunk slot, a query head paired with another group's KV head, an unused pick
+    attended or written back over row 0, a chunk's dK/dV rows lost to the next chunk's read (a
+    read-add-write out of order), dq kept across queries."""
+    monkeypatch.setattr(tpu_attention, "MAX_CHUNK", 8)
+    rng = np.random.default_rng(picks)
+    b, t, s = 2, 5, 32
+    q, k, v = (
+        jnp.asarray(rng.standard_normal(shape), jnp.float32)
+        for shape in ((b, t, heads, d), (b, s, kv_heads, d), (b, s, kv_heads, dv))
+    )
+    idx, w = _selection(rng, b, t, s, picks), jnp.asarray(rng.standard_normal((b, t, heads, dv)))
+    objective = lambda attend: lambda q, k, v: jnp.sum(attend(q, k, v, idx, scale=0.3) * w)
+    want, want_grads = jax.value_and_grad(objective(sparse_attention), (0, 1, 2))(q, k, v)
+    run = lambda q, k, v, idx, scale: sparse_attention_tpu(q, k, v, idx, scale=scale, interpret=interpret)
+    got, got_grads = jax.value_and_grad(objective(run), (0, 1, 2))(q, k, v)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for name, g, ref in zip("qkv", got_grads, want_grads, strict=True):
+        np.testing.assert_allclose(g, ref, rtol=1e-5, atol=1e-5, err_msg=name)
+    assert kernel("dsa", "attention", "tpu") is sparse_attention_tpu
+
+
+def test_chunk_size_keeps_a_chunk_within_its_budget():
+    """V3.2's per-head 128 x (192 + 128) gets the smallest chunk; narrow heads the largest."""
+    assert chunk_size(128, 192, 128) == 8
+    assert chunk_size(16, 192, 128) == 32  # the paper config's 16 heads
+    assert chunk_size(2, 12, 10) == 128
+
+
+def _compile(step, *args):
+    device = jax.sharding.AbstractDevice(device_kind="TPU v5 lite", num_cores=None, platform="tpu")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
+        lowered = step.lower(*args)
+        assert lowered.as_text().count("tpu_custom_call") == 2  # the forward and the backward
+        lowered.compile()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "heads, kv_heads, d, dv, seq, picks, dtype",
+    [
+        (128, 128, 192, 128, 4096, 2048, jnp.bfloat16),  # V3.2's per-head MLA widths
+        (32, 8, 128, 128, 4096, 512, jnp.float32),  # GQA
+        (16, 1, 64, 64, 1024, 200, jnp.bfloat16),  # one KV head, picks not a whole chunk
+    ],
+)
+def test_compiles_for_a_real_tpu(heads, kv_heads, d, dv, seq, picks, dtype):
+    """Mosaic lowering and a libtpu compile (no TPU needed) of the forward and backward for a v5e.
+    Catches: a block whose last two axes Mosaic rejects, a copy or reduction it refuses (interpret
+    mode accepts them), buffers past the scoped VMEM."""
+    arg = v5e_arg()
+    loss = lambda q, k, v, i: jnp.sum(sparse_attention_tpu(q, k, v, i, scale=0.1).astype(jnp.float32))
+    _compile(
+        jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))),
+        arg((1, seq, heads, d), dtype), arg((1, seq, kv_heads, d), dtype), arg((1, seq, kv_heads, dv), dtype),
+        arg((1, seq, picks), jnp.int32),
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_compiles_per_shard_under_a_mesh_of_tpu_chips():
+    """`dsa.impl=pallas_tpu`'s attention over a (data=2, tensor=2) mesh of v5e chips: per shard of
+    the batch and heads (shard_map), forward and backward. Catches: the kernel left for the
+    partitioner ("Mosaic kernels cannot be automatically partitioned")."""
+    topologies = pytest.importorskip("jax.experimental.topologies")
+    pytest.importorskip("libtpu", reason="libtpu (the `tpu` extra) is not installed")
+    topo = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2")
+    mesh = make_mesh(2, 1, 2, devices=topo.devices)
+    rules = sharding_rules(load_config(None, []))
+    attend = dsa_sparse_attention("pallas_tpu", rules=rules)
+
+    def loss(q, k, v, i):  # traced as a dry run traces for a TPU slice
+        with tracing_for("tpu"), jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return jnp.sum(attend(q, k, v, i, scale=0.1).astype(jnp.float32))
+
+    heads = NamedSharding(mesh, P("data", None, "tensor"))
+    arg = lambda shape, spec=heads, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype, sharding=spec)
+    lowered = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(
+        arg((4, 512, 8, 64)), arg((4, 512, 8, 64)), arg((4, 512, 8, 64)),
+        arg((4, 512, 64), NamedSharding(mesh, P("data")), jnp.int32),
+    )  # fmt: skip
+    assert lowered.as_text().count("tpu_custom_call") == 2
+    lowered.compile()
