@@ -179,6 +179,10 @@ class DsaConfig:
     stage: str = "sparse"
     kl_weight: float = 1.0  # the indexer's KL loss, averaged over tokens and DSA layers, times this
     query_chunk: int = 0  # queries scored at a time (bounds memory); 0 = chosen from the shapes
+    # the sparse stage on MLA/EG-MLA in the absorbed (MQA) form, as V3.2 trains: W_UK folded into
+    # the queries, attention over the gathered latent rows [c ; k^R] (one KV head), W_UV after
+    # (docs/dsa.md, "Absorbed training"); false: per-head K/V expanded from the latent
+    absorb: bool = False
 
 
 @dataclass
@@ -731,6 +735,15 @@ def _validate_dsa(cfg: Config) -> None:
             "dsa.index_head_dim",
             dsa.index_head_dim,
             f"must be even and at least the indexer's RoPE width mla.qk_rope_head_dim={rope}",
+        )
+        kinds = {cfg.layer_spec(i)[0] for i in range(cfg.model.num_layers) if cfg.layer_spec(i)[1] == "dsa"}
+        latent = {"mla"} | ({"eg_mla"} if cfg.eg_mla.gate_at != "heads" else set())
+        _check(
+            not dsa.absorb or kinds <= latent,
+            "dsa.absorb",
+            dsa.absorb,
+            "needs every DSA layer to absorb W_UK into its latent: attention.kind mla, or eg_mla with "
+            f"eg_mla.gate_at latent or projected (DSA layers here: {', '.join(sorted(kinds))})",
         )
         _check(
             cfg.mesh.context == 1 or dsa.impl != "reference",

@@ -70,6 +70,11 @@ TRAIN_CASES = [
     ),
     ("DSA stage unknown", ["attention.core=dsa", "dsa.stage=dense"], "dsa.stage='dense': allowed: warmup"),
     (
+        "DSA absorbed on a kind without a latent",
+        ["attention.core=dsa", "dsa.absorb=true"],
+        "dsa.absorb=True: needs every DSA layer to absorb W_UK into its latent",
+    ),
+    (
         "two mesh axes filling the devices",
         ["mesh.data=-1", "mesh.context=-1"],
         "config error: mesh.data=-1 mesh.context=-1: at most one of data, fsdp, context, tensor may be -1",

@@ -113,6 +113,36 @@ def test_optimizer_clips_apart_and_the_warmup_freezes_the_rest():
     np.testing.assert_array_equal(kept["attn"]["indexer"]["w"], grads["attn"]["indexer"]["w"])
 
 
+@pytest.mark.parametrize(
+    "kind, impl",
+    [("mla", "xla"), ("eg_mla", "xla"), ("mla", "pallas_triton"), ("mla", "pallas_tpu")],
+)
+def test_absorbed_training_equals_the_per_head_form(kind, impl):
+    """dsa.absorb=true (W_UK folded into the queries, attention over the gathered latent rows as
+    one KV head, W_UV after) gives the per-head form's features, KL and gradients, on the XLA path
+    and on the kernels (interpreted) with one KV head. Catches: the RoPE key or the scale left out
+    of the latent scores, W_UV applied to the wrong axis, EG-MLA's gated latent not the one
+    attended, the KL's target changed by the form."""
+    tokens, seg = _packed()
+
+    def run(*extra):
+        model = model_for(*KINDS[kind], *DSA, f"dsa.impl={impl}", *extra)
+        graphdef, params = nnx.split(model)
+
+        def objective(p):
+            features, kl = nnx.merge(graphdef, p).features_and_indexer_kl(tokens, seg)
+            return jnp.sum(features**2) + jnp.sum(kl), (features, kl)
+
+        return jax.value_and_grad(objective, has_aux=True)(params)
+
+    (_, (want, want_kl)), want_grads = run()
+    (_, (got, got_kl)), got_grads = run("dsa.absorb=true")
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(got_kl, want_kl, rtol=1e-4, atol=1e-6)
+    for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_decode_equals_packed_forward(kind):

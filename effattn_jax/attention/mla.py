@@ -77,6 +77,7 @@ class MLA(nnx.Module):
         self.token_table = TokenTable(cfg, rngs=rngs) if a.token_table_dim else None
         # DSA's indexer (core=dsa) reads the query latent c' (or h); it draws from its own stream
         self.indexer = indexer_for(cfg, core, q_in, q_axis, rngs)
+        self.absorb_training = self.indexer is not None and cfg.dsa.absorb and cfg.dsa.stage == "sparse"
 
     def init_kv_up(self, cfg, rngs):
         """The per-head up-projections W_UK, W_UV from the cached latent c."""
@@ -134,16 +135,24 @@ class MLA(nnx.Module):
         # token ids), not per-head K/V: each shard expands the whole sequence's from them
         whole = lambda a, axes: None if a is None else constrain(a, ("batch", None, *axes), self.rules)
         c, kr, token_ids = whole(c, ("kv_lora",)), whole(kr, ("head_dim",)), whole(token_ids, ())
+        core_args = dict(x=x, q_in=q_in, positions=positions, segment_ids=segment_ids, scale=self.scale)
+        lat = self.absorbed_latent({"c": c, "token_ids": token_ids}) if self.absorb_training else None
+        if lat is not None:  # DSA's sparse stage as MQA over the latent rows (dsa.absorb)
+            q_lat = jnp.einsum("bshn,dhn->bshd", q_nope, self.uk.kernel[...].astype(q_nope.dtype))
+            q = constrain(
+                jnp.concatenate([q_lat, q_rope.astype(q_lat.dtype)], axis=-1),
+                ("batch", "length", "heads", None),
+                self.rules,
+            )
+            keys = jnp.concatenate([lat, kr.astype(lat.dtype)], axis=-1)[:, :, None]  # [B, S, 1, d + d_R]
+            out = run_core(self, q, keys, lat[:, :, None], kv_whole=True, **core_args)  # [B, S, H, d]
+            return self.o(jnp.einsum("bshd,dhv->bshv", out, self.uv.kernel[...].astype(out.dtype)))
         k_nope, v = self.kv_heads(c, token_ids)
         q = constrain(
             jnp.concatenate([q_nope, q_rope], axis=-1), ("batch", "length", "heads", "head_dim"), self.rules
         )
         keys = self.full_keys(k_nope, kr)
-        out = run_core(
-            self, q, keys, v, x=x, q_in=q_in, positions=positions, segment_ids=segment_ids,
-            scale=self.scale, kv_whole=True,
-        )  # fmt: skip
-        return self.o(out)
+        return self.o(run_core(self, q, keys, v, kv_whole=True, **core_args))
 
     def full_keys(self, k_nope, kr):
         """Per-head keys [k_nope ; k^R] with the shared RoPE key broadcast to every head."""

@@ -80,6 +80,10 @@ def cases() -> list[Case]:
     out.append(
         _case("dsa_attention", "triton", "edge", d=128, dv=128, heads=16, kv_heads=2, dtype="bfloat16")
     )
+    # dsa.absorb's form: one latent KV head of 512 + 64 (values 512) for the paper config's 16 heads
+    out.append(
+        _case("dsa_attention", "triton", "edge", d=576, dv=512, heads=16, kv_heads=1, dtype="bfloat16")
+    )
     # DSA's decode over the selected latent rows: V3.2's latent 512 + 64 at 128 and 16 heads, top-2,048
     for heads in (128, 16):
         out.append(_case("dsa_decode", "triton", "auto" if heads == 128 else "edge", heads=heads, latent=512,
