@@ -62,12 +62,22 @@ def attention_widths(cfg: Config, kind: str) -> tuple[int, int]:
     return cfg.mla.qk_nope_head_dim + cfg.mla.qk_rope_head_dim, cfg.mla.v_head_dim
 
 
+def absorbed_latent_width(cfg: Config, kind: str) -> int:
+    """The width of the latent `dsa.absorb` attends over: c (MLA) or EG-MLA's gated c~."""
+    if kind == "mla":
+        return cfg.mla.kv_lora_rank
+    return cfg.eg_mla.projected_dim if cfg.eg_mla.gate_at == "projected" else cfg.eg_mla.gate_dim
+
+
 def attention_flops_per_token(cfg: Config) -> float:
     """Score and value matmul FLOPs of one training token (forward + backward), all layers."""
     attn, indexer, dsa, s = 0.0, 0.0, cfg.dsa, cfg.data.seq_len
     for layer in range(cfg.model.num_layers):
         kind, core = cfg.layer_spec(layer)
         d_qk, d_v = attention_widths(cfg, kind)
+        if core == "dsa" and dsa.absorb and dsa.stage == "sparse":  # scores and values over the latent
+            d_v = absorbed_latent_width(cfg, kind)
+            d_qk = d_v + cfg.mla.qk_rope_head_dim
         if core == "dsa":
             keys = mean_attended_keys(s, "dense" if dsa.stage == "warmup" else "dsa", top_k=dsa.index_topk)
             per_key = 2 * dsa.index_n_heads * dsa.index_head_dim

@@ -197,6 +197,10 @@ def test_flops_count_the_selected_keys_and_the_indexer():
         cfg = load_config(None, [*base, f"dsa.stage={stage}"])
         want = 2 * (3 * width * keys + per_key * (visible + 3 * keys))
         assert attention_flops_per_token(cfg) == pytest.approx(want)
+    # dsa.absorb: scores over [c ; k^R] (16 + 4) and values over c (16), per head
+    absorbed = load_config(None, [*base, "dsa.absorb=true"])
+    want = 2 * (3 * 2 * (20 + 16) * 4 * selected + per_key * (visible + 3 * selected))
+    assert attention_flops_per_token(absorbed) == pytest.approx(want)
 
 
 @pytest.mark.slow
