@@ -94,3 +94,11 @@ def used_chunks(idx, chunk: int):
     (early in its document, or decoding a short context) reads no chunk of unused ones."""
     last = jnp.max(jnp.where(idx >= 0, jnp.arange(idx.shape[-1]), 0), axis=-1, keepdims=True)
     return (last // chunk + 1).astype(jnp.int32)
+
+
+def smem_row_length(n: int) -> int:
+    """A length of at least n that a 1-D block of int32 in a Mosaic kernel may take: a power of two
+    of at least 128 below 1024, else a multiple of 1024 (a query's picks, flat in SMEM)."""
+    if n <= 1024:
+        return max(128, 1 << (n - 1).bit_length())
+    return -(-n // 1024) * 1024

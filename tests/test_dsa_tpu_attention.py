@@ -1,6 +1,7 @@
-"""DSA's sparse attention on TPU (pallas_kernels/dsa/tpu_attention.py): interpreted, it equals the
-XLA path (`sparse_attention`) in output and gradients on random selections; it compiles for a TPU,
-alone at V3.2's widths and per shard under a mesh of TPU chips."""
+"""DSA's sparse attention on TPU (pallas_kernels/dsa/tpu_attention.py, and tpu_latent_attention.py
+for one KV head): interpreted, it equals the XLA path (`sparse_attention`) in output and gradients
+on random selections; it compiles for a TPU, alone at V3.2's widths (per head and absorbed) and per
+shard under a mesh of TPU chips."""
 
 import jax
 import jax.numpy as jnp
@@ -60,6 +61,37 @@ def test_interpreted_kernel_equals_the_xla_path(monkeypatch, heads, kv_heads, d,
     assert kernel("dsa", "attention", "tpu") is sparse_attention_tpu
 
 
+@pytest.mark.parametrize(
+    "seq, picks, dtype, interpret",
+    [
+        (300, 140, jnp.float32, True),  # two chunks of 128 picks
+        (41, 9, jnp.bfloat16, "tpu"),  # row pairs: an odd length, picks on its last rows
+    ],
+)
+def test_one_kv_head_runs_on_the_mxu_kernel(seq, picks, dtype, interpret):
+    """One KV head (dsa.absorb's form) goes to tpu_latent_attention.py: output and dq, dk, dv equal
+    the XLA path's (float32 there). Catches: the other row of a bf16 pair attended or written back,
+    the last pair of an odd length read past the end, a pick's dK row added at its pair partner."""
+    rng = np.random.default_rng(seq)
+    b, t, h, d, dv = 2, 3, 8, 24, 16
+    q, k, v = (
+        jnp.asarray(rng.standard_normal(shape), dtype)
+        for shape in ((b, t, h, d), (b, seq, 1, d), (b, seq, 1, dv))
+    )
+    # the last two rows picked once (the rest drawn from below them: a query's picks are distinct)
+    idx = _selection(rng, b, t, seq - 2, picks).at[0, 1, :2].set(jnp.asarray([seq - 1, seq - 2]))
+    w = jnp.asarray(rng.standard_normal((b, t, h, dv)))
+    objective = lambda attend: lambda *x: jnp.sum(attend(*x, idx, scale=0.3).astype(jnp.float32) * w)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    want, want_grads = jax.value_and_grad(objective(sparse_attention), (0, 1, 2))(*f32)
+    run = lambda q, k, v, idx, scale: sparse_attention_tpu(q, k, v, idx, scale=scale, interpret=interpret)
+    got, got_grads = jax.value_and_grad(objective(run), (0, 1, 2))(q, k, v)
+    tol = 1e-5 if dtype == jnp.float32 else 5e-2
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+    for name, g, ref in zip("qkv", got_grads, want_grads, strict=True):
+        np.testing.assert_allclose(np.asarray(g, np.float32), ref, rtol=tol, atol=tol, err_msg=name)
+
+
 def test_chunk_size_keeps_a_chunk_within_its_budget():
     """V3.2's per-head 128 x (192 + 128) gets the smallest chunk; narrow heads the largest."""
     assert chunk_size(128, 192, 128) == 8
@@ -81,7 +113,9 @@ def _compile(step, *args):
     [
         (128, 128, 192, 128, 4096, 2048, jnp.bfloat16),  # V3.2's per-head MLA widths
         (32, 8, 128, 128, 4096, 512, jnp.float32),  # GQA
-        (16, 1, 64, 64, 1024, 200, jnp.bfloat16),  # one KV head, picks not a whole chunk
+        (128, 1, 576, 512, 4096, 2048, jnp.bfloat16),  # dsa.absorb's form: the MXU kernel
+        (16, 1, 576, 512, 4099, 300, jnp.bfloat16),  # the same, an odd length, picks not a whole chunk
+        (16, 1, 576, 512, 4096, 300, jnp.float32),
     ],
 )
 def test_compiles_for_a_real_tpu(heads, kv_heads, d, dv, seq, picks, dtype):

@@ -31,7 +31,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.common import attention_cost, tpu_interpret, used_chunks
+from pallas_kernels.common import attention_cost, smem_row_length, tpu_interpret, used_chunks
+from pallas_kernels.dsa import tpu_latent_attention as latent
 
 MIN_CHUNK, MAX_CHUNK = 8, 128  # picks a grid step attends to
 CHUNK_F32_BYTES = 1 << 20  # a chunk's [C, Hkv, D + Dv] in float32 at most, padded to (8, 128) tiles
@@ -200,11 +201,11 @@ def _bwd_kernel(
 
 def _prepare(q, k, indices, size):
     """q as [B, T, G, Hkv, D] (a query head of every group per leading index), the picks padded to
-    whole 128s [B * T * K'] (flat: a [B, T, K'] block would need whole T, and [B * T, K'] rows
+    a 1-D block's length [B * T * K'] (flat: a [B, T, K'] block would need whole T, and [B * T, K'] rows
     of 1 are no block either) and the chunks up to each query's last pick [B * T]."""
     b, t, h, d = q.shape
     hkv, kk = k.shape[2], indices.shape[-1]
-    kp = -(-kk // 128) * 128  # a multiple of every chunk size
+    kp = smem_row_length(kk)  # a multiple of every chunk size
     idx = jnp.pad(indices.astype(jnp.int32), ((0, 0), (0, 0), (0, kp - kk)), constant_values=-1)
     groups = q.reshape(b, t, hkv, h // hkv, d).swapaxes(2, 3)
     return groups, idx.reshape(-1), used_chunks(idx, size).reshape(b * t), kp
@@ -309,19 +310,30 @@ def _ungroup(o):
     return o.swapaxes(2, 3).reshape(b, t, g * hkv, dv)
 
 
+def _run_forward(q, k, v, indices, scale, interpret):
+    """(out [B, T, H, Dv], the backward's residuals (o, lse) in its path's layout): one KV head
+    on the MXU (tpu_latent_attention.py), else per head on the vector unit."""
+    if k.shape[2] == 1:
+        o, lse = latent.forward(q, k, v, indices, scale, interpret)
+        return o, (o, lse)
+    o, lse = _forward(q, k, v, indices, scale, interpret)
+    return _ungroup(o), (o, lse)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _attention(q, k, v, indices, scale, interpret):
-    return _ungroup(_forward(q, k, v, indices, scale, interpret)[0])
+    return _run_forward(q, k, v, indices, scale, interpret)[0]
 
 
 def _attention_fwd(q, k, v, indices, scale, interpret):
-    o, lse = _forward(q, k, v, indices, scale, interpret)
-    return _ungroup(o), (q, k, v, indices, o, lse)
+    out, (o, lse) = _run_forward(q, k, v, indices, scale, interpret)
+    return out, (q, k, v, indices, o, lse)
 
 
 def _attention_bwd(scale, interpret, residuals, dout):
     q, k, v, indices, o, lse = residuals
-    dq, dk, dv = _backward(q, k, v, indices, o, lse, dout, scale, interpret)
+    run = latent.backward if k.shape[2] == 1 else _backward
+    dq, dk, dv = run(q, k, v, indices, o, lse, dout, scale, interpret)
     return dq, dk, dv, None
 
 
@@ -331,6 +343,7 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 def sparse_attention_tpu(q, k, v, indices, *, scale=None, interpret=False):
     """`sparse_attention`'s contract: q [B, T, H, D], k [B, S, Hkv, D], v [B, S, Hkv, Dv], indices
     [B, T, K] (-1: none; a query's valid picks distinct) -> [B, T, H, Dv] in q's dtype; gradients
-    for q, k and v, none for the indices. `interpret`: True, or "tpu" for the TPU interpreter."""
+    for q, k and v, none for the indices. One KV head (`dsa.absorb`'s form) runs on the MXU
+    (tpu_latent_attention.py). `interpret`: True, or "tpu" for the TPU interpreter."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     return _attention(q, k, v, jax.lax.stop_gradient(indices), scale, interpret)
