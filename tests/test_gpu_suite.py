@@ -44,7 +44,7 @@ def test_dry_run_writes_every_section_without_the_data_stack(tmp_path):
     assert dsa[0]["xla_over_kernel"] > 0 and dsa[1]["mla_over_dsa"] > 0
     checks = sections["correctness"]
     assert {c["check"] for c in checks} == {"moba", "mla_decode", "moba_decode", "dsa", "dsa_decode"}
-    assert len(checks) == 10
+    assert len(checks) == 11  # dsa: GQA and one KV head (dsa.absorb's form)
     assert all(c["ok"] for c in checks), checks
     assert all(row["ms"] > 0 and row["smem_estimate"] <= row["smem_limit"] for row in sections["tiles"])
     (own,) = sections["own_kernels"]  # Mosaic GPU against Triton own-block kernels, interpreted

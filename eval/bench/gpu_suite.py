@@ -132,9 +132,10 @@ FULL = {
         mla=dict(context=4096, batch=2, latent=512, rope=64, dtype=jnp.bfloat16),
         moba_decode=dict(context=8192, block=512, head_dim=128, dtype=jnp.bfloat16),
         heads=[16, 128],
-        # DSA: V3.2's per-head widths with MLA's KV head per query head, and GQA; top-2,048 of 8K
-        dsa=[dict(seq=8192, heads=16, kv_heads=kv, head_dim=d, v_head_dim=128, top_k=2048, dtype=jnp.bfloat16)
-             for kv, d in ((16, 192), (2, 128))],
+        # DSA: V3.2's per-head widths with MLA's KV head per query head, GQA, and dsa.absorb's one
+        # latent KV head (576, values 512); top-2,048 of 8K
+        dsa=[dict(seq=8192, heads=16, kv_heads=kv, head_dim=d, v_head_dim=dv, top_k=2048, dtype=jnp.bfloat16)
+             for kv, d, dv in ((16, 192, 128), (2, 128, 128), (1, 576, 512))],
         dsa_impls=["pallas_triton"],
         dsa_decode=dict(context=8192, batch=2, latent=512, rope=64, top_k=2048, dtype=jnp.bfloat16),
         tol=3e-2,
@@ -179,7 +180,8 @@ DRY = {
         mla=dict(context=64, batch=2, latent=16, rope=8, dtype=jnp.float32),
         moba_decode=dict(context=128, block=32, head_dim=16, dtype=jnp.float32),
         heads=[4, 8],
-        dsa=[dict(seq=128, heads=4, kv_heads=2, head_dim=16, v_head_dim=8, top_k=24, dtype=jnp.float32)],
+        dsa=[dict(seq=128, heads=4, kv_heads=kv, head_dim=16, v_head_dim=8, top_k=24, dtype=jnp.float32)
+             for kv in (2, 1)],
         dsa_impls=["pallas_triton"],
         dsa_decode=dict(context=64, batch=2, latent=16, rope=16, top_k=24, dtype=jnp.float32),
         tol=1e-4,
