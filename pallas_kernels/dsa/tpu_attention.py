@@ -33,6 +33,13 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.common import attention_cost, smem_row_length, tpu_interpret, used_chunks
 from pallas_kernels.dsa import tpu_latent_attention as latent
+from pallas_kernels.dsa.tpu_chunks import (
+    over_chunks,
+    partial_finish,
+    partial_init,
+    softmax_finish,
+    softmax_init,
+)
 
 MIN_CHUNK, MAX_CHUNK = 8, 128  # picks a grid step attends to
 CHUNK_F32_BYTES = 1 << 20  # a chunk's [C, Hkv, D + Dv] in float32 at most, padded to (8, 128) tiles
@@ -97,27 +104,13 @@ def _fwd_kernel(
     used_ref, q_ref, idx_ref, k_hbm, v_hbm, o_ref, lse_ref,
     k_buf, v_buf, sem, mask_sc, m_sc, l_sc, acc_sc, *, scale, size,
 ):  # fmt: skip
-    b, j, chunks = pl.program_id(0), pl.program_id(2), pl.num_programs(2)
-    used = used_ref[b * pl.num_programs(1) + pl.program_id(1)]
-    slot = j % 2
+    b = pl.program_id(0)
     gather = lambda chunk, slot: _copies(
         idx_ref, ((k_hbm, k_buf), (v_hbm, v_buf)), sem.at[slot], b, chunk, slot, size=size
     )
 
-    @pl.when(j == 0)
-    def _():
-        m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, jnp.float32)
-        l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
-        acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
-        gather(0, 0)[0]()
-
-    @pl.when(j + 1 < used)
-    def _():
-        gather(j + 1, 1 - slot)[0]()
-
-    @pl.when(j < used)
-    def _():
-        gather(j, slot)[1]()
+    def step(j, slot, arrived):
+        arrived()
         kc, vc = k_buf[slot].astype(jnp.float32), v_buf[slot].astype(jnp.float32)
         valid = _valid(idx_ref, mask_sc, j, size)
 
@@ -135,12 +128,10 @@ def _fwd_kernel(
 
         jax.lax.fori_loop(0, q_ref.shape[0], head, 0)
 
-    @pl.when(j == chunks - 1)
-    def _():
-        l = l_sc[...]
-        safe_l = jnp.where(l > 0, l, 1.0)  # a query with no pick outputs 0
-        o_ref[...] = (acc_sc[...] / safe_l).astype(o_ref.dtype)
-        lse_ref[...] = jnp.where(l > 0, m_sc[...], 0.0) + jnp.log(safe_l)
+    over_chunks(
+        used_ref, gather, init=lambda: softmax_init(m_sc, l_sc, acc_sc), step=step,
+        finish=lambda: softmax_finish(o_ref, lse_ref, m_sc, l_sc, acc_sc),
+    )  # fmt: skip
 
 
 def _bwd_kernel(
@@ -148,9 +139,7 @@ def _bwd_kernel(
     dq_ref, dk_hbm, dv_hbm, k_buf, v_buf, dk_buf, dv_buf, sem, acc_sem, mask_sc, dq_sc, *, scale, size,
 ):  # fmt: skip
     del dk_in, dv_in  # the same buffers as dk_hbm, dv_hbm (aliased): accumulated into in place
-    b, j, chunks = pl.program_id(0), pl.program_id(2), pl.num_programs(2)
-    used = used_ref[b * pl.num_programs(1) + pl.program_id(1)]
-    slot = j % 2
+    b = pl.program_id(0)
     gather = lambda chunk, slot: _copies(
         idx_ref, ((k_hbm, k_buf), (v_hbm, v_buf)), sem.at[slot], b, chunk, slot, size=size
     )
@@ -159,20 +148,10 @@ def _bwd_kernel(
         valid_only=True,
     )  # fmt: skip
 
-    @pl.when(j == 0)
-    def _():
-        dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
-        gather(0, 0)[0]()
-
-    @pl.when(j + 1 < used)
-    def _():
-        gather(j + 1, 1 - slot)[0]()
-
-    @pl.when(j < used)
-    def _():
+    def step(j, slot, arrived):
         read_start, read_wait = rows(j)
         read_start()  # the rows' sums so far: the previous chunk's writes have finished
-        gather(j, slot)[1]()
+        arrived()
         kc, vc = k_buf[slot].astype(jnp.float32), v_buf[slot].astype(jnp.float32)
         valid = _valid(idx_ref, mask_sc, j, size)
 
@@ -194,9 +173,7 @@ def _bwd_kernel(
         write_start(reverse=True)
         write_wait(reverse=True)
 
-    @pl.when(j == chunks - 1)
-    def _():
-        dq_ref[...] = dq_sc[...].astype(dq_ref.dtype)
+    over_chunks(used_ref, gather, init=partial_init(dq_sc), step=step, finish=partial_finish(dq_ref, dq_sc))
 
 
 def _prepare(q, k, indices, size):

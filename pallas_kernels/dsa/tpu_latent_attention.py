@@ -27,6 +27,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.common import NT, attention_cost, smem_row_length, tpu_interpret, used_chunks
+from pallas_kernels.dsa.tpu_chunks import (
+    over_chunks,
+    partial_finish,
+    partial_init,
+    softmax_finish,
+    softmax_init,
+)
 
 CHUNK = 128  # picks a grid step attends to
 TN = (((0,), (0,)), ((), ()))  # contract the leading axes: dS^T q, p^T dO
@@ -69,27 +76,13 @@ def _fwd_kernel(
     used_ref, q_ref, idx_ref, k_hbm, v_hbm, o_ref, lse_ref,
     k_buf, v_buf, sem, mask_sc, m_sc, l_sc, acc_sc, *, scale, pack,
 ):  # fmt: skip
-    b, j, chunks = pl.program_id(0), pl.program_id(2), pl.num_programs(2)
-    used = used_ref[b * pl.num_programs(1) + pl.program_id(1)]
-    slot = j % 2
+    b = pl.program_id(0)
     gather = lambda chunk, slot: _copies(
         idx_ref, ((k_hbm, k_buf), (v_hbm, v_buf)), sem.at[slot], b, chunk, slot, pack=pack
     )
 
-    @pl.when(j == 0)
-    def _():
-        m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, jnp.float32)
-        l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
-        acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
-        gather(0, 0)[0]()
-
-    @pl.when(j + 1 < used)
-    def _():
-        gather(j + 1, 1 - slot)[0]()
-
-    @pl.when(j < used)
-    def _():
-        gather(j, slot)[1]()
+    def step(j, slot, arrived):
+        arrived()
         k, v = k_buf[slot], v_buf[slot]  # [C', D], [C', Dv]
         s = jax.lax.dot_general(q_ref[...], k, NT, preferred_element_type=jnp.float32) * scale
         s = jnp.where(_mask(idx_ref, mask_sc, j, pack=pack), s, -jnp.inf)  # [H, C']
@@ -102,12 +95,10 @@ def _fwd_kernel(
         acc_sc[...] = alpha * acc_sc[...] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
         m_sc[...] = m_new
 
-    @pl.when(j == chunks - 1)
-    def _():
-        l = l_sc[...]
-        safe_l = jnp.where(l > 0, l, 1.0)  # a query with no pick outputs 0
-        o_ref[...] = (acc_sc[...] / safe_l).astype(o_ref.dtype)
-        lse_ref[...] = jnp.where(l > 0, m_sc[...], 0.0) + jnp.log(safe_l)
+    over_chunks(
+        used_ref, gather, init=lambda: softmax_init(m_sc, l_sc, acc_sc), step=step,
+        finish=lambda: softmax_finish(o_ref, lse_ref, m_sc, l_sc, acc_sc),
+    )  # fmt: skip
 
 
 def _row_updates(idx_ref, pairs, sem, b, chunk, *, pack):
@@ -142,29 +133,17 @@ def _bwd_kernel(
     dq_ref, dk_hbm, dv_hbm, k_buf, v_buf, dk_buf, dv_buf, sem, acc_sem, mask_sc, dq_sc, *, scale, pack,
 ):  # fmt: skip
     del dk_in, dv_in  # the same buffers as dk_hbm, dv_hbm (aliased): accumulated into in place
-    b, j, chunks = pl.program_id(0), pl.program_id(2), pl.num_programs(2)
-    used = used_ref[b * pl.num_programs(1) + pl.program_id(1)]
-    slot = j % 2
+    b = pl.program_id(0)
     gather = lambda chunk, slot: _copies(
         idx_ref, ((k_hbm, k_buf), (v_hbm, v_buf)), sem.at[slot], b, chunk, slot, pack=pack
     )
 
-    @pl.when(j == 0)
-    def _():
-        dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
-        gather(0, 0)[0]()
-
-    @pl.when(j + 1 < used)
-    def _():
-        gather(j + 1, 1 - slot)[0]()
-
-    @pl.when(j < used)
-    def _():
+    def step(j, slot, arrived):
         read, read_wait, write, write_wait = _row_updates(
             idx_ref, ((dk_hbm, dk_buf), (dv_hbm, dv_buf)), acc_sem.at[0], b, j, pack=pack
         )
         read()  # the rows' sums so far: the previous chunk's writes have finished
-        gather(j, slot)[1]()
+        arrived()
         k, v, q, do = k_buf[slot], v_buf[slot], q_ref[...], do_ref[...]
         s = jax.lax.dot_general(q, k, NT, preferred_element_type=jnp.float32) * scale
         p = jnp.where(_mask(idx_ref, mask_sc, j, pack=pack), jnp.exp(s - lse_ref[...]), 0.0)  # [H, C']
@@ -179,9 +158,7 @@ def _bwd_kernel(
         write()
         write_wait()
 
-    @pl.when(j == chunks - 1)
-    def _():
-        dq_ref[...] = dq_sc[...].astype(dq_ref.dtype)
+    over_chunks(used_ref, gather, init=partial_init(dq_sc), step=step, finish=partial_finish(dq_ref, dq_sc))
 
 
 def _prepare(k, v, indices, dtype):
