@@ -69,13 +69,15 @@ def test_over_context_shards_matches_one_device(stage, sparse):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", ["sparse", "warmup"])
+@pytest.mark.parametrize("stage", ["sparse", "warmup", "sparse-absorbed"])
 def test_model_terms_and_gradients_over_context_shards(stage):
     """An MLA model with DSA (absorbed keys whole on every shard, the indexer reading c'): the LM
     loss, the indexers' KL and every parameter's gradient of LM + KL with mesh (data=2, context=4)
     equal (data=2), packed documents. Catches: the indexer keys of a shard only, the KL summed
     over the wrong queries, RoPE positions of the shard."""
+    stage, _, absorbed = stage.partition("-")  # sparse-absorbed: dsa.absorb's latent rows as one KV head
     layers = ["attention.kind=mla", "mla.q_lora_rank=12", "attention.core=dsa", f"dsa.stage={stage}"]
+    layers += ["dsa.absorb=true"] if absorbed else []
     dsa = ["dsa.index_head_dim=8", "dsa.index_n_heads=2", "dsa.index_topk=6"]
     # init_std 0.2: peaked attention, so the KL is far from 0 and a wrong selection shows in it
     sizes = ["model.num_layers=2", "data.seq_len=64", "data.batch_size=2", "model.init_std=0.2"]
