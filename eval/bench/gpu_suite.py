@@ -40,8 +40,8 @@ sum to the budget):
   (on Hopper the Mosaic GPU one with the Triton one beside it) against the XLA step at 16 and
   128 heads, batch 1 and 16 (eval/bench/latent_kernel.py).
 - dsa: DSA's Triton kernels timed (eval/bench/gpu_dsa.py): the sparse attention forward + backward
-  against its XLA path at 8K and 32K (V3.2's per-head widths, top-2,048), beside the selection's
-  ms; the latent decode step over the top-2,048 rows against MLA's decode kernel over all 32K
+  against its XLA path at 8K and 32K (V3.2's per-head widths, top-2,048), and at 8K in
+  `dsa.absorb`'s form (one latent KV head of 576, values 512), beside the selection's ms; the latent decode step over the top-2,048 rows against MLA's decode kernel over all 32K
   slots, 16 and 128 heads, batch 1 and 16.
 - train: 30 steps of a small MoBA model with the GPU kernels beside the same run with the XLA
   path (same initialisation, same batches, float32): the losses must agree within `--loss-tol`.
@@ -161,8 +161,11 @@ FULL = {
     "transformers": dict(shapes=["llama_12l_d768", "qwen3_0.6b"], prompts=[4096, 32768], batches=[1, 16],
                          new_tokens=64, repeats=3, dtype="bfloat16"),
     "dsa": dict(
-        attention=[dict(seq=seq, heads=16, kv_heads=16, head_dim=192, v_head_dim=128, top_k=2048,
-                        dtype=jnp.bfloat16) for seq in (8192, 32768)],
+        # per head at 8K, dsa.absorb's one latent KV head at 8K (the two forms' price), per head at 32K
+        attention=[
+            dict(seq=seq, heads=16, kv_heads=kv, head_dim=d, v_head_dim=dv, top_k=2048, dtype=jnp.bfloat16)
+            for seq, kv, d, dv in ((8192, 16, 192, 128), (8192, 1, 576, 512), (32768, 16, 192, 128))
+        ],
         decode=[dict(context=32768, batch=batch, heads=heads, latent=512, rope=64, top_k=2048,
                      dtype=jnp.bfloat16) for heads in (16, 128) for batch in (1, 16)],
         repeats=3,
