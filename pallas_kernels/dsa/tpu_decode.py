@@ -26,6 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.common import NT, attention_cost, tpu_interpret, used_chunks
+from pallas_kernels.dsa.tpu_chunks import over_chunks, softmax_finish, softmax_init, softmax_step
 
 CHUNK = 128  # picks a grid step attends to (the MXU's width; 2 slots of V3.2's 576-wide rows: 288 KiB bf16)
 
@@ -52,62 +53,25 @@ def _row_copies(idx_ref, lat_hbm, kr_hbm, lat_buf, kr_buf, sem, b, chunk, slot, 
 
 
 def _kernel(
-    used_ref,
-    idx_ref,
-    wanted_ref,
-    ql_ref,
-    qr_ref,
-    lat_hbm,
-    kr_hbm,
-    o_ref,
-    lat_buf,
-    kr_buf,
-    sem,
-    m_sc,
-    l_sc,
-    acc_sc,
-    *,
-    scale,
-    pack,
-):
-    b, j, chunks = pl.program_id(0), pl.program_id(2), pl.num_programs(2)
-    used = used_ref[b * pl.num_programs(1) + pl.program_id(1)]  # chunks up to the last pick, >= 1
-    slot = j % 2
-    copies = functools.partial(_row_copies, idx_ref, lat_hbm, kr_hbm, lat_buf, kr_buf, sem, b, pack=pack)
+    used_ref, idx_ref, wanted_ref, ql_ref, qr_ref, lat_hbm, kr_hbm, o_ref,
+    lat_buf, kr_buf, sem, m_sc, l_sc, acc_sc, *, scale, pack,
+):  # fmt: skip
+    copies = functools.partial(
+        _row_copies, idx_ref, lat_hbm, kr_hbm, lat_buf, kr_buf, sem, pl.program_id(0), pack=pack
+    )
 
-    @pl.when(j == 0)
-    def _():
-        m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, jnp.float32)
-        l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
-        acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
-        copies(0, 0)[0]()
-
-    @pl.when(j + 1 < used)
-    def _():
-        copies(j + 1, 1 - slot)[0]()
-
-    @pl.when(j < used)  # the chunks past the last pick copy and compute nothing
-    def _():
-        copies(j, slot)[1]()
+    def step(j, slot, arrived):
+        arrived()
         lat, kr = lat_buf[slot], kr_buf[slot]  # [CHUNK * pack, d_c], [CHUNK * pack, d_R]
         s = jax.lax.dot_general(ql_ref[...], lat, NT, preferred_element_type=jnp.float32)
         s += jax.lax.dot_general(qr_ref[...], kr, NT, preferred_element_type=jnp.float32)
         s = jnp.where(wanted_ref[...] > 0, s * scale, -jnp.inf)  # [H, CHUNK * pack]: the picks' own rows
-        m_prev = m_sc[...]
-        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-        m_safe = jnp.where(m_new > -jnp.inf, m_new, 0.0)  # a chunk of unused picks adds nothing
-        p = jnp.exp(s - m_safe)
-        alpha = jnp.exp(m_prev - m_safe)
-        l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
-        acc_sc[...] = alpha * acc_sc[...] + jnp.dot(
-            p.astype(lat.dtype), lat, preferred_element_type=jnp.float32
-        )
-        m_sc[...] = m_new
+        softmax_step(s, lat, m_sc, l_sc, acc_sc)
 
-    @pl.when(j == chunks - 1)
-    def _():
-        l = l_sc[...]
-        o_ref[...] = (acc_sc[...] / jnp.where(l > 0, l, 1.0)).astype(o_ref.dtype)
+    over_chunks(
+        used_ref, copies, init=lambda: softmax_init(m_sc, l_sc, acc_sc), step=step,
+        finish=lambda: softmax_finish(o_ref, None, m_sc, l_sc, acc_sc),
+    )  # fmt: skip
 
 
 def sparse_latent_decode_tpu(q_lat, q_rope, lat, kr, indices, *, scale, interpret=False):

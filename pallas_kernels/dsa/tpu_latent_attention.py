@@ -33,6 +33,7 @@ from pallas_kernels.dsa.tpu_chunks import (
     partial_init,
     softmax_finish,
     softmax_init,
+    softmax_step,
 )
 
 CHUNK = 128  # picks a grid step attends to
@@ -86,14 +87,7 @@ def _fwd_kernel(
         k, v = k_buf[slot], v_buf[slot]  # [C', D], [C', Dv]
         s = jax.lax.dot_general(q_ref[...], k, NT, preferred_element_type=jnp.float32) * scale
         s = jnp.where(_mask(idx_ref, mask_sc, j, pack=pack), s, -jnp.inf)  # [H, C']
-        m_prev = m_sc[...]
-        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-        m_safe = jnp.where(m_new > -jnp.inf, m_new, 0.0)  # a chunk of unused picks adds nothing
-        p = jnp.exp(s - m_safe)
-        alpha = jnp.exp(m_prev - m_safe)
-        l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
-        acc_sc[...] = alpha * acc_sc[...] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-        m_sc[...] = m_new
+        softmax_step(s, v, m_sc, l_sc, acc_sc)
 
     over_chunks(
         used_ref, gather, init=lambda: softmax_init(m_sc, l_sc, acc_sc), step=step,
