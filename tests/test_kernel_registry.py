@@ -28,9 +28,11 @@ PARTS = [("moba", "attention"), ("moba", "routing"), ("moba", "decode"), ("mla",
 
 
 def test_every_part_has_every_backend():
-    """DSA has Triton's attention and decode, and TPU's decode and selection, so far (docs/dsa.md)."""
+    """DSA has Triton's attention and decode, and TPU's attention, decode and selection, so far
+    (docs/dsa.md)."""
     want = {(*part, b) for part in PARTS for b in BACKENDS} | {
         ("dsa", "attention", "triton"),
+        ("dsa", "attention", "tpu"),
         ("dsa", "decode", "triton"),
         ("dsa", "decode", "tpu"),
         ("dsa", "select", "tpu"),
@@ -54,6 +56,8 @@ def test_every_kernel_file_is_registered():
     files |= {f"mla_decode.{p.stem}" for p in (ROOT / "pallas_kernels/mla_decode").glob("*.py")}
     files |= {f"dsa.{p.stem}" for p in (ROOT / "pallas_kernels/dsa").glob("*.py")}
     files -= {"mla_decode.__init__", "dsa.__init__"}
+    # the TPU kernels' shared grid step, and the one-KV-head path of ("dsa", "attention", "tpu")
+    files -= {"dsa.tpu_chunks", "dsa.tpu_latent_attention"}
     registered = set()
     for family, part, backend in registry.REGISTRY:
         entry = registry.kernel(family, part, backend)

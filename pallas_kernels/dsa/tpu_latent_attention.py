@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.common import NT, attention_cost, smem_row_length, tpu_interpret, used_chunks
+from pallas_kernels.common import NT, TN, attention_cost, smem_row_length, tpu_interpret, used_chunks
 from pallas_kernels.dsa.tpu_chunks import (
     over_chunks,
     partial_finish,
@@ -37,7 +37,6 @@ from pallas_kernels.dsa.tpu_chunks import (
 )
 
 CHUNK = 128  # picks a grid step attends to
-TN = (((0,), (0,)), ((), ()))  # contract the leading axes: dS^T q, p^T dO
 
 
 def _copies(idx_ref, pairs, sem, b, chunk, slot, *, pack):
