@@ -10,6 +10,7 @@ LONG = (
     "test_context_parallel.py::test_training_over_context_shards_matches_and_resumes_across_degrees",
     "test_convert.py::test_a_converted_model_resumes_in_place_and_trains_on_as_moba",
     "test_dsa_context.py::test_model_terms_and_gradients_over_context_shards",
+    "test_dsa_model.py::test_absorbed_training_equals_the_per_head_form",
     "test_dsa_kernels.py::test_a_model_on_the_kernel_equals_the_xla_path",
     "test_eval.py::test_figure_commands_write_png_and_data",
     "test_eval.py::test_run_saved_on_eight_devices_evaluates_the_same_on_one",
