@@ -41,8 +41,9 @@ sum to the budget):
   128 heads, batch 1 and 16 (eval/bench/latent_kernel.py).
 - dsa: DSA's Triton kernels timed (eval/bench/gpu_dsa.py): the sparse attention forward + backward
   against its XLA path at 8K and 32K (V3.2's per-head widths, top-2,048), and at 8K in
-  `dsa.absorb`'s form (one latent KV head of 576, values 512), beside the selection's ms; the latent decode step over the top-2,048 rows against MLA's decode kernel over all 32K
-  slots, 16 and 128 heads, batch 1 and 16.
+  `dsa.absorb`'s form (one latent KV head of 576, values 512), beside the selection's ms; the
+  latent decode step over the top-2,048 rows against MLA's decode kernel over all 32K slots, 16
+  and 128 heads, batch 1 and 16.
 - train: 30 steps of a small MoBA model with the GPU kernels beside the same run with the XLA
   path (same initialisation, same batches, float32): the losses must agree within `--loss-tol`.
 - train_py: `train.py` itself on the configs/gpu/ models for a few dozen steps (a subprocess each):
