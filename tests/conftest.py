@@ -190,6 +190,35 @@ def rand_qkv(seed, b, s, hq, hkv, d, dv=None, dtype=jnp.float32):
     return f(b, s, hq, d), f(b, s, hkv, d), f(b, s, hkv, dv or d)
 
 
+def random_selection(rng, b, t, s, picks):
+    """[b, t, picks] int32 DSA picks: distinct keys per query (shared across queries at random), the
+    first query with three picks (-1: unused) and the last row's third query with none."""
+    idx = np.stack([np.stack([rng.choice(s, picks, replace=False) for _ in range(t)]) for _ in range(b)])
+    idx[0, 0, 3:] = -1
+    idx[-1, 2, :] = -1
+    import jax.numpy as jnp
+
+    return jnp.asarray(idx.astype(np.int32))
+
+
+def assert_attention_over_selection(run, q, k, v, idx, w, *, tol=1e-5, out_atol=0.0):
+    """run(q, k, v, idx, scale=) equals DSA's XLA path (`sparse_attention`, on q, k, v in float32) in
+    its output and in dq, dk, dv of sum(output * w): the output within rtol `tol` (and `out_atol`),
+    each gradient within rtol and atol `tol`."""
+    import jax
+    import jax.numpy as jnp
+
+    from effattn_jax.ops.dsa import sparse_attention
+
+    objective = lambda attend: lambda *x: jnp.sum(attend(*x, idx, scale=0.3).astype(jnp.float32) * w)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    want, want_grads = jax.value_and_grad(objective(sparse_attention), (0, 1, 2))(*f32)
+    got, got_grads = jax.value_and_grad(objective(run), (0, 1, 2))(q, k, v)
+    np.testing.assert_allclose(got, want, rtol=tol, atol=out_atol)
+    for name, g, ref in zip("qkv", got_grads, want_grads, strict=True):
+        np.testing.assert_allclose(np.asarray(g, np.float32), ref, rtol=tol, atol=tol, err_msg=name)
+
+
 def segments(b, lengths):
     """[b, sum(lengths)] segment ids 1, 2, ... of documents of these lengths, the same in every row."""
     return jnp.asarray(np.stack([np.repeat(np.arange(1, len(lengths) + 1), lengths)] * b), jnp.int32)

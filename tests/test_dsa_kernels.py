@@ -11,14 +11,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TINY_MLA, segments, v5e_arg
+from conftest import TINY_MLA, assert_attention_over_selection, random_selection, segments, v5e_arg
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from effattn_jax.config import load_config
 from effattn_jax.model import Transformer, init_cache
-from effattn_jax.ops.dsa import dsa_select, sparse_attention
+from effattn_jax.ops.dsa import dsa_select
 from effattn_jax.sharding import make_mesh, sharding_rules
 from pallas_kernels.common import gpu_lowering_target
 from pallas_kernels.dsa.tpu_decode import CHUNK as TPU_CHUNK
@@ -27,14 +27,6 @@ from pallas_kernels.dsa.tpu_select import index_topk_tpu
 from pallas_kernels.dsa.triton import CHUNK, sparse_attention_gpu, width_parts
 from pallas_kernels.dsa.triton_decode import sparse_latent_decode_gpu
 from pallas_kernels.registry import kernel
-
-
-def _selection(rng, b, t, s, picks):
-    """Distinct keys per query, some queries with unused (-1) slots and one with none."""
-    idx = np.stack([np.stack([rng.choice(s, picks, replace=False) for _ in range(t)]) for _ in range(b)])
-    idx[0, 0, 3:] = -1
-    idx[-1, 2, :] = -1
-    return jnp.asarray(idx.astype(np.int32))
 
 
 @pytest.mark.parametrize(
@@ -56,14 +48,9 @@ def test_interpreted_kernel_equals_the_xla_path(heads, kv_heads, d, dv, picks):
         jnp.asarray(rng.standard_normal(shape), jnp.float32)
         for shape in ((b, t, heads, d), (b, s, kv_heads, d), (b, s, kv_heads, dv))
     )
-    idx, w = _selection(rng, b, t, s, picks), jnp.asarray(rng.standard_normal((b, t, heads, dv)))
-    objective = lambda attend: lambda q, k, v: jnp.sum(attend(q, k, v, idx, scale=0.3) * w)
-    want, want_grads = jax.value_and_grad(objective(sparse_attention), (0, 1, 2))(q, k, v)
+    idx, w = random_selection(rng, b, t, s, picks), jnp.asarray(rng.standard_normal((b, t, heads, dv)))
     run = lambda q, k, v, idx, scale: sparse_attention_gpu(q, k, v, idx, scale=scale, interpret=True)
-    got, got_grads = jax.value_and_grad(objective(run), (0, 1, 2))(q, k, v)
-    np.testing.assert_allclose(got, want, rtol=1e-5)
-    for name, g, ref in zip("qkv", got_grads, want_grads, strict=True):
-        np.testing.assert_allclose(g, ref, rtol=1e-5, atol=1e-5, err_msg=name)
+    assert_attention_over_selection(run, q, k, v, idx, w)
     assert kernel("dsa", "attention", "triton") is sparse_attention_gpu
 
 
@@ -246,7 +233,7 @@ def test_latent_decode_kernel_equals_numpy(decode, interpret, picks):
     b, t, h, length, dc, dr = 2, 3, 20, 2 * picks, 32, 16
     ql, qr = (jnp.asarray(rng.standard_normal((b, t, h, w)), jnp.float32) for w in (dc, dr))
     lat, kr = (jnp.asarray(rng.standard_normal((b, length, w)), jnp.float32) for w in (dc, dr))
-    idx = _selection(rng, b, t, length, picks)
+    idx = random_selection(rng, b, t, length, picks)
     got = decode(ql, qr, lat, kr, idx, scale=0.2, interpret=interpret)
     np.testing.assert_allclose(got, _latent_attention(ql, qr, lat, kr, idx, 0.2), rtol=1e-5, atol=1e-5)
 
@@ -260,7 +247,7 @@ def test_tpu_latent_decode_in_bf16(length):
     b, t, h, dc, dr = 2, 3, 4, 32, 16
     bf = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
     ql, qr, lat, kr = bf(b, t, h, dc), bf(b, t, h, dr), bf(b, length, dc), bf(b, length, dr)
-    idx = _selection(rng, b, t, length, 9).at[1, 1, :3].set(jnp.asarray([length - 1, 4, 4]))
+    idx = random_selection(rng, b, t, length, 9).at[1, 1, :3].set(jnp.asarray([length - 1, 4, 4]))
     got = sparse_latent_decode_tpu(ql, qr, lat, kr, idx, scale=0.2, interpret=True)
     want = _latent_attention(ql, qr, lat, kr, idx, 0.2)  # bf16 probabilities: ~3 significant digits
     np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2e-2, atol=2e-2)

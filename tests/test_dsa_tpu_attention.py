@@ -7,27 +7,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import v5e_arg
+from conftest import assert_attention_over_selection, random_selection, v5e_arg
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pallas_kernels.dsa.tpu_attention as tpu_attention
 from effattn_jax.config import load_config
 from effattn_jax.ops.cache import CacheView
-from effattn_jax.ops.dsa import dsa_decode_attention, dsa_sparse_attention, sparse_attention
+from effattn_jax.ops.dsa import dsa_decode_attention, dsa_sparse_attention
 from effattn_jax.ops.platform import tracing_for
 from effattn_jax.sharding import make_mesh, sharding_rules
 from pallas_kernels.dsa.tpu_attention import chunk_size, sparse_attention_tpu
 from pallas_kernels.registry import kernel
-
-
-def _selection(rng, b, t, s, picks):
-    """Distinct keys per query (keys shared across queries at random), a query with three picks
-    and one with none."""
-    idx = np.stack([np.stack([rng.choice(s, picks, replace=False) for _ in range(t)]) for _ in range(b)])
-    idx[0, 0, 3:] = -1
-    idx[-1, -1, :] = -1
-    return jnp.asarray(idx.astype(np.int32))
 
 
 @pytest.mark.parametrize(
@@ -51,14 +42,9 @@ def test_interpreted_kernel_equals_the_xla_path(monkeypatch, heads, kv_heads, d,
         jnp.asarray(rng.standard_normal(shape), jnp.float32)
         for shape in ((b, t, heads, d), (b, s, kv_heads, d), (b, s, kv_heads, dv))
     )
-    idx, w = _selection(rng, b, t, s, picks), jnp.asarray(rng.standard_normal((b, t, heads, dv)))
-    objective = lambda attend: lambda q, k, v: jnp.sum(attend(q, k, v, idx, scale=0.3) * w)
-    want, want_grads = jax.value_and_grad(objective(sparse_attention), (0, 1, 2))(q, k, v)
+    idx, w = random_selection(rng, b, t, s, picks), jnp.asarray(rng.standard_normal((b, t, heads, dv)))
     run = lambda q, k, v, idx, scale: sparse_attention_tpu(q, k, v, idx, scale=scale, interpret=interpret)
-    got, got_grads = jax.value_and_grad(objective(run), (0, 1, 2))(q, k, v)
-    np.testing.assert_allclose(got, want, rtol=1e-5)
-    for name, g, ref in zip("qkv", got_grads, want_grads, strict=True):
-        np.testing.assert_allclose(g, ref, rtol=1e-5, atol=1e-5, err_msg=name)
+    assert_attention_over_selection(run, q, k, v, idx, w)
     assert kernel("dsa", "attention", "tpu") is sparse_attention_tpu
 
 
@@ -80,17 +66,11 @@ def test_one_kv_head_runs_on_the_mxu_kernel(seq, picks, dtype, interpret):
         for shape in ((b, t, h, d), (b, seq, 1, d), (b, seq, 1, dv))
     )
     # the last two rows picked once (the rest drawn from below them: a query's picks are distinct)
-    idx = _selection(rng, b, t, seq - 2, picks).at[0, 1, :2].set(jnp.asarray([seq - 1, seq - 2]))
+    idx = random_selection(rng, b, t, seq - 2, picks).at[0, 1, :2].set(jnp.asarray([seq - 1, seq - 2]))
     w = jnp.asarray(rng.standard_normal((b, t, h, dv)))
-    objective = lambda attend: lambda *x: jnp.sum(attend(*x, idx, scale=0.3).astype(jnp.float32) * w)
-    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-    want, want_grads = jax.value_and_grad(objective(sparse_attention), (0, 1, 2))(*f32)
     run = lambda q, k, v, idx, scale: sparse_attention_tpu(q, k, v, idx, scale=scale, interpret=interpret)
-    got, got_grads = jax.value_and_grad(objective(run), (0, 1, 2))(q, k, v)
     tol = 1e-5 if dtype == jnp.float32 else 5e-2
-    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
-    for name, g, ref in zip("qkv", got_grads, want_grads, strict=True):
-        np.testing.assert_allclose(np.asarray(g, np.float32), ref, rtol=tol, atol=tol, err_msg=name)
+    assert_attention_over_selection(run, q, k, v, idx, w, tol=tol, out_atol=tol)
 
 
 def test_chunk_size_keeps_a_chunk_within_its_budget():
