@@ -46,9 +46,10 @@ CHUNK_F32_BYTES = 1 << 20  # a chunk's [C, Hkv, D + Dv] in float32 at most, padd
 
 
 def chunk_size(kv_heads: int, d: int, dv: int) -> int:
-    """Picks per grid step: the largest power of two in [MIN_CHUNK, MAX_CHUNK] whose float32 slabs
-    (heads padded to 8 sublanes, features to 128 lanes) fit CHUNK_F32_BYTES, so the backward's
-    buffers and temporaries stay within a v5e's scoped VMEM at V3.2's 128 heads of 192 + 128."""
+    """Picks per grid step: the largest power of two up to MAX_CHUNK whose float32 slabs (heads
+    padded to 8 sublanes, features to 128 lanes) fit CHUNK_F32_BYTES, and at least MIN_CHUNK (V3.2's
+    128 heads of 192 + 128 get 8, 1.5 MiB), so the backward's buffers and temporaries stay within a
+    v5e's scoped VMEM."""
     pad = lambda n, m: -(-n // m) * m
     per_pick = 4 * pad(kv_heads, 8) * (pad(d, 128) + pad(dv, 128))
     c = MAX_CHUNK
