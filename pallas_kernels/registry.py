@@ -10,8 +10,8 @@ while a GPU run imports no TPU code (and the reverse).
                             and backward (dsa/triton.py, dsa/tpu_attention.py)
   ("dsa", "decode", b)      b in triton / tpu: a decode step over the selected latent rows
                             (dsa/triton_decode.py, dsa/tpu_decode.py)
-  ("dsa", "select", b)      b = tpu: the indexer's scores and each query's top-k of a whole
-                            sequence in one kernel (dsa/tpu_select.py)
+  ("dsa", "select", b)      b in triton / tpu: the indexer's scores and each query's top-k of a
+                            whole sequence in one kernel (dsa/triton_select.py, dsa/tpu_select.py)
 
 Every routing entry takes (q, starts, means, lo, hi, picks, *, seq, key_dtype, interpret); every
 decode entry the arguments of its family's XLA step and `interpret`. Which backend runs is decided
@@ -104,6 +104,12 @@ def _dsa_decode_tpu():
     return sparse_latent_decode_tpu
 
 
+def _dsa_select_triton():
+    from pallas_kernels.dsa.triton_select import index_topk_gpu
+
+    return index_topk_gpu
+
+
 def _dsa_select_tpu():
     from pallas_kernels.dsa.tpu_select import index_topk_tpu
 
@@ -127,6 +133,7 @@ REGISTRY: dict[tuple[str, str, str], Callable[[], Any]] = {
     ("dsa", "attention", "tpu"): _dsa_attention_tpu,
     ("dsa", "decode", "triton"): _dsa_decode_triton,
     ("dsa", "decode", "tpu"): _dsa_decode_tpu,
+    ("dsa", "select", "triton"): _dsa_select_triton,
     ("dsa", "select", "tpu"): _dsa_select_tpu,
 }
 

@@ -1,7 +1,8 @@
 """DSA's kernels (pallas_kernels/dsa/): interpreted, the Triton sparse attention equals the XLA path
 (`sparse_attention`) in output and gradients on random selections, and a model with
 `dsa.impl=pallas_triton` equals one on the XLA path, in training and in decoding (the latent decode
-kernel); both kernels lower for CUDA. The TPU latent decode kernel equals the same attention
+kernel); both kernels lower for CUDA. The fused GPU selection equals `dsa_select` and lowers for
+CUDA. The TPU latent decode kernel equals the same attention
 written out in numpy (both TPU interpreters), a model decoding on it equals the XLA step, and it
 compiles for a TPU."""
 
@@ -26,6 +27,7 @@ from pallas_kernels.dsa.tpu_decode import sparse_latent_decode_tpu
 from pallas_kernels.dsa.tpu_select import index_topk_tpu
 from pallas_kernels.dsa.triton import CHUNK, sparse_attention_gpu, width_parts
 from pallas_kernels.dsa.triton_decode import sparse_latent_decode_gpu
+from pallas_kernels.dsa.triton_select import index_topk_gpu
 from pallas_kernels.registry import kernel
 
 
@@ -81,8 +83,8 @@ def test_forward_and_backward_lower_for_cuda(dtype):
 )
 def test_a_model_on_the_kernel_equals_the_xla_path(kind, impl):
     """Top-5 of 13 and 11 packed tokens: the features, the KL and the gradients of both with
-    dsa.impl=pallas_triton (the attention kernel) or pallas_tpu (the selection and attention
-    kernels), interpreted, equal dsa.impl=xla."""
+    dsa.impl=pallas_triton or pallas_tpu (the selection and attention kernels), interpreted, equal
+    dsa.impl=xla."""
     kinds = {"mla": ["attention.kind=mla"], "mha": ["model.num_kv_heads=2"]}
     dsa = ["attention.core=dsa", "dsa.index_n_heads=3", "dsa.index_head_dim=8", "dsa.index_topk=5"]
     rng = np.random.default_rng(0)
@@ -153,17 +155,58 @@ def test_tpu_selection_equals_dsa_select(seq, top_k, lengths, interpret):
     before it, so half the scores tie and the earlier key must win. Catches: the k-th score off by
     one, a tie resolved to the later key, a pick written at another query's offset or lost across
     a 128-key tile or a key tile, a key of another document picked."""
-    rng = np.random.default_rng(seq + top_k)
-    b, hi, di = 2, 3, 16
-    q = jnp.asarray(rng.standard_normal((b, seq, hi, di)), jnp.float32)
-    k = jnp.asarray(rng.standard_normal((b, seq, di)), jnp.float32)
-    k = k.at[:, 1::2].set(k[:, : seq // 2 * 2 : 2])  # ties: key 2i + 1 is key 2i
-    w = jnp.asarray(rng.standard_normal((b, seq, hi)), jnp.float32)
-    seg = None if lengths is None else segments(b, lengths)
+    q, k, w, seg = _selection_inputs(seq, lengths, jnp.float32)
     want = dsa_select(q, k, w, top_k=top_k, segment_ids=seg)
     got = index_topk_tpu(q, k, w, top_k=top_k, segment_ids=seg, interpret=interpret)
     np.testing.assert_array_equal(got, want)
     assert kernel("dsa", "select", "tpu") is index_topk_tpu
+
+
+def _selection_inputs(seq, lengths, dtype, b=2, hi=3, di=16):
+    """Indexer outputs with ties (key 2i + 1 repeats key 2i) and weights of both signs: q [b, seq,
+    hi, di], k [b, seq, di], w [b, seq, hi]; and the segments of `lengths` (None: one document)."""
+    rng = np.random.default_rng(seq + di)
+    q = jnp.asarray(rng.standard_normal((b, seq, hi, di)), dtype)
+    k = jnp.asarray(rng.standard_normal((b, seq, di)), dtype)
+    k = k.at[:, 1::2].set(k[:, : seq // 2 * 2 : 2])
+    w = jnp.asarray(rng.standard_normal((b, seq, hi)), jnp.float32)
+    return q, k, w, None if lengths is None else segments(b, lengths)
+
+
+@pytest.mark.parametrize(
+    "seq, top_k, lengths, dtype",
+    [
+        (40, 7, None, jnp.float32),  # two key chunks, fewer picks than keys
+        (100, 37, (40, 60), jnp.float32),  # packed documents, picks over four chunks
+        (90, 40, (50, 40), jnp.bfloat16),  # bf16 products, a float32 sum
+        (20, 64, None, jnp.float32),  # top-k past the sequence: every visible key
+    ],
+)
+def test_gpu_selection_equals_dsa_select(seq, top_k, lengths, dtype):
+    """The fused GPU selection (pallas_kernels/dsa/triton_select.py, interpreted) equals the XLA
+    selection index for index, order included, over ties that must go to the earlier key. Catches:
+    a radix digit or the k-th key off by one, the equal keys' count carried wrongly across chunks,
+    a pick written at another slot, a key of another document picked, unused slots not -1."""
+    q, k, w, seg = _selection_inputs(seq, lengths, dtype)
+    want = dsa_select(q, k, w, top_k=top_k, segment_ids=seg)
+    np.testing.assert_array_equal(index_topk_gpu(q, k, w, top_k=top_k, segment_ids=seg, interpret=True), want)
+    got = dsa_select(q, k, w, top_k=top_k, segment_ids=seg, impl="pallas_triton")  # the dispatch
+    np.testing.assert_array_equal(got, want)
+    assert kernel("dsa", "select", "triton") is index_topk_gpu
+
+
+def test_gpu_selection_lowers_for_cuda():
+    """The selection lowers to one Triton kernel for CUDA at V3.2's indexer (64 heads of 128, bf16,
+    top-2,048; `make gpu-compile` compiles it to machine code). Catches: a scatter, cumsum or
+    bitcast the Triton lowering rejects."""
+    sd = lambda *shape, dt="bfloat16": jax.ShapeDtypeStruct(shape, jnp.dtype(dt))
+    select = lambda q, k, w, seg: index_topk_gpu(q, k, w, top_k=2048, segment_ids=seg)
+    triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+    with gpu_lowering_target():
+        exported = jax.export.export(jax.jit(select), platforms=["cuda"], disabled_checks=[triton])(
+            sd(1, 4096, 64, 128), sd(1, 4096, 128), sd(1, 4096, 64, dt="float32"), sd(1, 4096, dt="int32")
+        )
+    assert re.findall(r'name = "(dsa_\w+)"', exported.mlir_module()) == ["dsa_index_topk_gpu"]
 
 
 def test_tpu_selection_per_batch_shard_under_a_mesh():

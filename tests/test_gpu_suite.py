@@ -40,11 +40,14 @@ def test_dry_run_writes_every_section_without_the_data_stack(tmp_path):
         "transformers",
     }
     dsa = sections["dsa"]  # interpreted kernels, timed once: every case ran and has its ratio
-    assert [r["case"] for r in dsa] == ["attention", "decode"], dsa
-    assert dsa[0]["xla_over_kernel"] > 0 and dsa[1]["mla_over_dsa"] > 0
+    assert [r["case"] for r in dsa] == ["attention", "decode", "select"], dsa
+    assert dsa[0]["xla_over_kernel"] > 0 and dsa[1]["mla_over_dsa"] > 0 and dsa[2]["xla_over_kernel"] > 0
     checks = sections["correctness"]
-    assert {c["check"] for c in checks} == {"moba", "mla_decode", "moba_decode", "dsa", "dsa_decode"}
-    assert len(checks) == 11  # dsa: GQA and one KV head (dsa.absorb's form)
+    dsa_checks = {"dsa", "dsa_decode", "dsa_select"}
+    assert {c["check"] for c in checks} == {"moba", "mla_decode", "moba_decode"} | dsa_checks
+    assert len(checks) == 12  # dsa: GQA and one KV head (dsa.absorb's form); the fused selection
+    (select,) = [c for c in checks if c["check"] == "dsa_select"]  # interpreted: the same picks
+    assert select["picks_differing_fraction"] == 0.0, select
     assert all(c["ok"] for c in checks), checks
     assert all(row["ms"] > 0 and row["smem_estimate"] <= row["smem_limit"] for row in sections["tiles"])
     (own,) = sections["own_kernels"]  # Mosaic GPU against Triton own-block kernels, interpreted

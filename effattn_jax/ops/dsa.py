@@ -133,9 +133,9 @@ def dsa_select(
     `q_index` [B, T]: the queries' positions among the keys (default: T = S, in order).
     `query_chunk`: queries scored at once ([B, chunk, Hi, S] float32 products; default: as many
     as fit CHUNK_BYTES, at most 512). No gradient flows through it. `impl`: where its backend has
-    a selection kernel (pallas_tpu: pallas_kernels/dsa/tpu_select.py), a whole sequence's selection
-    (no `q_index`) runs in it, the scores never in HBM, per batch shard under a mesh (`rules`); the
-    rest here."""
+    a selection kernel (pallas_kernels/dsa/tpu_select.py, triton_select.py), a whole sequence's
+    selection (no `q_index`) runs in it, the scores never in HBM, per batch shard under a mesh
+    (`rules`); the rest here."""
     run = None if impl in XLA_IMPLS or q_index is not None else _kernel(impl, "select")
     if run is not None:
         seg = jnp.ones(q_idx.shape[:2], jnp.int32) if segment_ids is None else segment_ids

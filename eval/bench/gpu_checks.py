@@ -9,6 +9,9 @@ shapes users run, where interpret mode on a CPU cannot reach (it forgives what h
 - DSA's sparse attention kernel against the XLA path (`sparse_attention`), forward and gradients,
   over a causal selection that `dsa_select` makes from random indexer outputs; and its latent
   decode kernel against the selected rows' attention in plain jnp, at 16 and 128 heads.
+- DSA's fused selection kernel against `dsa_select` in XLA on V3.2's indexer (64 heads of 128,
+  bf16): each query's picks, scored by XLA and sorted, must score as XLA's own picks do (float32
+  sums in another order can part near-ties, so a differing pick must be a near-tie).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from effattn_jax.ops.cache import kv_view
-from effattn_jax.ops.dsa import dsa_select, dsa_sparse_attention, latent_decode_kernel
+from effattn_jax.ops.dsa import dsa_select, dsa_sparse_attention, latent_decode_kernel, lightning_index_scores
 from effattn_jax.ops.mla_decode import absorbed_attention
 from effattn_jax.ops.moba import moba_attention
 from effattn_jax.ops.moba_decode import empty_block_means, moba_decode_attention, prefill_block_means
@@ -101,6 +104,29 @@ def dsa_case(*, seq, heads, kv_heads, head_dim, v_head_dim, top_k, dtype, impl, 
     return {"check": "dsa", "impl": impl, "seq": seq, "heads": heads, "kv_heads": kv_heads,
             "head_dim": head_dim, "v_head_dim": v_head_dim, "top_k": top_k, "dtype": jnp.dtype(dtype).name,
             "max_rel_diff": max(diffs), "loss_dq_dk_dv_rel_diff": diffs}  # fmt: skip
+
+
+def dsa_select_case(*, seq, top_k, impl, index_heads, index_dim, dtype) -> dict:
+    """The selection kernel (`impl`) against the XLA selection on random indexer outputs: the XLA
+    scores of each query's picks, best first, compared slot by slot (a pick set that differs only
+    at near-ties scores the same); and the fraction of index slots that differ."""
+    keys = jax.random.split(jax.random.key(seq + top_k), 3)
+    q_idx = jax.random.normal(keys[0], (1, seq, index_heads, index_dim), dtype)
+    k_idx = jax.random.normal(keys[1], (1, seq, index_dim), dtype)
+    weights = jax.random.normal(keys[2], (1, seq, index_heads), jnp.float32)
+    select = lambda impl: jax.jit(lambda *x: dsa_select(*x, top_k=top_k, impl=impl))(q_idx, k_idx, weights)
+    got, want = select(impl), select("xla")
+    scores = jax.jit(lightning_index_scores)(q_idx, k_idx, weights)  # [1, T, S] float32
+
+    def scored(idx):  # the picks' scores, best first; 0 in the unused slots
+        s = jnp.take_along_axis(scores, jnp.maximum(idx, 0), axis=-1)
+        return -jnp.sort(-jnp.where(idx >= 0, s, 0.0), axis=-1)
+
+    same_counts = bool(jnp.all(jnp.sum(got >= 0, axis=-1) == jnp.sum(want >= 0, axis=-1)))
+    diff = relative_difference(scored(got), scored(want)) if same_counts else float("inf")
+    return {"check": "dsa_select", "impl": impl, "seq": seq, "top_k": top_k, "index_heads": index_heads,
+            "index_dim": index_dim, "dtype": jnp.dtype(dtype).name, "max_rel_diff": diff,
+            "picks_differing_fraction": float(jnp.mean((got != want).astype(jnp.float32)))}  # fmt: skip
 
 
 def dsa_decode_case(*, heads, context, batch, latent, rope, top_k, dtype, impl, index_heads=4) -> dict:

@@ -1,8 +1,9 @@
 """DSA's GPU kernels timed (the GPU suite's dsa section; their numbers are checked in its correctness
 section): the Triton sparse attention forward + backward against the XLA path it replaces, beside
 the indexer's selection (`dsa_select`, XLA) that feeds both; and the Triton latent decode step over
-each token's top-k rows against MLA's decode kernel over the whole cache (what DSA saves per step).
-Alternated, median of `repeats`, compiles before the timing."""
+each token's top-k rows against MLA's decode kernel over the whole cache (what DSA saves per step);
+and the fused selection kernel against `dsa_select` in XLA. Alternated, median of `repeats`,
+compiles before the timing."""
 
 from __future__ import annotations
 
@@ -75,10 +76,34 @@ def decode_case(*, context, batch, heads, latent, rope, top_k, dtype, repeats) -
     }  # fmt: skip
 
 
+def select_case(*, seq, top_k, index_heads, index_dim, dtype, repeats) -> dict:
+    """ms of a whole sequence's selection (batch 1): the fused kernel against `dsa_select` in XLA
+    (the scores a chunk of queries at a time, then `lax.top_k`)."""
+    keys = jax.random.split(jax.random.key(seq + index_heads), 3)
+    index = (
+        jax.random.normal(keys[0], (1, seq, index_heads, index_dim), dtype),
+        jax.random.normal(keys[1], (1, seq, index_dim), dtype),
+        jax.random.normal(keys[2], (1, seq, index_heads), jnp.float32),
+    )
+    fns = {
+        impl: jax.jit(lambda *x, impl=impl: dsa_select(*x, top_k=top_k, impl=impl))
+        for impl in (KERNEL, "xla")
+    }
+    for fn in fns.values():
+        jax.block_until_ready(fn(*index))
+    ms = alternated({impl: seconds(fn, *index) for impl, fn in fns.items()}, repeats)
+    return {
+        "case": "select", "seq": seq, "top_k": top_k, "index_heads": index_heads, "index_dim": index_dim,
+        "dtype": jnp.dtype(dtype).name, "kernel_ms": ms[KERNEL] * 1e3, "xla_ms": ms["xla"] * 1e3,
+        "xla_over_kernel": ms["xla"] / ms[KERNEL],
+    }  # fmt: skip
+
+
 def section(suite, rows: list, p: dict, error) -> None:
-    """Every attention case, then every decode case, each skipped once the share is spent; a case
-    that fails to compile or run is a row with its error."""
+    """Every attention case, then every decode and selection case, each skipped once the share is
+    spent; a case that fails to compile or run is a row with its error."""
     cases = [(attention_case, c) for c in p["attention"]] + [(decode_case, c) for c in p["decode"]]
+    cases += [(select_case, c) for c in p["select"]]
     for case, kw in cases:
         if not suite.time_left():
             suite.add(rows, kw | {"dtype": jnp.dtype(kw["dtype"]).name, "skipped": "time budget"})

@@ -15,7 +15,8 @@ sum to the budget):
 - correctness: the compiled kernels against the references (eval/bench/gpu_checks.py): MoBA
   forward and gradients at 8K, bf16 (packed documents with GQA, top-k 1, top-k covering every
   block), the MLA and MoBA decode kernels against XLA at 16 and 128 heads, and DSA's sparse
-  attention kernel against its XLA path at 8K, top-2,048 (V3.2's per-head widths; GQA).
+  attention kernel against its XLA path at 8K, top-2,048 (V3.2's per-head widths; GQA), and its
+  fused selection against `dsa_select` on V3.2's indexer (64 heads of 128) at 8K.
 - attention: MoBA (Pallas GPU kernels: `pallas_gpu`, and beside it the Mosaic GPU kernels on Hopper
   and the Triton kernels, whichever it is not) against cuDNN flash attention, forward + backward, bf16,
   head dim 128, block-local routing, alternated, for three shapes: batch 1 with 16 heads, block
@@ -43,7 +44,8 @@ sum to the budget):
   against its XLA path at 8K and 32K (V3.2's per-head widths, top-2,048), and at 8K in
   `dsa.absorb`'s form (one latent KV head of 576, values 512), beside the selection's ms; the
   latent decode step over the top-2,048 rows against MLA's decode kernel over all 32K slots, 16
-  and 128 heads, batch 1 and 16.
+  and 128 heads, batch 1 and 16; the fused selection against `dsa_select` in XLA on V3.2's indexer
+  (64 heads of 128, bf16, top-2,048) at 8K and 32K.
 - train: 30 steps of a small MoBA model with the GPU kernels beside the same run with the XLA
   path (same initialisation, same batches, float32): the losses must agree within `--loss-tol`.
 - train_py: `train.py` itself on the configs/gpu/ models for a few dozen steps (a subprocess each):
@@ -139,6 +141,7 @@ FULL = {
              for kv, d, dv in ((16, 192, 128), (2, 128, 128), (1, 576, 512))],
         dsa_impls=["pallas_triton"],
         dsa_decode=dict(context=8192, batch=2, latent=512, rope=64, top_k=2048, dtype=jnp.bfloat16),
+        dsa_select=dict(seq=8192, top_k=2048, index_heads=64, index_dim=128, dtype=jnp.bfloat16),
         tol=3e-2,
     ),
     "attention": dict(head_dim=128, dense="cudnn", tiles=BlockSizes(), repeats=3, long_repeats=1, shapes=[
@@ -169,6 +172,8 @@ FULL = {
         ],
         decode=[dict(context=32768, batch=batch, heads=heads, latent=512, rope=64, top_k=2048,
                      dtype=jnp.bfloat16) for heads in (16, 128) for batch in (1, 16)],
+        select=[dict(seq=seq, top_k=2048, index_heads=64, index_dim=128, dtype=jnp.bfloat16)
+                for seq in (8192, 32768)],
         repeats=3,
     ),
     "train": ["model.num_layers=4", "model.d_model=512", "model.num_heads=8", "model.mlp_dim=1408",
@@ -188,6 +193,7 @@ DRY = {
              for kv in (2, 1)],
         dsa_impls=["pallas_triton"],
         dsa_decode=dict(context=64, batch=2, latent=16, rope=16, top_k=24, dtype=jnp.float32),
+        dsa_select=dict(seq=96, top_k=24, index_heads=4, index_dim=16, dtype=jnp.float32),
         tol=1e-4,
     ),
     "attention": dict(head_dim=16, dense="xla", tiles=BlockSizes(q_tile=16, kv_block=16, past_q_tile=16),
@@ -212,6 +218,7 @@ DRY = {
     "dsa": dict(attention=[dict(seq=64, heads=4, kv_heads=2, head_dim=16, v_head_dim=8, top_k=12,
                                 dtype=jnp.float32)],
                 decode=[dict(context=64, batch=1, heads=4, latent=16, rope=16, top_k=12, dtype=jnp.float32)],
+                select=[dict(seq=64, top_k=12, index_heads=4, index_dim=16, dtype=jnp.float32)],
                 repeats=1),
     "train": ["model.num_layers=2", "model.d_model=32", "model.num_heads=2", "model.mlp_dim=64",
               "model.vocab_size=256", "data.seq_len=64", "data.batch_size=2", "moba.block_size=16",
@@ -402,6 +409,10 @@ def correctness(suite: Suite, rows: list, p: dict) -> None:
     cases += [("dsa", gpu_checks.dsa_case, c | {"impl": impl}) for impl in p["dsa_impls"] for c in p["dsa"]]
     cases += [("dsa_decode", gpu_checks.dsa_decode_case, dict(p["dsa_decode"], heads=heads, impl=impl))
               for impl in p["dsa_impls"] for heads in p["heads"]]  # fmt: skip
+    cases += [
+        ("dsa_select", gpu_checks.dsa_select_case, p["dsa_select"] | {"impl": impl})
+        for impl in p["dsa_impls"]
+    ]
     for name, check, kw in cases:
         if not suite.time_left():
             suite.add(rows, {"check": name, "skipped": "time budget"})

@@ -30,6 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.common import NT, tpu_interpret, tpu_vmem_limit
+from pallas_kernels.dsa import best_first
 
 QT = 8  # queries per grid step (a float32 sublane tile)
 KT = 256  # keys per grid step
@@ -198,11 +199,3 @@ def index_topk_tpu(q_idx, k_idx, weights, *, top_k: int, segment_ids=None, scale
         name="dsa_index_topk_tpu",
     )(q_rows, w, pad(k_idx.astype(q_idx.dtype)), seg[:, :, None], seg[:, None, :])
     return best_first(picks[:, :s, :kk], scores[:, :s, :kk])
-
-
-def best_first(picks, scores):
-    """picks [B, T, K] in key order (-1: none) and their index scores -> the picks best first, ties
-    to the earlier key, -1 last (as `lax.top_k` orders them)."""
-    order = jnp.where(picks >= 0, -scores, jnp.inf)
-    tie = jnp.where(picks >= 0, picks, jnp.iinfo(jnp.int32).max)
-    return jax.lax.sort((order, tie, picks), dimension=-1, num_keys=2)[2]

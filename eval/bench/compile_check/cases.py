@@ -21,7 +21,8 @@ TRAIN_LAYERS = 2  # a train step's layers (dense ones in XLA): every kernel of t
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    # moba_attention | moba_routing | moba_decode | mla_decode | dsa_attention | dsa_decode | train_step
+    # moba_attention | moba_routing | moba_decode | mla_decode | dsa_attention | dsa_decode | dsa_select
+    # | train_step
     family: str
     backend: str  # mosaic | triton | auto (a train step: what `auto` picks)
     kind: str  # auto | edge | planted
@@ -88,6 +89,8 @@ def cases() -> list[Case]:
     for heads in (128, 16):
         out.append(_case("dsa_decode", "triton", "auto" if heads == 128 else "edge", heads=heads, latent=512,
                          rope=64, dtype="bfloat16"))  # fmt: skip
+    # DSA's fused selection: V3.2's indexer (64 heads of 128, bf16, top-2,048)
+    out.append(_case("dsa_select", "triton", "auto", heads=64, d=128, dtype="bfloat16"))
     for config in GPU_CONFIGS:
         out.append(_case("train_step", "auto", "auto", config=config.stem))
     return out
@@ -215,6 +218,13 @@ def build(case: Case, mesh=None):
         query, cache = (lambda w: sd((b, 1, h, w), dt)), (lambda w: sd((b, length, w), dt))
         widths = (s["latent"], s["rope"])
         return fn, (*map(query, widths), *map(cache, widths), sd((b, 1, 2048), "int32"))
+    if case.family == "dsa_select":
+        from pallas_kernels.dsa.triton_select import index_topk_gpu
+
+        b, seq = 1, 4096
+        fn = lambda q, k, w, seg: index_topk_gpu(q, k, w, top_k=2048, segment_ids=seg)
+        return fn, (sd((b, seq, s["heads"], s["d"]), s["dtype"]), sd((b, seq, s["d"]), s["dtype"]),
+                    sd((b, seq, s["heads"]), "float32"), sd((b, seq), "int32"))  # fmt: skip
     raise ValueError(f"no function for {case.family}")
 
 
