@@ -29,7 +29,7 @@ class DsaSet:
     learning rate per size (None: every run of the config)."""
 
     sizes: tuple[str, ...]
-    others: str  # results/<others>/: full_<size>... and moba_<size>... summaries
+    others: str | None  # results/<others>/: full_<size>... and moba_<size>... summaries (None: in its own)
     lrs: dict[str, str] | None
     about: str  # the report's first sentence
 
@@ -110,9 +110,13 @@ def draw_dsa_comparison(summaries: list[dict], out: Path, dsa_set: DsaSet = DSA_
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    others_dir = out.parent / dsa_set.others
     names = ("fits.json", "ladder.json")
-    others = [json.loads(p.read_text()) for p in sorted(others_dir.glob("*.json")) if p.name not in names]
+    others_dir = out.parent / dsa_set.others if dsa_set.others else None
+    others = (
+        [json.loads(p.read_text()) for p in sorted(others_dir.glob("*.json")) if p.name not in names]
+        if others_dir
+        else []
+    )
     gaps = comparison(summaries, others, dsa_set)
     text = (
         f"{dsa_set.about} Loss over every validation token and the trailing loss (the last quarter of "

@@ -35,6 +35,11 @@ is that config with `train.seed=k` (the repeats that give gaps their intervals);
   107K, 3 seeds
 - dsa-ladder-1k (eval/dsa_report.py, configs/dsa/cpu/ladder/): DSA against moba-ladder-1k's full
   attention and MoBA at each tuned size of that ladder, on its tuned learning rate, 3 seeds
+- dsa-continue-1k (eval/dsa_continue.py, configs/dsa/cpu/continue/): the V3.2 report's recipe (a
+  dense warm-up of fresh indexers, then the sparse stage) from moba-ladder-1k's full-attention runs
+  at 60K, 107K and 250K, 3 seeds, against the same runs continued as long with full attention;
+  each run starts from its parent's last checkpoint (a parent whose run directory is gone is
+  trained again first)
 - egmla-cpu (eval/egmla_report.py): MHA, MLA and EG-MLA with 4 gate-table widths
   (configs/egmla/cpu/), the projected gate at the same widths (docs/eg_mla.md), the
   parameter-matched controls (MLA plus a non-gating table matched to emb16 and to the projected
@@ -59,6 +64,7 @@ import sys
 import time
 from pathlib import Path
 
+from eval.dsa_continue import continue_parent, continue_runs, draw_dsa_continue  # noqa: F401
 from eval.dsa_report import DSA_LADDER, draw_dsa_comparison, draw_dsa_ladder, dsa_runs  # noqa: F401
 from eval.egmla_report import draw_egmla_report, egmla_runs, summarize_report  # noqa: F401 (recipes name them)
 from eval.ladder import draw_ladder, draw_ladder_4k, ladder_4k_runs, ladder_runs  # noqa: F401 (recipes name them)
@@ -73,7 +79,8 @@ class Recipe:
     config_dir: str  # relative to the repository
     runs: tuple[str, ...]  # config file stems, in training order
     summarize: str  # names of functions in this module: a run's summary, (run_dir) -> dict,
-    draw: str  # and the figure from all summaries, (summaries, out_dir) -> None
+    draw: str  # the figure from all summaries, (summaries, out_dir) -> None,
+    parent: str = ""  # and, for continued runs, run -> (recipe, run) it starts from (train.init_from)
 
 
 def _seeded(stems: list[str], seeds=(1, 2)) -> tuple[str, ...]:
@@ -121,6 +128,13 @@ RECIPES = {
     "dsa-ladder-1k": Recipe(
         "configs/dsa/cpu/ladder", dsa_runs(DSA_LADDER), "summarize_losses", "draw_dsa_ladder"
     ),
+    "dsa-continue-1k": Recipe(
+        "configs/dsa/cpu/continue",
+        continue_runs(),
+        "summarize_losses_and_kl",
+        "draw_dsa_continue",
+        parent="continue_parent",
+    ),
     "lr-sweep-1k": Recipe(
         "configs/moba/cpu/scaling",
         tuple(
@@ -146,6 +160,36 @@ def train_run(config: Path, run_dir: Path, overrides: list[str]) -> float:
     cmd = [sys.executable, str(REPO / "train.py"), "--config", str(config), f"train.run_dir={run_dir}"]
     subprocess.run(cmd + overrides, check=True, cwd=REPO)
     return time.perf_counter() - start
+
+
+def _launch(name: str, run: str, root: Path, overrides) -> tuple[Path, Path, list[str]]:
+    """(config, run directory, overrides) of recipe `name`'s `run`; a continued run starts from its
+    parent's last checkpoint, which is trained first where it is not."""
+    recipe = RECIPES[name]
+    stem, seed = _config_and_seed(run)
+    start = (
+        [f"train.init_from={trained(*globals()[recipe.parent](run), root, overrides)}"]
+        if recipe.parent
+        else []
+    )
+    return REPO / recipe.config_dir / f"{stem}.yaml", root / name / run, [*seed, *overrides, *start]
+
+
+def trained(name: str, run: str, root: Path, overrides=()) -> Path:
+    """The run directory of recipe `name`'s `run` with its last step trained: trained (or resumed)
+    here where it is not (a fresh clone keeps the summaries, not the runs)."""
+    from effattn_jax import checkpoint
+    from effattn_jax.config import load_config
+
+    config, run_dir, args = _launch(name, run, root, overrides)
+    try:
+        done = load_config(config, args).train.steps in checkpoint.kept_steps(run_dir)
+    except checkpoint.CheckpointError:  # no run directory, or no checkpoint yet
+        done = False
+    if not done:
+        print(f"{name}/{run}: training it first (a later run starts from it)", flush=True)
+        train_run(config, run_dir, args)
+    return run_dir
 
 
 def summarize_losses(run_dir: Path) -> dict:
@@ -192,6 +236,17 @@ def summarize_losses(run_dir: Path) -> dict:
         "buckets": report["buckets"],
         "points": points,
     }
+
+
+def summarize_losses_and_kl(run_dir: Path) -> dict:
+    """`summarize_losses`, and where the run logged a DSA indexer's KL (train/step.py: per token)
+    its first and last logged (step, value)."""
+    from effattn_jax.train.metrics import read_scalars
+
+    kl = read_scalars(run_dir).get("indexer_kl")
+    return summarize_losses(run_dir) | (
+        {"indexer_kl": {"first": list(kl[0]), "last": list(kl[-1])}} if kl else {}
+    )
 
 
 def summarize_in_child(function: str, run_dir: Path) -> dict:
@@ -242,10 +297,8 @@ def run_recipe(
         if summary_path.exists():
             print(f"{run}: summary exists, skipped", flush=True)
             continue
-        stem, seed = _config_and_seed(run)
-        config = REPO / recipe.config_dir / f"{stem}.yaml"
-        run_dir = root / name / run
-        seconds = train_run(config, run_dir, [*seed, *overrides])
+        config, run_dir, args = _launch(name, run, root, overrides)
+        seconds = train_run(config, run_dir, args)
         start = time.perf_counter()
         summary = summarize_in_child(recipe.summarize, run_dir) | {  # "run": the name, not the directory
             "recipe": name,

@@ -11,6 +11,7 @@ LONG = (
     "test_convert.py::test_a_converted_model_resumes_in_place_and_trains_on_as_moba",
     "test_dsa_context.py::test_model_terms_and_gradients_over_context_shards",
     "test_dsa_model.py::test_absorbed_training_equals_the_per_head_form",
+    "test_dsa_continue.py::test_a_tiny_recipe_chains_each_run_from_its_parent",
     "test_dsa_kernels.py::test_a_model_on_the_kernel_equals_the_xla_path",
     "test_eval.py::test_figure_commands_write_png_and_data",
     "test_eval.py::test_run_saved_on_eight_devices_evaluates_the_same_on_one",
