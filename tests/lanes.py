@@ -64,6 +64,7 @@ QUICK_OUT = (
     "test_dsa_kernels.py::test_tpu_selection_equals_dsa_select",
     "test_dsa_kernels.py::test_tpu_selection_compiles_for_a_real_tpu",
     "test_dsa_kernels.py::test_gpu_selection_equals_dsa_select",
+    "test_dsa_kernels.py::test_selection_kernels_at_query_positions",
     "test_dsa_tpu_attention.py::test_interpreted_kernel_equals_the_xla_path",
     "test_dsa_tpu_attention.py::test_one_kv_head_runs_on_the_mxu_kernel",
     "test_dsa_model.py::test_lm_loss_never_reaches_the_indexer_and_kl_only_reaches_it",

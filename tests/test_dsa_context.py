@@ -31,13 +31,17 @@ def one_device(q, k, v, q_idx, k_idx, weights, seg, stage):
     return sparse_attention(q, k, v, indices), indexer_kl_loss(q, k, q_idx, k_idx, weights, indices=indices)
 
 
-@pytest.mark.parametrize("stage, sparse", [("sparse", None), ("warmup", None), ("sparse", "pallas_triton")])
+@pytest.mark.parametrize(
+    "stage, sparse",
+    [("sparse", None), ("warmup", None), ("sparse", "pallas_triton"), ("sparse", "pallas_tpu")],
+)
 def test_over_context_shards_matches_one_device(stage, sparse):
     """Mesh (data=2, context=4), inputs in the balanced layout, against one device: out, the KL and
     the gradients of q, k, v (through the attention) and of q_idx, k_idx, weights (through the KL).
     Catches: a selection made at shard-local positions, indexer keys not gathered or put back in
     the wrong order, their gradient not reduce-scattered, a document mask from local segments.
-    `sparse`: the attention over the selection by that impl's kernel (interpreted) on each shard."""
+    `sparse`: the selection at the shard's positions and the attention over it by that impl's
+    kernels (interpreted) on each shard."""
     rng = np.random.default_rng(0)
     shapes = [(B, S, H, D), (B, S, HKV, D), (B, S, HKV, D), (B, S, HI, DI), (B, S, DI), (B, S, HI)]
     args = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in shapes]
@@ -54,6 +58,7 @@ def test_over_context_shards_matches_one_device(stage, sparse):
             out, kl = dsa_context_attention(
                 *(x[:, order] for x in xs), top_k=TOP_K, stage=stage, segment_ids=seg[:, order],
                 scale=D**-0.5, rules=rules, sparse=sparse and dsa_sparse_attention(sparse),
+                impl=sparse or "xla",
             )  # fmt: skip
         return objective(out, kl, order)
 

@@ -195,6 +195,21 @@ def test_gpu_selection_equals_dsa_select(seq, top_k, lengths, dtype):
     assert kernel("dsa", "select", "triton") is index_topk_gpu
 
 
+@pytest.mark.parametrize("select", [index_topk_gpu, index_topk_tpu], ids=["gpu", "tpu"])
+def test_selection_kernels_at_query_positions(select):
+    """Queries at positions among more keys, as a context shard's (the balanced layout's two runs,
+    20-31 and 270-281 of 300 keys), packed documents, ties: each kernel (interpreted) equals
+    `dsa_select(q_index=...)`. Catches: a query's position or document taken from its index in
+    the batch, a key tile past a tile's last query read, or one before it skipped."""
+    q, _, w, _ = _selection_inputs(24, None, jnp.float32)
+    _, k, _, seg = _selection_inputs(300, (140, 160), jnp.float32)
+    pos = jnp.concatenate([jnp.arange(20, 32), jnp.arange(270, 282)]).astype(jnp.int32)
+    pos = jnp.broadcast_to(pos, (2, 24))
+    want = dsa_select(q, k, w, top_k=37, segment_ids=seg, q_index=pos)
+    got = select(q, k, w, top_k=37, segment_ids=seg, q_index=pos, interpret=True)
+    np.testing.assert_array_equal(got, want)
+
+
 def test_gpu_selection_lowers_for_cuda():
     """The selection lowers to one Triton kernel for CUDA at V3.2's indexer (64 heads of 128, bf16,
     top-2,048; `make gpu-compile` compiles it to machine code). Catches: a scatter, cumsum or

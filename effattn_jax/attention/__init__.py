@@ -138,7 +138,7 @@ def _dsa_core(cfg) -> Core:
         if context_shards() > 1:
             return dsa_context_attention(
                 q, k, v, q_idx, k_idx, weights, top_k=d.index_topk, stage=d.stage, segment_ids=segment_ids,
-                scale=scale, rules=rules, kv_whole=kv_whole, query_chunk=chunk, sparse=local,
+                scale=scale, rules=rules, kv_whole=kv_whole, query_chunk=chunk, sparse=local, impl=d.impl,
             )  # fmt: skip
         if d.stage == "warmup":
             out = dense.attend(q, k, v, segment_ids=segment_ids, scale=scale, kv_whole=kv_whole)

@@ -133,14 +133,16 @@ def dsa_select(
     `q_index` [B, T]: the queries' positions among the keys (default: T = S, in order).
     `query_chunk`: queries scored at once ([B, chunk, Hi, S] float32 products; default: as many
     as fit CHUNK_BYTES, at most 512). No gradient flows through it. `impl`: where its backend has
-    a selection kernel (pallas_kernels/dsa/tpu_select.py, triton_select.py), a whole sequence's
-    selection (no `q_index`) runs in it, the scores never in HBM, per batch shard under a mesh
-    (`rules`); the rest here."""
-    run = None if impl in XLA_IMPLS or q_index is not None else _kernel(impl, "select")
+    a selection kernel (pallas_kernels/dsa/tpu_select.py, triton_select.py), the selection runs in
+    it, the scores never in HBM, per batch shard under a mesh (`rules`); the rest here."""
+    run = None if impl in XLA_IMPLS else _kernel(impl, "select")
     if run is not None:
-        seg = jnp.ones(q_idx.shape[:2], jnp.int32) if segment_ids is None else segment_ids
-        select = lambda *x: run(*x[:3], top_k=top_k, segment_ids=x[3], scale=scale)
-        return shard_over_batch(select, q_idx, k_idx, weights, seg, rules=rules)
+        b, t, s = *q_idx.shape[:2], k_idx.shape[1]
+        seg = jnp.ones((b, s), jnp.int32) if segment_ids is None else segment_ids
+        select = lambda q, k, w, seg, pos: run(
+            q, k, w, top_k=top_k, segment_ids=seg, q_index=pos, scale=scale
+        )
+        return shard_over_batch(select, q_idx, k_idx, weights, seg, _q_index(q_index, b, t), rules=rules)
     q_idx, k_idx, weights = (jax.lax.stop_gradient(x) for x in (q_idx, k_idx, weights))
     b, t, hi, _ = q_idx.shape
     s = k_idx.shape[1]

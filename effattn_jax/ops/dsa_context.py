@@ -26,13 +26,14 @@ from effattn_jax.sharding import Rules, context_mesh, logical_to_spec
 
 def dsa_context_attention(
     q, k, v, q_idx, k_idx, weights, *, top_k, stage, segment_ids, scale, rules: Rules | None,
-    kv_whole=False, query_chunk=None, sparse=None,
+    kv_whole=False, query_chunk=None, sparse=None, impl="xla",
 ):  # fmt: skip
     """(out [B, S, H, Dv], the indexer's KL per query [B, S]) of DSA over the context axis; every
     input in the balanced layout (k and v whole on every shard with `kv_whole`, as MLA expands
     them). `stage` warmup: dense attention, the KL over every visible key; sparse: both over the
     top_k selection. `sparse(q, k, v, indices, *, scale)`: the attention over the selection
-    (default `sparse_attention`, the XLA path)."""
+    (default `sparse_attention`, the XLA path); `impl`: the selection's (`dsa_select`: its kernel
+    where its backend has one)."""
     if sparse is None:
         sparse = functools.partial(sparse_attention, query_chunk=query_chunk)
     mesh = context_mesh()
@@ -62,8 +63,9 @@ def dsa_context_attention(
             out = local_attention(q, k, v, q_seg if has_segments else None, seg, firsts, scale=scale)
             return out, kl()
         indices = dsa_select(
-            q_idx, k_idx, weights, top_k=top_k, segment_ids=seg, q_index=q_index, query_chunk=query_chunk
-        )
+            q_idx, k_idx, weights, top_k=top_k, segment_ids=seg, q_index=q_index, query_chunk=query_chunk,
+            impl=impl,
+        )  # fmt: skip
         return sparse(q, k, v, indices, scale=scale), kl(indices=indices)
 
     return jax.shard_map(

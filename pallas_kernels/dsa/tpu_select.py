@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.common import NT, tpu_interpret, tpu_vmem_limit
-from pallas_kernels.dsa import best_first
+from pallas_kernels.dsa import best_first, query_documents
 
 QT = 8  # queries per grid step (a float32 sublane tile)
 KT = 256  # keys per grid step
@@ -93,9 +93,12 @@ def _row_scalar(column, q: int):
     return jnp.sum(jnp.where(jax.lax.broadcasted_iota(jnp.int32, column.shape, 0) == q, column, 0))
 
 
-def _kernel(q_ref, w_ref, k_ref, qseg_ref, kseg_ref, out_ref, picked_scores_ref, scores_ref, *, heads, top_k):
-    i, j = pl.program_id(1), pl.program_id(2)
-    last = jax.lax.div((i + 1) * QT - 1, KT)  # the last key tile a query of this tile sees
+def _kernel(
+    last_ref, q_ref, w_ref, k_ref, qpos_ref, qseg_ref, kseg_ref, out_ref, picked_scores_ref, scores_ref, *,
+    heads, top_k,
+):  # fmt: skip
+    n, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    last = last_ref[n * pl.num_programs(1) + i]  # the last key tile a query of this tile sees
 
     @pl.when(j == 0)
     def _():
@@ -107,9 +110,8 @@ def _kernel(q_ref, w_ref, k_ref, qseg_ref, kseg_ref, out_ref, picked_scores_ref,
         dots = jnp.maximum(dots, 0.0)  # [Hi * QT, KT], head-major rows
         w = w_ref[...]  # [QT, Hi], the scale folded in
         s = functools.reduce(jnp.add, [dots[h * QT : (h + 1) * QT] * w[:, h : h + 1] for h in range(heads)])
-        q_pos = i * QT + jax.lax.broadcasted_iota(jnp.int32, s.shape, 0)
         k_pos = j * KT + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
-        visible = (k_pos <= q_pos) & (kseg_ref[...] == qseg_ref[...])
+        visible = (k_pos <= qpos_ref[...]) & (kseg_ref[...] == qseg_ref[...])
         scores_ref[:, pl.ds(pl.multiple_of(j * KT, KT), KT)] = jnp.where(visible, s, -jnp.inf)
 
     @pl.when(j == pl.num_programs(2) - 1)
@@ -153,49 +155,66 @@ def _kernel(q_ref, w_ref, k_ref, qseg_ref, kseg_ref, out_ref, picked_scores_ref,
         jax.lax.fori_loop(0, tiles, tile, init)
 
 
-def index_topk_tpu(q_idx, k_idx, weights, *, top_k: int, segment_ids=None, scale=None, interpret=False):
-    """`dsa_select`'s contract for a whole sequence (T = S, queries at positions 0..S-1): q_idx
-    [B, S, Hi, Di], k_idx [B, S, Di], weights [B, S, Hi] -> indices [B, S, K'] int32, K' =
-    min(top_k, S), best first (ties to the earlier key), -1 past a query's visible keys.
-    `interpret`: True, or "tpu" for the TPU interpreter."""
+def index_topk_tpu(
+    q_idx, k_idx, weights, *, top_k: int, segment_ids=None, scale=None, q_index=None, interpret=False
+):  # fmt: skip
+    """`dsa_select`'s contract: q_idx [B, T, Hi, Di], k_idx [B, S, Di], weights [B, T, Hi], the
+    queries at positions `q_index` [B, T] among the keys (default: T = S, in order) -> indices
+    [B, T, K'] int32, K' = min(top_k, S), best first (ties to the earlier key), -1 past a query's
+    visible keys. `interpret`: True, or "tpu" for the TPU interpreter."""
     q_idx, k_idx, weights = (jax.lax.stop_gradient(x) for x in (q_idx, k_idx, weights))
-    b, s, hi, di = q_idx.shape
+    b, t, hi, di = q_idx.shape
+    s = k_idx.shape[1]
     kk = min(top_k, s)
     scale = 1.0 / math.sqrt(hi * di) if scale is None else scale
-    sp = -(-s // KT) * KT
+    tp, sp = -(-t // QT) * QT, -(-s // KT) * KT
     kw = -(-kk // LANES) * LANES + LANES  # the list, and a window past its end for the last store
-    pad = lambda x, value=0: jnp.pad(
-        x, [(0, 0), (0, sp - s)] + [(0, 0)] * (x.ndim - 2), constant_values=value
+    pad = lambda x, to, value=0: jnp.pad(
+        x, [(0, 0), (0, to - x.shape[1])] + [(0, 0)] * (x.ndim - 2), constant_values=value
     )
-    seg = jnp.ones((b, s), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
-    seg = pad(seg, -1)  # padded queries and keys: their own document, seen by no real query
-    # [B, S'/QT, Hi * QT, Di]: each query tile's heads as rows, head-major
-    q_rows = pad(q_idx).reshape(b, sp // QT, QT, hi, di).swapaxes(2, 3).reshape(b, sp // QT, hi * QT, di)
-    w = pad(weights.astype(jnp.float32) * scale)
-    last = lambda i: jax.lax.div((i + 1) * QT - 1, KT)
+    seg, pos, q_seg = query_documents(segment_ids, q_index, b, t, s)
+    pos, q_seg = pad(pos, tp), pad(q_seg, tp, -2)  # padded queries: a document no key is in
+    seg = pad(seg, sp, -1)  # padded keys: their own document
+    # [B, T'/QT, Hi * QT, Di]: each query tile's heads as rows, head-major
+    q_rows = pad(q_idx, tp).reshape(b, tp // QT, QT, hi, di).swapaxes(2, 3).reshape(b, tp // QT, hi * QT, di)
+    w = pad(weights.astype(jnp.float32) * scale, tp)
+    last_tile = (jnp.max(pos.reshape(b, tp // QT, QT), axis=-1) // KT).reshape(-1)  # [B * T'/QT]
+    last = lambda n, i, last_ref: last_ref[n * (tp // QT) + i]
     item = jnp.dtype(q_idx.dtype).itemsize
-    blocks = (hi * QT + KT) * di * item + QT * hi * 4 + (QT + KT) * 4 + 2 * QT * kw * 4
+    blocks = (hi * QT + KT) * di * item + QT * hi * 4 + (2 * QT + KT) * 4 + 2 * QT * kw * 4
     picks, scores = pl.pallas_call(
         functools.partial(_kernel, heads=hi, top_k=kk),
-        grid=(b, sp // QT, sp // KT),
-        in_specs=[
-            pl.BlockSpec((None, None, hi * QT, di), lambda n, i, j: (n, i, 0, 0)),
-            pl.BlockSpec((None, QT, hi), lambda n, i, j: (n, i, 0)),
-            pl.BlockSpec((None, KT, di), lambda n, i, j: (n, jnp.minimum(j, last(i)), 0)),
-            pl.BlockSpec((None, QT, 1), lambda n, i, j: (n, i, 0)),
-            pl.BlockSpec((None, 1, KT), lambda n, i, j: (n, 0, jnp.minimum(j, last(i)))),
-        ],
-        out_specs=[pl.BlockSpec((None, QT, kw), lambda n, i, j: (n, i, 0))] * 2,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(b, tp // QT, sp // KT),
+            in_specs=[
+                pl.BlockSpec((None, None, hi * QT, di), lambda n, i, j, _: (n, i, 0, 0)),
+                pl.BlockSpec((None, QT, hi), lambda n, i, j, _: (n, i, 0)),
+                pl.BlockSpec((None, KT, di), lambda n, i, j, r: (n, jnp.minimum(j, last(n, i, r)), 0)),
+                pl.BlockSpec((None, QT, 1), lambda n, i, j, _: (n, i, 0)),
+                pl.BlockSpec((None, QT, 1), lambda n, i, j, _: (n, i, 0)),
+                pl.BlockSpec((None, 1, KT), lambda n, i, j, r: (n, 0, jnp.minimum(j, last(n, i, r)))),
+            ],
+            out_specs=[pl.BlockSpec((None, QT, kw), lambda n, i, j, _: (n, i, 0))] * 2,
+            scratch_shapes=[pltpu.VMEM((QT, sp), jnp.float32)],
+        ),
         out_shape=[
-            jax.ShapeDtypeStruct((b, sp, kw), jnp.int32),
-            jax.ShapeDtypeStruct((b, sp, kw), jnp.float32),
+            jax.ShapeDtypeStruct((b, tp, kw), jnp.int32),
+            jax.ShapeDtypeStruct((b, tp, kw), jnp.float32),
         ],
-        scratch_shapes=[pltpu.VMEM((QT, sp), jnp.float32)],
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary"),
             vmem_limit_bytes=tpu_vmem_limit(blocks, QT * sp * 4, 2 * hi * QT * KT * 4),
         ),
         interpret=tpu_interpret(interpret),
         name="dsa_index_topk_tpu",
-    )(q_rows, w, pad(k_idx.astype(q_idx.dtype)), seg[:, :, None], seg[:, None, :])
-    return best_first(picks[:, :s, :kk], scores[:, :s, :kk])
+    )(
+        last_tile,
+        q_rows,
+        w,
+        pad(k_idx.astype(q_idx.dtype), sp),
+        pos[:, :, None],
+        q_seg[:, :, None],
+        seg[:, None, :],
+    )
+    return best_first(picks[:, :t, :kk], scores[:, :t, :kk])

@@ -29,7 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.common import NT, triton_params
-from pallas_kernels.dsa import best_first
+from pallas_kernels.dsa import best_first, query_documents
 
 CHUNK = 32  # keys scored per loop step
 RADIX_BITS = 8  # the digit a pass decides (32 / RADIX_BITS passes)
@@ -49,11 +49,11 @@ def _int32(bits: int) -> int:
     return bits - (1 << 32) if bits >= 1 << 31 else bits
 
 
-def _kernel(q_ref, w_ref, k_ref, seg_ref, picks_ref, scores_ref, *, top_k, chunk, bits):
+def _kernel(q_ref, w_ref, k_ref, seg_ref, pos_ref, qseg_ref, picks_ref, scores_ref, *, top_k, chunk, bits):
     b, t = pl.program_id(0), pl.program_id(1)
     q, w = q_ref[...], w_ref[...][:, None]  # [Hi', Di'], [Hi', 1] (the scale folded in)
-    doc = seg_ref[b, t]
-    chunks = t // chunk + 1  # the chunks with a key at or before the query
+    pos, doc = pos_ref[b, t], qseg_ref[b, t]  # the query's position among the keys, its document
+    chunks = pos // chunk + 1  # the chunks with a key at or before the query
     lane = jnp.arange(chunk, dtype=jnp.int32)
     bins = jnp.arange(1 << bits, dtype=jnp.int32)
 
@@ -62,7 +62,7 @@ def _kernel(q_ref, w_ref, k_ref, seg_ref, picks_ref, scores_ref, *, top_k, chunk
         keys = k_ref[b, pl.ds(c * chunk, chunk), :]  # [chunk, Di']
         dots = jax.lax.dot_general(q, keys, NT, preferred_element_type=jnp.float32)  # [Hi', chunk]
         s = jnp.sum(jnp.maximum(dots, 0.0) * w, axis=0)
-        visible = (c * chunk + lane <= t) & (seg_ref[b, pl.ds(c * chunk, chunk)] == doc)
+        visible = (c * chunk + lane <= pos) & (seg_ref[b, pl.ds(c * chunk, chunk)] == doc)
         return jnp.where(visible, s, -jnp.inf), visible
 
     # the unsigned key (sortable ^ INT_MIN) is found digit by digit: prefix holds its decided bits
@@ -115,12 +115,16 @@ def _kernel(q_ref, w_ref, k_ref, seg_ref, picks_ref, scores_ref, *, top_k, chunk
     jax.lax.fori_loop(want // chunk, pl.cdiv(slots, chunk), fill, None)
 
 
-def index_topk_gpu(q_idx, k_idx, weights, *, top_k: int, segment_ids=None, scale=None, interpret=False):
-    """`dsa_select`'s contract for a whole sequence (T = S, queries at positions 0..S-1): q_idx
-    [B, S, Hi, Di], k_idx [B, S, Di], weights [B, S, Hi] -> indices [B, S, K'] int32, K' =
-    min(top_k, S), best first (ties to the earlier key), -1 past a query's visible keys."""
+def index_topk_gpu(
+    q_idx, k_idx, weights, *, top_k: int, segment_ids=None, scale=None, q_index=None, interpret=False
+):  # fmt: skip
+    """`dsa_select`'s contract: q_idx [B, T, Hi, Di], k_idx [B, S, Di], weights [B, T, Hi], the
+    queries at positions `q_index` [B, T] among the keys (default: T = S, in order) -> indices
+    [B, T, K'] int32, K' = min(top_k, S), best first (ties to the earlier key), -1 past a query's
+    visible keys."""
     q_idx, k_idx, weights = (jax.lax.stop_gradient(x) for x in (q_idx, k_idx, weights))
-    b, s, hi, di = q_idx.shape
+    b, t, hi, di = q_idx.shape
+    s = k_idx.shape[1]
     kk = min(top_k, s)
     scale = 1.0 / math.sqrt(hi * di) if scale is None else scale
     hp, dp = (max(MIN_ROWS, pl.next_power_of_2(n)) for n in (hi, di))
@@ -129,25 +133,27 @@ def index_topk_gpu(q_idx, k_idx, weights, *, top_k: int, segment_ids=None, scale
     q = jnp.pad(q_idx, ((0, 0), (0, 0), (0, hp - hi), (0, dp - di)))
     w = jnp.pad(weights.astype(jnp.float32) * scale, ((0, 0), (0, 0), (0, hp - hi)))
     k = jnp.pad(k_idx.astype(q_idx.dtype), ((0, 0), (0, sp - s), (0, dp - di)))
-    seg = jnp.ones((b, s), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+    seg, pos, q_seg = query_documents(segment_ids, q_index, b, t, s)
     seg = jnp.pad(seg, ((0, 0), (0, sp - s)), constant_values=-1)
     whole = pl.no_block_spec
     picks, scores = pl.pallas_call(
         functools.partial(_kernel, top_k=kk, chunk=CHUNK, bits=RADIX_BITS),
-        grid=(b, s),
+        grid=(b, t),
         in_specs=[
             pl.BlockSpec((None, None, hp, dp), lambda n, t: (n, t, 0, 0)),
             pl.BlockSpec((None, None, hp), lambda n, t: (n, t, 0)),
             whole,
             whole,
+            whole,
+            whole,
         ],
         out_specs=[whole, whole],
         out_shape=[
-            jax.ShapeDtypeStruct((b, s, kk), jnp.int32),
-            jax.ShapeDtypeStruct((b, s, kk), jnp.float32),
+            jax.ShapeDtypeStruct((b, t, kk), jnp.int32),
+            jax.ShapeDtypeStruct((b, t, kk), jnp.float32),
         ],
         compiler_params=triton_params(num_warps=WARPS),
         interpret=bool(interpret),
         name="dsa_index_topk_gpu",
-    )(q, w, k, seg)
+    )(q, w, k, seg, pos, q_seg)
     return best_first(picks, scores)
