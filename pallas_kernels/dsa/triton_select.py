@@ -12,7 +12,9 @@ equal the prefix found so far, how many hold each value of the pass's digit (a o
 the prefix. After 32 / RADIX_BITS passes the prefix is the k-th key, and a last pass writes the
 keys above it and the earliest of those equal to it (ties to the earlier key, as `lax.top_k`), in
 key order, at running offsets (a prefix sum over each chunk). So the scoring runs
-32 / RADIX_BITS + 1 times: 5 at 8 bits; the counting costs 2^RADIX_BITS compares a key a pass.
+32 / RADIX_BITS + 1 times: 5 at 8 bits; the counting costs 2^RADIX_BITS compares a key a pass. A
+query with at most top_k visible keys (a document's first top_k tokens; every query of a shorter
+document) picks them all: it scores once, to write them.
 
 The picks and their scores come out in key order, -1 (and -inf) past them; the wrapper orders them
 best first (`best_first`, as the TPU selection does).
@@ -65,8 +67,16 @@ def _kernel(q_ref, w_ref, k_ref, seg_ref, pos_ref, qseg_ref, picks_ref, scores_r
         visible = (c * chunk + lane <= pos) & (seg_ref[b, pl.ds(c * chunk, chunk)] == doc)
         return jnp.where(visible, s, -jnp.inf), visible
 
+    def count_visible(c, n):  # from the documents alone: no scoring
+        visible = (c * chunk + lane <= pos) & (seg_ref[b, pl.ds(c * chunk, chunk)] == doc)
+        return n + jnp.sum(visible.astype(jnp.int32))
+
+    visible_keys = jax.lax.fori_loop(0, chunks, count_visible, jnp.int32(0))
+    want = rank = jnp.minimum(visible_keys, top_k)  # rank: the k-th key's among those matching prefix
+    every = visible_keys <= top_k  # every visible key is picked: no search (a document's first K)
+    passes = jnp.where(every, 0, chunks)
     # the unsigned key (sortable ^ INT_MIN) is found digit by digit: prefix holds its decided bits
-    prefix, want = jnp.int32(0), None
+    prefix = jnp.int32(0)
     for p in range(32 // bits):
         shift = 32 - bits * (p + 1)
         decided = _int32((0xFFFFFFFF << (shift + bits)) & 0xFFFFFFFF)  # the bits above this digit
@@ -79,10 +89,7 @@ def _kernel(q_ref, w_ref, k_ref, seg_ref, pos_ref, qseg_ref, picks_ref, scores_r
             onehot = (digit[:, None] == bins[None, :]) & match[:, None]
             return hist + jnp.sum(onehot.astype(jnp.int32), axis=0)
 
-        hist = jax.lax.fori_loop(0, chunks, count, jnp.zeros((1 << bits,), jnp.int32))
-        if want is None:  # every visible key matches the empty prefix
-            want = jnp.minimum(jnp.sum(hist), top_k)
-            rank = want  # the k-th key's rank among the keys matching the prefix, from the top
+        hist = jax.lax.fori_loop(0, passes, count, jnp.zeros((1 << bits,), jnp.int32))
         at_or_above = jnp.sum(hist) - jnp.cumsum(hist) + hist  # keys with a digit >= each bin
         digit = jnp.sum((at_or_above >= rank).astype(jnp.int32)) - 1  # the largest bin reaching rank
         rank = rank - jnp.sum(jnp.where(bins > digit, hist, 0))
@@ -95,7 +102,7 @@ def _kernel(q_ref, w_ref, k_ref, seg_ref, pos_ref, qseg_ref, picks_ref, scores_r
         key = _sortable(s)
         equal = (visible & (key == kth)).astype(jnp.int32)
         equal_before = equal_seen + jnp.cumsum(equal) - equal
-        picked = visible & ((key > kth) | ((equal > 0) & (equal_before < rank)))
+        picked = visible & (every | (key > kth) | ((equal > 0) & (equal_before < rank)))
         taken = picked.astype(jnp.int32)
         slot = written + jnp.cumsum(taken) - taken
         pltriton.store(picks_ref.at[b, t, slot], c * chunk + lane, mask=picked)
