@@ -61,7 +61,8 @@ def test_the_4k_arm_is_the_three_smallest_sizes_at_4k_rows():
     """The same models and about the same tokens as the 1K ladder's, rows of 4,096 in blocks of 256."""
     from effattn_jax.config import load_config
 
-    assert sweep.RECIPES["moba-ladder-4k"].runs == ladder.ladder_runs({}, ladder.LADDER_4K_SIZES)
+    tuned = ladder.LADDER_4K_TUNED
+    assert sweep.RECIPES["moba-ladder-4k"].runs == ladder.ladder_runs(tuned, ladder.LADDER_4K_SIZES)
     tokens = lambda c: c.train.steps * c.data.batch_size * c.data.seq_len
     for size in ladder.LADDER_4K_SIZES:
         for core in ("full", "moba"):
@@ -70,6 +71,8 @@ def test_the_4k_arm_is_the_three_smallest_sizes_at_4k_rows():
             assert long.model == short.model and long.attention == short.attention
             assert (long.data.seq_len, long.data.batch_size, long.moba.block_size) == (4096, 1, 256)
             assert 1.0 <= tokens(long) / tokens(short) < 1.04 and long.train.steps % 8 == 0
+            if size in tuned:  # the configs name the rate the 4K tuning chose
+                assert long.train.lr == float(tuned[size])
 
 
 def test_configs_grow_width_and_depth_at_about_20_tokens_per_parameter():
