@@ -14,7 +14,9 @@ keys above it and the earliest of those equal to it (ties to the earlier key, as
 key order, at running offsets (a prefix sum over each chunk). So the scoring runs
 32 / RADIX_BITS + 1 times: 5 at 8 bits; the counting costs 2^RADIX_BITS compares a key a pass. A
 query with at most top_k visible keys (a document's first top_k tokens; every query of a shorter
-document) picks them all: it scores once, to write them.
+document) picks them all: it scores once, to write them. Every pass starts at the first chunk
+with a key of the query's document (found, with the count of its visible keys, from the documents
+alone), so a packed row costs its documents' lengths, not its own.
 
 The picks and their scores come out in key order, -1 (and -inf) past them; the wrapper orders them
 best first (`best_first`, as the TPU selection does).
@@ -67,14 +69,17 @@ def _kernel(q_ref, w_ref, k_ref, seg_ref, pos_ref, qseg_ref, picks_ref, scores_r
         visible = (c * chunk + lane <= pos) & (seg_ref[b, pl.ds(c * chunk, chunk)] == doc)
         return jnp.where(visible, s, -jnp.inf), visible
 
-    def count_visible(c, n):  # from the documents alone: no scoring
-        visible = (c * chunk + lane <= pos) & (seg_ref[b, pl.ds(c * chunk, chunk)] == doc)
-        return n + jnp.sum(visible.astype(jnp.int32))
+    def count_visible(c, carry):  # from the documents alone, no scoring: how many, from which chunk
+        n, first = carry
+        seen = jnp.sum(
+            ((c * chunk + lane <= pos) & (seg_ref[b, pl.ds(c * chunk, chunk)] == doc)).astype(jnp.int32)
+        )
+        return n + seen, jnp.where((seen > 0) & (first == chunks), c, first)
 
-    visible_keys = jax.lax.fori_loop(0, chunks, count_visible, jnp.int32(0))
+    visible_keys, first = jax.lax.fori_loop(0, chunks, count_visible, (jnp.int32(0), chunks))
     want = rank = jnp.minimum(visible_keys, top_k)  # rank: the k-th key's among those matching prefix
     every = visible_keys <= top_k  # every visible key is picked: no search (a document's first K)
-    passes = jnp.where(every, 0, chunks)
+    passes = jnp.where(every, first, chunks)  # the search's chunks: first .. passes - 1
     # the unsigned key (sortable ^ INT_MIN) is found digit by digit: prefix holds its decided bits
     prefix = jnp.int32(0)
     for p in range(32 // bits):
@@ -89,7 +94,7 @@ def _kernel(q_ref, w_ref, k_ref, seg_ref, pos_ref, qseg_ref, picks_ref, scores_r
             onehot = (digit[:, None] == bins[None, :]) & match[:, None]
             return hist + jnp.sum(onehot.astype(jnp.int32), axis=0)
 
-        hist = jax.lax.fori_loop(0, passes, count, jnp.zeros((1 << bits,), jnp.int32))
+        hist = jax.lax.fori_loop(first, passes, count, jnp.zeros((1 << bits,), jnp.int32))
         at_or_above = jnp.sum(hist) - jnp.cumsum(hist) + hist  # keys with a digit >= each bin
         digit = jnp.sum((at_or_above >= rank).astype(jnp.int32)) - 1  # the largest bin reaching rank
         rank = rank - jnp.sum(jnp.where(bins > digit, hist, 0))
@@ -109,7 +114,7 @@ def _kernel(q_ref, w_ref, k_ref, seg_ref, pos_ref, qseg_ref, picks_ref, scores_r
         pltriton.store(scores_ref.at[b, t, slot], s, mask=picked)
         return written + jnp.sum(taken), equal_seen + jnp.sum(equal)
 
-    jax.lax.fori_loop(0, chunks, write, (jnp.int32(0), jnp.int32(0)))
+    jax.lax.fori_loop(first, chunks, write, (jnp.int32(0), jnp.int32(0)))
     slots = picks_ref.shape[-1]
 
     def fill(j, carry):  # the slots past the picks (`want` of them were written)
