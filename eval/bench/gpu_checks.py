@@ -16,6 +16,8 @@ shapes users run, where interpret mode on a CPU cannot reach (it forgives what h
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -116,11 +118,17 @@ def dsa_select_case(*, seq, top_k, impl, index_heads, index_dim, dtype) -> dict:
     weights = jax.random.normal(keys[2], (1, seq, index_heads), jnp.float32)
     select = lambda impl: jax.jit(lambda *x: dsa_select(*x, top_k=top_k, impl=impl))(q_idx, k_idx, weights)
     got, want = select(impl), select("xla")
-    scores = jax.jit(lightning_index_scores)(q_idx, k_idx, weights)  # [1, T, S] float32
+    chunk = math.gcd(seq, 256)  # queries scored at a time: [chunk, Hi, S] float32 products
 
-    def scored(idx):  # the picks' scores, best first; 0 in the unused slots
-        s = jnp.take_along_axis(scores, jnp.maximum(idx, 0), axis=-1)
-        return -jnp.sort(-jnp.where(idx >= 0, s, 0.0), axis=-1)
+    @jax.jit
+    def scored(idx):  # the picks' XLA scores, best first; 0 in the unused slots
+        def one(args):
+            q, w, i = args  # [chunk, Hi, Di], [chunk, Hi], [chunk, K]
+            s = jnp.take_along_axis(lightning_index_scores(q[None], k_idx, w[None])[0], jnp.maximum(i, 0), -1)
+            return -jnp.sort(-jnp.where(i >= 0, s, 0.0), axis=-1)
+
+        split = lambda x: x[0].reshape(seq // chunk, chunk, *x.shape[2:])
+        return jax.lax.map(one, (split(q_idx), split(weights), split(idx)))
 
     same_counts = bool(jnp.all(jnp.sum(got >= 0, axis=-1) == jnp.sum(want >= 0, axis=-1)))
     diff = relative_difference(scored(got), scored(want)) if same_counts else float("inf")

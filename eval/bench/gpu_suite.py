@@ -143,6 +143,7 @@ FULL = {
         dsa_decode=dict(context=8192, batch=2, latent=512, rope=64, top_k=2048, dtype=jnp.bfloat16),
         dsa_select=dict(seq=8192, top_k=2048, index_heads=64, index_dim=128, dtype=jnp.bfloat16),
         tol=3e-2,
+        dsa_select_tol=1e-5,  # the picks' float32 scores: only near-ties may part (a wrong rank is ~1e-4)
     ),
     "attention": dict(head_dim=128, dense="cudnn", tiles=BlockSizes(), repeats=3, long_repeats=1, shapes=[
         dict(name="mha", batch=1, heads=16, kv_heads=16, block=512, top_k=3, seqs=[8192, 32768, 131072],
@@ -196,6 +197,7 @@ DRY = {
         dsa_decode=dict(context=64, batch=2, latent=16, rope=16, top_k=24, dtype=jnp.float32),
         dsa_select=dict(seq=96, top_k=24, index_heads=4, index_dim=16, dtype=jnp.float32),
         tol=1e-4,
+        dsa_select_tol=1e-5,
     ),
     "attention": dict(head_dim=16, dense="xla", tiles=BlockSizes(q_tile=16, kv_block=16, past_q_tile=16),
                       repeats=1, long_repeats=1, shapes=[
@@ -420,7 +422,7 @@ def correctness(suite: Suite, rows: list, p: dict) -> None:
             continue
         try:
             row = check(**kw)
-            row["ok"] = row["max_rel_diff"] <= p["tol"]
+            row["ok"] = row["max_rel_diff"] <= p.get(f"{name}_tol", p["tol"])
         except Exception as e:  # noqa: BLE001 - a kernel that fails to compile or run is the finding
             row = {"check": name, "heads": kw.get("heads"), "ok": False, "error": _error(e)}
         suite.add(rows, row)
