@@ -20,7 +20,7 @@ is that config with `train.seed=k` (the repeats that give gaps their intervals);
   to per-size seed means, each with a bootstrap-over-seeds interval for b; the paper's laws.
 - moba-scaling-4k: 2 sizes x {full, MoBA} at 4,096-token rows, block 256, top-3 (the paper's
   geometry; configs/moba/cpu/scaling_4k/), seeds 0-4 of each: the trailing loss over the last
-  1,024 positions.
+  1,024 positions. Superseded by moba-ladder-4k (its two sizes end inverted).
 - moba-ladder-1k (eval/ladder.py): five sizes growing width and depth together, 13K-250K
   non-embedding parameters at about 20 tokens each (configs/moba/cpu/ladder/); the learning rate
   tuned per size on full attention (3 rates x 2 seeds), then full attention and MoBA at 3 seeds on
