@@ -13,10 +13,11 @@ quarter of the rows' positions), and draws the loss by position.
 from __future__ import annotations
 
 import json
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from eval.ladder import LADDER_SIZES, LADDER_TUNED
+from eval.ladder import COMPUTES, LADDER_SIZES, LADDER_TUNED, LOSSES, kind_fit, paired_slope_gap
 from eval.stats import paired_gap
 
 DSA_SEEDS = (0, 1, 2)
@@ -93,6 +94,63 @@ def comparison(summaries: list[dict], others: list[dict], dsa_set: DsaSet = DSA_
     return out
 
 
+def across_sizes(summaries: list[dict], others: list[dict], dsa_set: DsaSet = DSA_LADDER) -> dict | None:
+    """The ladder's questions asked of DSA: where its seed-mean loss (every token) fails to fall
+    from one size to the next ("order_problems"), and per loss and compute axis its law on the
+    per-size seed means (eval.ladder.kind_fit) with b_DSA - b_full and b_DSA - b_MoBA paired by
+    seed ("fits"). None below 3 sizes with DSA runs (dsa-1k has 2)."""
+    runs = [s for s in summaries + others if s["seed"] in DSA_SEEDS]
+    lr = lambda size: dsa_set.lrs[size] if dsa_set.lrs else None
+    sizes = [size for size in dsa_set.sizes if _runs_of(runs, "dsa", size, lr(size))]
+    if len(sizes) < 3:
+        return None
+    of = {core: [s for size in sizes for s in _runs_of(runs, core, size, lr(size))] for core in CORES}
+    means = [statistics.fmean(LOSSES["overall"](s) for s in _runs_of(runs, "dsa", n, lr(n))) for n in sizes]
+    problems = [
+        f"dsa: {large} ends at {b:.4f}, not below {small}'s {a:.4f}"
+        for small, large, a, b in zip(sizes, sizes[1:], means, means[1:], strict=False)
+        if b >= a
+    ]
+    fits = {
+        loss: {
+            compute: {
+                "dsa": kind_fit(of["dsa"], measure, key),
+                "dsa - full": paired_slope_gap(of["full"], of["dsa"], measure, key),
+                "dsa - moba": paired_slope_gap(of["moba"], of["dsa"], measure, key),
+            }
+            for compute, key in COMPUTES.items()
+        }
+        for loss, measure in LOSSES.items()
+    }
+    return {"sizes": sizes, "order_problems": problems, "fits": fits}
+
+
+def across_sizes_lines(record: dict) -> list[str]:
+    interval = lambda lo_hi: f"{lo_hi[0]:+.4f} to {lo_hi[1]:+.4f}"
+    lines = record["order_problems"] or [
+        f"- DSA's seed-mean loss (every token) falls at every step of {len(record['sizes'])} sizes"
+    ]
+    for loss, by_compute in record["fits"].items():
+        for compute, f in by_compute.items():
+            k, loo = f["dsa"], f["dsa"].get("b_leave_one_size_out")
+            lines.append(
+                f"- {loss}, {compute}, dsa: L = {k['a']:.4g}·C^{k['b']:.4f}, b t95 {interval(k['b_t95'])}"
+                + (f", leaving one size out {interval(loo)}" if loo else "")
+            )
+            for name in ("dsa - full", "dsa - moba"):
+                gap = f[name]
+                b_gap = f"b_{name.replace(' - ', ' − b_')}"
+                lines.append(
+                    f"- {loss}, {compute}, {b_gap}: "
+                    + (
+                        "no seed has every size of both"
+                        if gap is None
+                        else f"{gap['mean']:+.4f} (t95 {interval(gap['t95'])}, seeds {gap['seeds']})"
+                    )
+                )
+    return lines
+
+
 def _line(name: str, gap: dict) -> str:
     (a, a_se), (b, b_se), (mean, se) = gap["a"], gap["b"], gap["gap"]
     low, high = gap["gap_ci95"]
@@ -127,6 +185,11 @@ def draw_dsa_comparison(summaries: list[dict], out: Path, dsa_set: DsaSet = DSA_
     for size, measures in gaps.items():
         for label, pairs in measures.items():
             text += "".join(_line(f"{size}, {label}, {name}", gap) for name, gap in pairs.items())
+    scaling = across_sizes(summaries, others, dsa_set)
+    if scaling:
+        (out / "across_sizes.json").write_text(json.dumps(scaling, indent=1) + "\n")
+        text += "\n## Across sizes (seed means; b with its t interval on sizes − 2 degrees of freedom)\n\n"
+        text += "\n".join(across_sizes_lines(scaling)) + "\n"
     (out / "report.md").write_text(text)
     print(text, flush=True)
 

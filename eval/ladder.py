@@ -157,18 +157,15 @@ def kind_fit(runs: list[dict], measure, compute_key: str) -> dict:
     return fit
 
 
-def paired_slope_gap(full: list[dict], moba: list[dict], measure, compute_key: str) -> dict | None:
-    """b_MoBA - b_full paired by seed: each seed's runs of each kind fitted alone (the seeds that
-    both kinds have at every size), then the differences' mean and t interval."""
-    sizes = sorted({s["non_embedding_params"] for s in full + moba})
+def paired_slope_gap(base: list[dict], other: list[dict], measure, compute_key: str) -> dict | None:
+    """b_other - b_base paired by seed (b_MoBA - b_full on the ladder): each seed's runs of each
+    kind fitted alone (the seeds that both kinds have at every size, a size named by its run),
+    then the differences' mean and t interval."""
+    sizes = {_size(s) for s in base + other}
     seeds = [
         k
         for k in LADDER_SEEDS
-        if all(
-            any(s["seed"] == k and s["non_embedding_params"] == n for s in runs)
-            for runs in (full, moba)
-            for n in sizes
-        )
+        if all(any(s["seed"] == k and _size(s) == n for s in runs) for runs in (base, other) for n in sizes)
     ]
     if len(seeds) < 2 or len(sizes) < 3:
         return None
@@ -177,7 +174,7 @@ def paired_slope_gap(full: list[dict], moba: list[dict], measure, compute_key: s
         mine = sorted((s for s in runs if s["seed"] == k), key=lambda s: s["non_embedding_params"])
         return _fit([s[compute_key] for s in mine], [measure(s) for s in mine])["b"]
 
-    diffs = [slope(moba, k) - slope(full, k) for k in seeds]
+    diffs = [slope(other, k) - slope(base, k) for k in seeds]
     return {"seeds": seeds, "diffs": diffs, "mean": statistics.fmean(diffs), "t95": list(t_interval(diffs))}
 
 

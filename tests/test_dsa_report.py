@@ -78,3 +78,40 @@ def test_ladder_gaps_pair_with_the_ladders_runs_at_the_tuned_rate(tmp_path):
     report = (tmp_path / "dsa-ladder-1k" / "report.md").read_text()
     assert "| 13k, every token, dsa - full | 3 |" in report
     assert (tmp_path / "dsa-ladder-1k" / "loss_by_position.png").stat().st_size > 0
+
+
+def _sized(core, size, seed, b, lr="1e-2", offset=0.0):
+    """A summary at `size` whose loss (both measures) is 2·C^b on its every-matmul compute."""
+    compute = {"13k": 1e-9, "30k": 3e-9, "60k": 1e-8}[size]
+    loss = 2.0 * compute**b + offset + 0.01 * seed
+    summary = _summary(core, size, seed, loss, loss, lr)
+    params = {"13k": 13_408, "30k": 30_096, "60k": 60_144}[size] + (1_000 if core == "dsa" else 0)
+    return summary | {"non_embedding_params": params, "pflops_days": compute, "pflops_days_6nd": compute / 10}
+
+
+def test_across_sizes_fits_dsa_and_pairs_its_slope_with_full_and_moba_by_seed():
+    """DSA's sizes carry the indexers' parameters (not full attention's), so sizes pair by name."""
+    sizes = ("13k", "30k", "60k")
+    dsa = [_sized("dsa", n, k, -0.10) for n in sizes for k in (0, 1, 2)]
+    others = [_sized("full", n, k, -0.08) for n in sizes for k in (0, 1, 2)]
+    others += [_sized("moba", n, k, -0.10, offset=0.05) for n in sizes for k in (0, 1, 2)]
+    others += [_sized("full", n, k, 0.5, lr="3e-2") for n in sizes for k in (0, 1)]  # tuning runs
+    record = dsa_report.across_sizes(dsa, others, dsa_report.DSA_LADDER)
+    assert record["sizes"] == list(sizes) and record["order_problems"] == []
+    fit = record["fits"]["overall"]["full"]
+    assert fit["dsa"]["b"] == pytest.approx(-0.10, abs=2e-3)
+    assert fit["dsa - full"]["seeds"] == [0, 1, 2]
+    assert fit["dsa - full"]["mean"] == pytest.approx(-0.02, abs=2e-3)
+    assert fit["dsa - moba"]["mean"] == pytest.approx(0.0, abs=2e-3)
+    lines = dsa_report.across_sizes_lines(record)
+    assert lines[0] == "- DSA's seed-mean loss (every token) falls at every step of 3 sizes"
+    assert any(line.startswith("- trailing, 6nd, b_dsa − b_moba: ") for line in lines)
+
+
+def test_across_sizes_names_a_size_that_does_not_order_and_needs_three_sizes():
+    sizes = ("13k", "30k", "60k")
+    dsa = [_sized("dsa", n, k, -0.1, offset=20.0 * (n == "60k")) for n in sizes for k in (0, 1)]
+    record = dsa_report.across_sizes(dsa, [], dsa_report.DSA_LADDER)
+    assert len(record["order_problems"]) == 1 and record["order_problems"][0].startswith("dsa: 60k ends at ")
+    assert record["fits"]["overall"]["full"]["dsa - full"] is None  # no full attention runs
+    assert dsa_report.across_sizes(dsa[:4], [], dsa_report.DSA_LADDER) is None
