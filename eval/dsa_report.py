@@ -7,7 +7,8 @@ quarter of the rows' positions), and draws the loss by position.
   results/moba-scaling-1k/).
 - dsa-ladder-1k: the moba-ladder-1k sizes (configs/dsa/cpu/ladder/), each on the learning rate the
   ladder tuned for it (eval/ladder.py LADDER_TUNED; results/moba-ladder-1k/), so the gaps are at one
-  schedule per size.
+  schedule per size; with three sizes or more the report also asks the ladder's questions of DSA
+  (`across_sizes`: ordering, its law, its exponent against full attention's and MoBA's by seed).
 """
 
 from __future__ import annotations
