@@ -128,7 +128,7 @@ def across_sizes(summaries: list[dict], others: list[dict], dsa_set: DsaSet = DS
 
 def across_sizes_lines(record: dict) -> list[str]:
     interval = lambda lo_hi: f"{lo_hi[0]:+.4f} to {lo_hi[1]:+.4f}"
-    lines = record["order_problems"] or [
+    lines = [f"- {problem}" for problem in record["order_problems"]] or [
         f"- DSA's seed-mean loss (every token) falls at every step of {len(record['sizes'])} sizes"
     ]
     for loss, by_compute in record["fits"].items():
@@ -161,6 +161,15 @@ def _line(name: str, gap: dict) -> str:
     )
 
 
+def _others(out: Path, dsa_set: DsaSet) -> list[dict]:
+    """The summaries of results/<dsa_set.others>/ (none where the set has no other recipe)."""
+    if not dsa_set.others:
+        return []
+    names = ("fits.json", "ladder.json")
+    paths = sorted((out.parent / dsa_set.others).glob("*.json"))
+    return [json.loads(p.read_text()) for p in paths if p.name not in names]
+
+
 def draw_dsa_comparison(summaries: list[dict], out: Path, dsa_set: DsaSet = DSA_1K) -> None:
     """report.md (the paired gaps) and loss_by_position.png (each core's seed-mean loss per
     position bucket, per size)."""
@@ -169,13 +178,7 @@ def draw_dsa_comparison(summaries: list[dict], out: Path, dsa_set: DsaSet = DSA_
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = ("fits.json", "ladder.json")
-    others_dir = out.parent / dsa_set.others if dsa_set.others else None
-    others = (
-        [json.loads(p.read_text()) for p in sorted(others_dir.glob("*.json")) if p.name not in names]
-        if others_dir
-        else []
-    )
+    others = _others(out, dsa_set)
     gaps = comparison(summaries, others, dsa_set)
     text = (
         f"{dsa_set.about} Loss over every validation token and the trailing loss (the last quarter of "
@@ -186,11 +189,6 @@ def draw_dsa_comparison(summaries: list[dict], out: Path, dsa_set: DsaSet = DSA_
     for size, measures in gaps.items():
         for label, pairs in measures.items():
             text += "".join(_line(f"{size}, {label}, {name}", gap) for name, gap in pairs.items())
-    scaling = across_sizes(summaries, others, dsa_set)
-    if scaling:
-        (out / "across_sizes.json").write_text(json.dumps(scaling, indent=1) + "\n")
-        text += "\n## Across sizes (seed means; b with its t interval on sizes − 2 degrees of freedom)\n\n"
-        text += "\n".join(across_sizes_lines(scaling)) + "\n"
     (out / "report.md").write_text(text)
     print(text, flush=True)
 
@@ -219,5 +217,14 @@ def draw_dsa_comparison(summaries: list[dict], out: Path, dsa_set: DsaSet = DSA_
 
 
 def draw_dsa_ladder(summaries: list[dict], out: Path) -> None:
-    """dsa-ladder-1k's report and figure (against results/moba-ladder-1k)."""
+    """dsa-ladder-1k's report and figure (against results/moba-ladder-1k), then, from three sizes,
+    the ladder's questions asked of DSA (across_sizes.json and the report's last section)."""
     draw_dsa_comparison(summaries, out, DSA_LADDER)
+    scaling = across_sizes(summaries, _others(out, DSA_LADDER), DSA_LADDER)
+    if scaling:
+        (out / "across_sizes.json").write_text(json.dumps(scaling, indent=1) + "\n")
+        text = "\n## Across sizes (seed means; b with its t interval on sizes − 2 degrees of freedom)\n\n"
+        text += "\n".join(across_sizes_lines(scaling)) + "\n"
+        with open(out / "report.md", "a") as report:
+            report.write(text)
+        print(text, flush=True)

@@ -77,6 +77,7 @@ def test_ladder_gaps_pair_with_the_ladders_runs_at_the_tuned_rate(tmp_path):
     dsa_report.draw_dsa_ladder(dsa, tmp_path / "dsa-ladder-1k")
     report = (tmp_path / "dsa-ladder-1k" / "report.md").read_text()
     assert "| 13k, every token, dsa - full | 3 |" in report
+    assert "Across sizes" not in report  # one size: no law
     assert (tmp_path / "dsa-ladder-1k" / "loss_by_position.png").stat().st_size > 0
 
 
@@ -89,8 +90,9 @@ def _sized(core, size, seed, b, lr="1e-2", offset=0.0):
     return summary | {"non_embedding_params": params, "pflops_days": compute, "pflops_days_6nd": compute / 10}
 
 
-def test_across_sizes_fits_dsa_and_pairs_its_slope_with_full_and_moba_by_seed():
-    """DSA's sizes carry the indexers' parameters (not full attention's), so sizes pair by name."""
+def test_across_sizes_fits_dsa_and_pairs_its_slope_with_full_and_moba_by_seed(tmp_path):
+    """DSA's sizes carry the indexers' parameters (not full attention's), so sizes pair by name;
+    the ladder's report ends with them."""
     sizes = ("13k", "30k", "60k")
     dsa = [_sized("dsa", n, k, -0.10) for n in sizes for k in (0, 1, 2)]
     others = [_sized("full", n, k, -0.08) for n in sizes for k in (0, 1, 2)]
@@ -106,6 +108,13 @@ def test_across_sizes_fits_dsa_and_pairs_its_slope_with_full_and_moba_by_seed():
     lines = dsa_report.across_sizes_lines(record)
     assert lines[0] == "- DSA's seed-mean loss (every token) falls at every step of 3 sizes"
     assert any(line.startswith("- trailing, 6nd, b_dsa − b_moba: ") for line in lines)
+    (tmp_path / "moba-ladder-1k").mkdir()
+    for s in others:
+        (tmp_path / "moba-ladder-1k" / f"{s['run']}.json").write_text(json.dumps(s))
+    (tmp_path / "dsa-ladder-1k").mkdir()
+    dsa_report.draw_dsa_ladder(dsa, tmp_path / "dsa-ladder-1k")
+    assert (tmp_path / "dsa-ladder-1k" / "report.md").read_text().endswith("\n".join(lines) + "\n")
+    assert json.loads((tmp_path / "dsa-ladder-1k" / "across_sizes.json").read_text())["sizes"] == list(sizes)
 
 
 def test_across_sizes_names_a_size_that_does_not_order_and_needs_three_sizes():
@@ -114,4 +123,5 @@ def test_across_sizes_names_a_size_that_does_not_order_and_needs_three_sizes():
     record = dsa_report.across_sizes(dsa, [], dsa_report.DSA_LADDER)
     assert len(record["order_problems"]) == 1 and record["order_problems"][0].startswith("dsa: 60k ends at ")
     assert record["fits"]["overall"]["full"]["dsa - full"] is None  # no full attention runs
+    assert dsa_report.across_sizes_lines(record)[0].startswith("- dsa: 60k ends at ")
     assert dsa_report.across_sizes(dsa[:4], [], dsa_report.DSA_LADDER) is None
