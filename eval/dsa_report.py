@@ -14,11 +14,10 @@ quarter of the rows' positions), and draws the loss by position.
 from __future__ import annotations
 
 import json
-import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from eval.ladder import COMPUTES, LADDER_SIZES, LADDER_TUNED, LOSSES, kind_fit, paired_slope_gap
+from eval.ladder import COMPUTES, LADDER_SIZES, LADDER_TUNED, LOSSES, kind_fit, ordering, paired_slope_gap
 from eval.stats import paired_gap
 
 DSA_SEEDS = (0, 1, 2)
@@ -106,12 +105,6 @@ def across_sizes(summaries: list[dict], others: list[dict], dsa_set: DsaSet = DS
     if len(sizes) < 3:
         return None
     of = {core: [s for size in sizes for s in _runs_of(runs, core, size, lr(size))] for core in CORES}
-    means = [statistics.fmean(LOSSES["overall"](s) for s in _runs_of(runs, "dsa", n, lr(n))) for n in sizes]
-    problems = [
-        f"dsa: {large} ends at {b:.4f}, not below {small}'s {a:.4f}"
-        for small, large, a, b in zip(sizes, sizes[1:], means, means[1:], strict=False)
-        if b >= a
-    ]
     fits = {
         loss: {
             compute: {
@@ -123,7 +116,7 @@ def across_sizes(summaries: list[dict], others: list[dict], dsa_set: DsaSet = DS
         }
         for loss, measure in LOSSES.items()
     }
-    return {"sizes": sizes, "order_problems": problems, "fits": fits}
+    return {"sizes": sizes, "order_problems": ordering(of["dsa"]), "fits": fits}
 
 
 def across_sizes_lines(record: dict) -> list[str]:
@@ -170,15 +163,17 @@ def _others(out: Path, dsa_set: DsaSet) -> list[dict]:
     return [json.loads(p.read_text()) for p in paths if p.name not in names]
 
 
-def draw_dsa_comparison(summaries: list[dict], out: Path, dsa_set: DsaSet = DSA_1K) -> None:
+def draw_dsa_comparison(
+    summaries: list[dict], out: Path, dsa_set: DsaSet = DSA_1K, others: list[dict] | None = None
+) -> None:
     """report.md (the paired gaps) and loss_by_position.png (each core's seed-mean loss per
-    position bucket, per size)."""
+    position bucket, per size); `others`: the set's other summaries where already read."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    others = _others(out, dsa_set)
+    others = _others(out, dsa_set) if others is None else others
     gaps = comparison(summaries, others, dsa_set)
     text = (
         f"{dsa_set.about} Loss over every validation token and the trailing loss (the last quarter of "
@@ -219,8 +214,9 @@ def draw_dsa_comparison(summaries: list[dict], out: Path, dsa_set: DsaSet = DSA_
 def draw_dsa_ladder(summaries: list[dict], out: Path) -> None:
     """dsa-ladder-1k's report and figure (against results/moba-ladder-1k), then, from three sizes,
     the ladder's questions asked of DSA (across_sizes.json and the report's last section)."""
-    draw_dsa_comparison(summaries, out, DSA_LADDER)
-    scaling = across_sizes(summaries, _others(out, DSA_LADDER), DSA_LADDER)
+    others = _others(out, DSA_LADDER)
+    draw_dsa_comparison(summaries, out, DSA_LADDER, others)
+    scaling = across_sizes(summaries, others, DSA_LADDER)
     if scaling:
         (out / "across_sizes.json").write_text(json.dumps(scaling, indent=1) + "\n")
         text = "\n## Across sizes (seed means; b with its t interval on sizes − 2 degrees of freedom)\n\n"

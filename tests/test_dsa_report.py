@@ -87,7 +87,13 @@ def _sized(core, size, seed, b, lr="1e-2", offset=0.0):
     loss = 2.0 * compute**b + offset + 0.01 * seed
     summary = _summary(core, size, seed, loss, loss, lr)
     params = {"13k": 13_408, "30k": 30_096, "60k": 60_144}[size] + (1_000 if core == "dsa" else 0)
-    return summary | {"non_embedding_params": params, "pflops_days": compute, "pflops_days_6nd": compute / 10}
+    core_name = {"full": "dense"}.get(core, core)  # a summary's `core`, as train.py names it
+    return summary | {
+        "core": core_name,
+        "non_embedding_params": params,
+        "pflops_days": compute,
+        "pflops_days_6nd": compute / 10,
+    }
 
 
 def test_across_sizes_fits_dsa_and_pairs_its_slope_with_full_and_moba_by_seed(tmp_path):
@@ -121,7 +127,9 @@ def test_across_sizes_names_a_size_that_does_not_order_and_needs_three_sizes():
     sizes = ("13k", "30k", "60k")
     dsa = [_sized("dsa", n, k, -0.1, offset=20.0 * (n == "60k")) for n in sizes for k in (0, 1)]
     record = dsa_report.across_sizes(dsa, [], dsa_report.DSA_LADDER)
-    assert len(record["order_problems"]) == 1 and record["order_problems"][0].startswith("dsa: 60k ends at ")
+    assert len(record["order_problems"]) == 1 and record["order_problems"][0].startswith(
+        "dsa: 61,144 params ends at "
+    )
     assert record["fits"]["overall"]["full"]["dsa - full"] is None  # no full attention runs
-    assert dsa_report.across_sizes_lines(record)[0].startswith("- dsa: 60k ends at ")
+    assert dsa_report.across_sizes_lines(record)[0].startswith("- dsa: 61,144 params ends at ")
     assert dsa_report.across_sizes(dsa[:4], [], dsa_report.DSA_LADDER) is None
