@@ -40,11 +40,8 @@ LADDER_SEEDS = (0, 1, 2)
 LADDER_TUNED: dict[str, str] = {"13k": "1e-2", "30k": "1e-2", "60k": "1e-2", "107k": "1e-2", "250k": "1e-2"}
 LADDER_4K_TUNED: dict[str, str] = {"13k": "1e-2", "30k": "3e-2", "60k": "1e-2"}  # the same for moba-ladder-4k
 PAPER_GAP = 0.003  # MoBA - full at matched compute: the paper's two laws' intercepts (2.625 - 2.622)
-CORES = {
-    "dense": "full",
-    "moba": "moba",
-    "dsa": "dsa",
-}  # a summary's core -> its kind (dsa: eval/dsa_report.py)
+# a summary's core -> its kind (dsa: eval/dsa_report.py)
+CORES = {"dense": "full", "moba": "moba", "dsa": "dsa"}
 LOSSES = {"overall": lambda s: s["every_token"]["loss"], "trailing": lambda s: s["trailing"]["loss"]}
 COMPUTES = {"full": "pflops_days", "6nd": "pflops_days_6nd"}
 
